@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._distributed import free_port
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def process_group() -> None:
+    """A one-process gloo group with Megatron-Core made runnable here: what a single-process run sets up."""
+    from lightning_megatron._compat import prepare_megatron_core
+
+    prepare_megatron_core()
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+@pytest.fixture
+def model_parallel(process_group: None):
+    """Megatron parallel state for one process (TP=PP=1), seeded; torn down after the test."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    torch.manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,126 @@
+"""Each CPU adjustment: Megatron-Core fails here without it, and the path it unblocks works with it."""
+
+import pytest
+import torch
+
+from lightning_megatron._compat import cpu, prepare_megatron_core
+from tests._megatron import token_batch, tiny_gpt
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adjustments apply only without CUDA")
+
+ADJUSTMENTS = {adjustment.name: adjustment for adjustment in cpu.ADJUSTMENTS}
+
+
+def _ddp_and_optimizer(model, distributed: bool = True, **optimizer_overrides):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    optimizer_config = OptimizerConfig(**{"optimizer": "adam", "lr": 1e-3, "bf16": False,
+                                          "use_distributed_optimizer": distributed, **optimizer_overrides})
+    return ddp, get_megatron_optimizer(optimizer_config, [ddp])
+
+
+def _backward(ddp) -> None:
+    batch = token_batch()
+    per_token = ddp(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
+                    loss_mask=batch["loss_mask"])
+    ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+
+
+@cpu_only
+def test_all_apply_once_and_are_idempotent(process_group):
+    stack_depth = len(torch.overrides._get_current_function_mode_stack())
+    assert prepare_megatron_core() == list(ADJUSTMENTS)
+    assert prepare_megatron_core() == list(ADJUSTMENTS)
+    assert len(torch.overrides._get_current_function_mode_stack()) == stack_depth
+
+
+@cpu_only
+def test_current_device(model_parallel):
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with ADJUSTMENTS["cpu.current_device"].suspended():
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            GlobalMemoryBuffer().get_tensor((4, 4), torch.float32, "attention")
+    assert GlobalMemoryBuffer().get_tensor((4, 4), torch.float32, "attention").device.type == "cpu"
+
+
+@cpu_only
+def test_cuda_tensors_and_type_names(model_parallel):
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    with ADJUSTMENTS["cpu.cuda_tensors"].suspended():
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            get_default_causal_mask(4)
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            _ddp_and_optimizer(tiny_gpt())
+        assert torch.zeros(1).type() == "torch.FloatTensor"  # distrib_optimizer.py:466 would reject this
+    assert get_default_causal_mask(4).device.type == "cpu"
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+
+
+@cpu_only
+def test_cuda_tensors_optimizer_clips_gradients(model_parallel):
+    clip = 1e-3
+    ddp, optimizer = _ddp_and_optimizer(tiny_gpt(), distributed=False, optimizer="sgd", lr=1.0,
+                                        weight_decay=0.0, clip_grad=clip)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    _backward(ddp)
+    ddp.finish_grad_sync()
+    updated, grad_norm, _ = optimizer.step()
+    step_norm = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(ddp.parameters(), before)))
+    assert updated and grad_norm > clip
+    assert float(step_norm) == pytest.approx(clip, rel=1e-3)  # SGD with lr 1 moves by exactly the clipped gradient
+
+
+@cpu_only
+def test_cuda_tensors_distributed_optimizer_steps(model_parallel):
+    ddp, optimizer = _ddp_and_optimizer(tiny_gpt(), clip_grad=1.0)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    _backward(ddp)
+    ddp.finish_grad_sync()
+    updated, grad_norm, _ = optimizer.step()
+    assert updated and grad_norm > 0
+    assert all(not torch.equal(p, b) for p, b in zip(ddp.parameters(), before))
+
+
+def test_streams(model_parallel):
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp, _ = _ddp_and_optimizer(tiny_gpt())
+    _backward(ddp)
+    with ADJUSTMENTS["cpu.streams"].suspended():
+        with pytest.raises((RuntimeError, AssertionError), match="NVIDIA driver|CUDA"):
+            finalize_model_grads([ddp])
+    finalize_model_grads([ddp])
+    assert all(p.main_grad.abs().sum() > 0 for p in ddp.parameters())
+
+
+@cpu_only
+def test_rng_tracker(model_parallel):
+    from megatron.core import tensor_parallel
+
+    with ADJUSTMENTS["cpu.rng_tracker"].suspended():
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            tensor_parallel.model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+
+    def dropout_masks() -> tuple[torch.Tensor, torch.Tensor]:
+        tensor_parallel.model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            model_parallel = torch.rand(8)
+        with tensor_parallel.get_cuda_rng_tracker().fork("data-parallel-rng"):
+            data_parallel = torch.rand(8)
+        return model_parallel, data_parallel
+
+    default_state = torch.get_rng_state()
+    first, second = dropout_masks(), dropout_masks()
+    assert torch.equal(first[0], second[0])  # a named stream is reproducible from the seed
+    assert not torch.equal(first[0], first[1])  # and the streams differ
+    assert torch.equal(torch.get_rng_state(), default_state)  # forking leaves the default generator alone
+
+
+@pytest.mark.gpu
+def test_nothing_applies_with_cuda():
+    assert prepare_megatron_core() == []
