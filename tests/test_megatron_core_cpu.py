@@ -21,6 +21,9 @@ def _mtp_tracker_loss() -> float:
 
 
 def test_gpt_with_mtp_forward_backward(model_parallel):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.clean_metrics_in_tracker()  # process-global: earlier forwards accumulate into it
     model = tiny_gpt(mtp_layers=1)
     batch = token_batch()
     captured = {}
