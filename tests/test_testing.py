@@ -1,0 +1,213 @@
+"""The tiny-checkpoint factory every other test builds on: deterministic, loadable by transformers, exact MTP keys,
+a working tokenizer, and an MTP reference that really depends on the MTP weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_megatron.testing import FAMILIES, hf_mtp_reference_logits, make_tiny_checkpoint
+
+_LAYER = [
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
+# Spelled out from megatron-bridge 0.6.2's qwen3_bridge.py / mimo_bridge.py mappings.
+QWEN3_MTP_KEYS = {
+    "mtp.fc.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.norm.weight",
+    *(f"mtp.layers.0.{name}" for name in _LAYER),
+    "mtp.layers.0.self_attn.q_norm.weight",
+    "mtp.layers.0.self_attn.k_norm.weight",
+}
+MIMO_MTP_KEYS = {
+    "model.mtp_layers.0.token_layernorm.weight",
+    "model.mtp_layers.0.hidden_layernorm.weight",
+    "model.mtp_layers.0.input_proj.weight",
+    "model.mtp_layers.0.final_layernorm.weight",
+    *(f"model.mtp_layers.0.{name}" for name in _LAYER),
+    "model.mtp_layers.0.self_attn.q_proj.bias",
+    "model.mtp_layers.0.self_attn.k_proj.bias",
+    "model.mtp_layers.0.self_attn.v_proj.bias",
+}
+IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 250, 383]])
+
+
+def _mtp_keys(family: str, mtp: bool) -> set[str]:
+    return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS}.get((family, mtp), set())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool, bool], Path]:
+    """One checkpoint per (family, mtp, tied), shared by the tests that only read them."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        (family, mtp, tied): make_tiny_checkpoint(root / f"{family}-{mtp}-{tied}", family, mtp=mtp, tied=tied)
+        for family, mtp in FAMILIES
+        for tied in (False, True)
+    }
+
+
+def test_same_arguments_give_byte_identical_files(tmp_path: Path) -> None:
+    first = make_tiny_checkpoint(tmp_path / "a", "mimo", mtp=True, seed=3)
+    second = make_tiny_checkpoint(tmp_path / "b", "mimo", mtp=True, seed=3)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    required = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert required | {"configuration_mimo.py", "modeling_mimo.py"} == set(names)
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    other_seed = make_tiny_checkpoint(tmp_path / "c", "mimo", mtp=True, seed=4)
+    assert (other_seed / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+    assert (other_seed / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+
+
+def test_rewrite_replaces_in_place_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    assert make_tiny_checkpoint(path, "qwen2", tied=True) == path
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_mtp_weights_are_added_without_changing_the_base_model(checkpoints: dict) -> None:
+    plain = load_file(checkpoints["qwen3", False, False] / "model.safetensors")
+    with_mtp = load_file(checkpoints["qwen3", True, False] / "model.safetensors")
+    assert set(with_mtp) - set(plain) == QWEN3_MTP_KEYS
+    assert all(torch.equal(plain[name], with_mtp[name]) for name in plain)
+
+
+@pytest.mark.parametrize(("family", "mtp"), FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: bool, tied: bool) -> None:
+    path = checkpoints[family, mtp, tied]
+    config = json.loads((path / "config.json").read_text())
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=family == "mimo", output_loading_info=True
+    )
+    assert type(model).__name__ == config["architectures"][0]
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    # Qwen3ForCausalLM has no MTP module: it skips exactly the MTP tensors. MiMo's remote code loads everything.
+    expected_unexpected = QWEN3_MTP_KEYS if (family, mtp) == ("qwen3", True) else set()
+    assert set(info["unexpected_keys"]) == expected_unexpected
+    assert config.get("num_nextn_predict_layers") == (1 if mtp else None)
+    assert model.config.tie_word_embeddings is tied
+    assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tied
+    with torch.no_grad():
+        logits = model(IDS).logits
+    assert logits.shape == (*IDS.shape, 384)
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+@pytest.mark.parametrize(("family", "mtp"), FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> None:
+    names = set(load_file(checkpoints[family, mtp, tied] / "model.safetensors"))
+    assert ("lm_head.weight" in names) is not tied
+    assert {n for n in names if "mtp" in n} == _mtp_keys(family, mtp)
+    has_bias = family in ("qwen2", "mimo")
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
+    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family == "qwen3")
+
+
+def test_dtype_and_sizes_follow_the_arguments(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(
+        tmp_path / "big", "qwen3", mtp=True, dtype=torch.bfloat16, num_layers=3, hidden_size=96, vocab_size=1024
+    )
+    tensors = load_file(path / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert tensors["model.embed_tokens.weight"].shape == (1024, 96)
+    assert tensors["mtp.fc.weight"].shape == (96, 192)
+    assert "model.layers.2.mlp.down_proj.weight" in tensors
+    config = json.loads((path / "config.json").read_text())
+    assert (config["dtype"], config["num_hidden_layers"], config["head_dim"]) == ("bfloat16", 3, 24)
+    assert len(AutoTokenizer.from_pretrained(path)) == 1024
+
+
+@pytest.mark.parametrize(("family", "mtp"), [("mimo", False), ("llama", True), ("qwen2", True)])
+def test_unsupported_combinations_are_refused(tmp_path: Path, family: str, mtp: bool) -> None:
+    with pytest.raises(ValueError, match="unsupported"):
+        make_tiny_checkpoint(tmp_path / "x", family, mtp=mtp)
+    assert not any(tmp_path.iterdir())
+
+
+def test_tokenizer_round_trips_and_applies_the_chat_template(checkpoints: dict) -> None:
+    path = checkpoints["qwen3", False, False]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert len(tokenizer) == 384
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"][0] == tokenizer.eos_token_id
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    for text in [
+        "The quick brown fox.",
+        "def f(x):\n\treturn x ** 2  # square\n\n",
+        "Ünïcödé 你好 🎉 and  double  spaces\r\n",
+        "<|im_start|>user\nraw specials<|im_end|>",
+        "",
+    ]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    encoded = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = encoded["input_ids"], encoded["assistant_masks"]
+    assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "Hello!<|im_end|>"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mimo"])
+def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict, tmp_path: Path, family: str) -> None:
+    path = checkpoints[family, True, False]
+    logits = hf_mtp_reference_logits(path, IDS)
+    assert logits.shape == (2, IDS.shape[1] - 1, 384) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+    # Position t sees tokens up to t+1 only.
+    changed_last = IDS.clone()
+    changed_last[:, -1] = 9
+    other = hf_mtp_reference_logits(path, changed_last)
+    assert torch.equal(other[:, :-1], logits[:, :-1]) and not torch.allclose(other[:, -1], logits[:, -1])
+
+    # Every part of the MTP head matters, including which half of the projection sees the hidden state.
+    prefix = "mtp." if family == "qwen3" else "model.mtp_layers.0."
+    proj, enorm, hnorm, final = (
+        ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        if family == "qwen3"
+        else ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm")
+    )
+    layer = "layers.0." if family == "qwen3" else ""
+    tensors = load_file(path / "model.safetensors")
+    edits = {
+        f"{prefix}{enorm}.weight": lambda t: t * 1.5,
+        f"{prefix}{hnorm}.weight": lambda t: t * 1.5,
+        f"{prefix}{final}.weight": lambda t: t.flip(0),
+        f"{prefix}{layer}self_attn.o_proj.weight": lambda t: t * 2,
+        f"{prefix}{layer}mlp.down_proj.weight": lambda t: -t,
+        f"{prefix}{proj}.weight": lambda t: torch.cat(t.chunk(2, dim=1)[::-1], dim=1),
+    }
+    edited = tmp_path / "edited"
+    shutil.copytree(path, edited)
+    for name, edit in edits.items():
+        save_file({**tensors, name: edit(tensors[name])}, edited / "model.safetensors", metadata={"format": "pt"})
+        assert (hf_mtp_reference_logits(edited, IDS) - logits).abs().max() > 1e-2, name
+
+
+def test_mtp_reference_refuses_checkpoints_without_mtp(checkpoints: dict) -> None:
+    with pytest.raises(ValueError, match="no MTP weights"):
+        hf_mtp_reference_logits(checkpoints["qwen3", False, False], IDS)
