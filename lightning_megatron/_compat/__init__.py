@@ -7,7 +7,10 @@ each failure without it), and documented with the upstream file it works around.
 
 from __future__ import annotations
 
-from lightning_megatron._compat import cpu
+import importlib
+from types import ModuleType
+
+from lightning_megatron._compat import cpu, no_te
 from lightning_megatron._compat._adjustment import Adjustment
 
 
@@ -16,4 +19,21 @@ def prepare_megatron_core() -> list[str]:
     return [adjustment.name for adjustment in cpu.ADJUSTMENTS if adjustment.apply()]
 
 
-__all__ = ["Adjustment", "prepare_megatron_core"]
+def import_megatron_bridge() -> ModuleType:
+    """`megatron.bridge`, importable and using local layer specs when Transformer Engine is missing.
+
+    Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
+    """
+    for adjustment in no_te.MEGATRON_BRIDGE_ADJUSTMENTS:
+        adjustment.apply()
+    return importlib.import_module("megatron.bridge")
+
+
+def import_mbridge() -> ModuleType:
+    """`mbridge`, working against megatron-core 0.19 and transformers 5, with local layer specs when TE is missing."""
+    for adjustment in no_te.MBRIDGE_ADJUSTMENTS:
+        adjustment.apply()
+    return importlib.import_module("mbridge")
+
+
+__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "prepare_megatron_core"]

@@ -1,0 +1,378 @@
+"""megatron-bridge 0.6 and mbridge 0.15 without Transformer Engine, against megatron-core 0.19 and transformers 5.
+
+Both bridges assume TE: megatron-bridge imports it unconditionally and defaults to TE layer specs; mbridge hard-codes
+TE specs and only knows TE's fused layernorm names. Without TE, the local (plain PyTorch) specs are used instead.
+These adjustments are needed on the GPU machine too, which has no TE. mbridge also trails megatron-core 0.19 and
+transformers 5 (`ModelType.encoder_and_decoder`, `rope_theta`) and shares a name table across bridges; those
+adjustments are here with the rest of mbridge's.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import importlib
+import importlib.util
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning_megatron._compat._adjustment import Adjustment, Patches
+
+
+def _no_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is None
+
+
+def _building_local_specs(build_spec: Callable[..., Any]) -> Callable[..., Any]:
+    """`build_spec` with `use_transformer_engine=False`; `functools.wraps` keeps its signature for upstream's checks."""
+
+    @functools.wraps(build_spec)
+    def build_local_spec(*args: Any, **kwargs: Any) -> Any:
+        return build_spec(*args, **{**kwargs, "use_transformer_engine": False})
+
+    return build_local_spec
+
+
+# megatron-bridge --------------------------------------------------------------------------------------------------
+
+_LORA_LAYERS = "megatron.bridge.peft.lora_layers"
+
+
+class _AbsentTransformerEngine(types.ModuleType):
+    """What `megatron.bridge.peft.lora_layers` sees as `transformer_engine`, and nothing else does.
+
+    Every attribute is a class that can never be instantiated, so the module's `isinstance(m, te.Linear)` checks are
+    False and its `-> te.ops.Sequential` annotations evaluate; `pytorch` and `ops` are nested namespaces.
+    """
+
+    _NAMESPACES = frozenset({"pytorch", "ops"})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        qualified_name = f"{self.__name__}.{name}"
+        if name in self._NAMESPACES:
+            value: Any = _AbsentTransformerEngine(qualified_name)
+        else:
+            value = type(name, (), {"__init__": _refuse_without_transformer_engine, "__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+def _refuse_without_transformer_engine(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise ModuleNotFoundError(f"{type(self).__module__}.{type(self).__name__} needs Transformer Engine")
+
+
+@contextlib.contextmanager
+def _transformer_engine_stubbed_for(importer: str) -> Iterator[None]:
+    """While open, `import transformer_engine...` executed by module `importer` (only) gets the stub."""
+    original_import = builtins.__import__
+    stub = _AbsentTransformerEngine("transformer_engine")
+
+    def import_(name: str, globals: dict | None = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        is_transformer_engine = name == "transformer_engine" or name.startswith("transformer_engine.")
+        if level == 0 and is_transformer_engine and globals is not None and globals.get("__name__") == importer:
+            return stub  # the top-level package, as `import transformer_engine.pytorch as te` expects
+        return original_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = import_
+    try:
+        yield
+    finally:
+        builtins.__import__ = original_import
+
+
+def _install_lora_layers_without_transformer_engine(patches: Patches) -> None:
+    """Imports `lora_layers` (and with it `megatron.bridge`) once; an imported module cannot be un-imported, so there
+    is nothing to revert, and the test shows the failure in a fresh interpreter."""
+    with _transformer_engine_stubbed_for(_LORA_LAYERS):
+        importlib.import_module(_LORA_LAYERS)
+
+
+def _install_peft_without_transformer_engine(patches: Patches) -> None:
+    """peft's TE flags only check that megatron-core defines the TE classes, which it does as MagicMocks."""
+    from megatron.bridge.peft import module_matcher, utils
+
+    patches.setattr(utils, "HAVE_TE", False)
+    for flag in ("HAVE_TE", "HAVE_TE_COL_LINEAR", "HAVE_TE_LN_COL_LINEAR", "HAVE_TE_ROW_LINEAR"):
+        patches.setattr(module_matcher, flag, False)
+
+
+def _install_local_layer_spec(patches: Patches) -> None:
+    from megatron.bridge.models import gpt_provider
+
+    patches.setattr(gpt_provider, "transformer_engine_layer_spec", gpt_provider.local_layer_spec)
+
+
+def _local_mtp_block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """`gpt_provider.mtp_block_spec` building the MTP layers from local specs."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = config.transformer_layer_spec
+    if callable(spec):
+        spec = spec(config, vp_stage=vp_stage) if "vp_stage" in inspect.signature(spec).parameters else spec(config)
+    if hasattr(spec, "layer_specs") and len(spec.layer_specs) == 0:
+        # a pipeline stage without decoder layers (MoE block specs): the MTP layer copies the last decoder layer
+        spec = get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=False, normalization=config.normalization, qk_l2_norm=config.qk_l2_norm
+        )[-1]
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def _install_local_mtp_block_spec(patches: Patches) -> None:
+    from megatron.bridge.models import gpt_provider
+
+    patches.setattr(gpt_provider, "mtp_block_spec", _local_mtp_block_spec)
+
+
+_MTP_FUSED_NORM = "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight"
+_MTP_SEPARATE_NORM = "mtp.layers.0.mtp_model_layer.input_layernorm.weight"
+
+
+def _mtp_layernorm_names_unaliased() -> bool:
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    registry = MegatronMappingRegistry(AutoMapping(_MTP_FUSED_NORM, "mtp.layers.0.input_layernorm.weight"))
+    return all(mapping.megatron_param != _MTP_SEPARATE_NORM for mapping in registry.mappings)
+
+
+def _install_layernorm_aliases_for_any_prefix(patches: Patches) -> None:
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    add_upstream_aliases = MegatronMappingRegistry._add_separate_layernorm_mappings
+
+    def add_aliases_for_any_prefix(registry: MegatronMappingRegistry) -> None:
+        """Upstream's aliases, plus those for names under a fixed prefix such as `mtp.layers.0.mtp_model_layer.`."""
+        add_upstream_aliases(registry)
+        existing_names = {mapping.megatron_param for mapping in registry.mappings}
+        for mapping in list(registry.mappings):
+            if not isinstance(mapping, AutoMapping):
+                continue
+            for fused_name, separate_name in registry._SEPARATE_LAYERNORM_REWRITES:
+                if mapping.megatron_param.endswith(f".{fused_name}"):
+                    alias = mapping.megatron_param[: -len(fused_name)] + separate_name
+                    if alias not in existing_names:
+                        registry.mappings.append(AutoMapping(alias, mapping.hf_param, mapping.permute_dims))
+                        existing_names.add(alias)
+                    break
+
+    patches.setattr(MegatronMappingRegistry, "_add_separate_layernorm_mappings", add_aliases_for_any_prefix)
+
+
+def _install_llama_local_fusions(patches: Patches) -> None:
+    """Turns off the two fusions the local spec cannot run; the unfused paths compute the same."""
+    from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+
+    provider_bridge = LlamaBridge.provider_bridge
+
+    @functools.wraps(provider_bridge)
+    def provider_bridge_with_local_fusions(bridge: LlamaBridge, hf_pretrained: Any) -> Any:
+        provider = provider_bridge(bridge, hf_pretrained)
+        provider.apply_rope_fusion = False  # TE's fused RoPE kernel
+        provider.persist_layer_norm = False  # Apex's persistent layer norm, which the local spec's torch norm refuses
+        return provider
+
+    patches.setattr(LlamaBridge, "provider_bridge", provider_bridge_with_local_fusions)
+
+
+MEGATRON_BRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_bridge.lora_layers_import",
+        "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine.pytorch, so `import megatron.bridge` fails",
+        _no_transformer_engine,
+        _install_lora_layers_without_transformer_engine,
+    ),
+    Adjustment(
+        "megatron_bridge.peft_have_te",
+        "megatron/bridge/peft/utils.py:86, module_matcher.py:40 HAVE_TE* True for MagicMock TE classes (utils.py:591)",
+        _no_transformer_engine,
+        _install_peft_without_transformer_engine,
+    ),
+    Adjustment(
+        "megatron_bridge.local_layer_spec",
+        "megatron/bridge/models/gpt_provider.py:125 default_layer_spec builds the TE spec (gpt_layer_specs.py:233)",
+        _no_transformer_engine,
+        _install_local_layer_spec,
+    ),
+    Adjustment(
+        "megatron_bridge.local_mtp_block_spec",
+        "megatron/bridge/models/gpt_provider.py:376 mtp_block_spec hard-codes use_transformer_engine=True",
+        _no_transformer_engine,
+        _install_local_mtp_block_spec,
+    ),
+    Adjustment(
+        "megatron_bridge.mtp_layernorm_aliases",
+        "megatron/bridge/models/conversion/mapping_registry.py:101 aliases local-spec layernorms only for `*.` names",
+        _mtp_layernorm_names_unaliased,
+        _install_layernorm_aliases_for_any_prefix,
+    ),
+    Adjustment(
+        "megatron_bridge.llama_local_fusions",
+        "megatron/bridge/models/llama/llama_bridge.py:67,71 persist_layer_norm, apply_rope_fusion: Apex/TE fusions",
+        _no_transformer_engine,
+        _install_llama_local_fusions,
+    ),
+)
+
+
+# mbridge ----------------------------------------------------------------------------------------------------------
+
+_NOT_A_MODEL_TYPE = object()
+
+
+def _model_type_lacks_encoder_and_decoder() -> bool:
+    from megatron.core.transformer.enums import ModelType
+
+    return not hasattr(ModelType, "encoder_and_decoder")
+
+
+def _install_encoder_and_decoder_sentinel(patches: Patches) -> None:
+    """mbridge only compares against it, so a value equal to no model type restores the decoder-only path."""
+    from megatron.core.transformer.enums import ModelType
+
+    patches.setattr(ModelType, "encoder_and_decoder", _NOT_A_MODEL_TYPE)
+
+
+def _install_mbridge_local_layer_spec(patches: Patches) -> None:
+    from mbridge.core import llm_bridge
+
+    local_block_spec = _building_local_specs(llm_bridge.get_gpt_decoder_block_spec)
+    patches.setattr(llm_bridge, "get_gpt_decoder_block_spec", local_block_spec)
+
+
+def _configs_lack_rope_theta() -> bool:
+    import transformers
+
+    return not hasattr(transformers.Qwen2Config(), "rope_theta")
+
+
+@contextlib.contextmanager
+def _rope_theta_exposed(hf_config: Any) -> Iterator[None]:
+    """Gives `hf_config` the `rope_theta` attribute of transformers 4 only while mbridge builds the model, so that
+    `save_weights` does not write a stray `rope_theta` into config.json."""
+    if hasattr(hf_config, "rope_theta"):
+        yield
+        return
+    hf_config.rope_theta = hf_config.rope_parameters["rope_theta"]
+    try:
+        yield
+    finally:
+        del hf_config.rope_theta
+
+
+def _install_rope_theta_while_building(patches: Patches) -> None:
+    from mbridge.core.llm_bridge import LLMBridge
+
+    make_model_provider = LLMBridge._model_provider
+
+    def model_provider_with_rope_theta(bridge: LLMBridge, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        provide = make_model_provider(bridge, *args, **kwargs)
+
+        @functools.wraps(provide)
+        def provide_with_rope_theta(*provide_args: Any, **provide_kwargs: Any) -> Any:
+            with _rope_theta_exposed(bridge.hf_config):
+                return provide(*provide_args, **provide_kwargs)
+
+        return provide_with_rope_theta
+
+    patches.setattr(LLMBridge, "_model_provider", model_provider_with_rope_theta)
+
+
+# mbridge maps names by substring; the local spec keeps the layernorms that TE fuses into linear_qkv / linear_fc1
+# (qk layernorms are separate modules in both specs, and already mapped).
+_LOCAL_SPEC_NAMES = {
+    "_OTHER_MAPPING": {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]},
+    "_MLP_MAPPING": {"pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]},
+}
+
+
+def _mbridge_name_tables() -> tuple[type, ...]:
+    """The bridges of the families we use: qwen2 (and qwen3, which inherits its tables) and llama."""
+    from mbridge.models.llama import LLaMABridge
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    return (Qwen2Bridge, LLaMABridge)
+
+
+def _name_tables_lack_local_spec_names() -> bool:
+    return _no_transformer_engine() and any(
+        name not in getattr(bridge, table)
+        for bridge in _mbridge_name_tables()
+        for table, entries in _LOCAL_SPEC_NAMES.items()
+        for name in entries
+    )
+
+
+def _install_local_spec_names(patches: Patches) -> None:
+    for bridge in _mbridge_name_tables():
+        for table, entries in _LOCAL_SPEC_NAMES.items():
+            patches.setattr(bridge, table, {**getattr(bridge, table), **entries})
+
+
+def _tied_bridge_rewrites_class_mapping() -> bool:
+    """Runs qwen2's tied-embedding hook on a bare bridge, then restores the class table it may have rewritten."""
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    table = Qwen2Bridge._DIRECT_MAPPING
+    original = dict(table)
+    bridge = object.__new__(Qwen2Bridge)
+    bridge.hf_config = types.SimpleNamespace(tie_word_embeddings=True)
+    bridge._adjust_mapping_for_shared_weights()
+    rewritten = table != original
+    table.clear()
+    table.update(original)
+    return rewritten
+
+
+def _install_per_bridge_direct_mapping(patches: Patches) -> None:
+    from mbridge.core.bridge import Bridge
+
+    init = Bridge.__init__
+
+    @functools.wraps(init)
+    def init_with_own_direct_mapping(bridge: Bridge, *args: Any, **kwargs: Any) -> None:
+        bridge._DIRECT_MAPPING = dict(bridge._DIRECT_MAPPING)  # what the tied-embedding hook then rewrites
+        init(bridge, *args, **kwargs)
+
+    patches.setattr(Bridge, "__init__", init_with_own_direct_mapping)
+
+
+MBRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "mbridge.model_type_encoder_and_decoder",
+        "mbridge/core/util.py:83 ModelType.encoder_and_decoder, removed in megatron-core 0.19 (transformer/enums.py)",
+        _model_type_lacks_encoder_and_decoder,
+        _install_encoder_and_decoder_sentinel,
+    ),
+    Adjustment(
+        "mbridge.local_layer_spec",
+        "mbridge/core/llm_bridge.py:149 get_gpt_decoder_block_spec(..., use_transformer_engine=True)",
+        _no_transformer_engine,
+        _install_mbridge_local_layer_spec,
+    ),
+    Adjustment(
+        "mbridge.rope_theta",
+        "mbridge/core/llm_bridge.py:124, models/llama.py:92 hf_config.rope_theta (rope_parameters in transformers 5)",
+        _configs_lack_rope_theta,
+        _install_rope_theta_while_building,
+    ),
+    Adjustment(
+        "mbridge.local_spec_names",
+        "mbridge/core/bridge.py:646 NotImplementedError: Unsupported parameter name: decoder.layers.0.input_layernorm",
+        _name_tables_lack_local_spec_names,
+        _install_local_spec_names,
+    ),
+    Adjustment(
+        "mbridge.per_bridge_direct_mapping",
+        "mbridge/models/qwen2.py:60 a tied model rewrites the class-wide _DIRECT_MAPPING for every later bridge",
+        _tied_bridge_rewrites_class_mapping,
+        _install_per_bridge_direct_mapping,
+    ),
+)
