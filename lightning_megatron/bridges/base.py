@@ -1,0 +1,230 @@
+"""The one small protocol every bridge backend implements, and the HF writer they share.
+
+A bridge turns an HF checkpoint into Megatron-Core model chunks for the current parallel state (one chunk per
+virtual pipeline stage), loads the HF weights into them, and streams them back as HF tensors. Writing the HF
+checkpoint is shared: it is where "never silently drop a tensor" and "never leave a half-written folder" live.
+Bridges know nothing of Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+BridgeType = Literal["mbridge", "megatron-bridge"]
+
+# The config keys under which model families declare their MTP layers.
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+_SHARD_BYTES = 4 * 1024**3
+
+
+class BridgeError(ValueError):
+    """A checkpoint or option the chosen bridge cannot serve; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What the Megatron model should be beyond what the HF config says.
+
+    `mtp`: keep the checkpoint's MTP head (`False` drops it, and an export then declares zero MTP layers).
+    `config_overrides`: any `TransformerConfig` field (dropout, recompute, fusions, ...).
+    """
+
+    params_dtype: torch.dtype = torch.float32
+    mtp: bool = False
+    mtp_loss_scaling_factor: float = 0.1
+    mtp_detach_heads: bool = True
+    sequence_parallel: bool = False
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def parallel_sizes() -> dict[str, int | None]:
+    """The current Megatron parallel state, under the names `TransformerConfig` uses."""
+    from megatron.core import parallel_state
+
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
+    }
+
+
+def apply_parallel_state(config: Any, options: ModelOptions) -> None:
+    """Make a model config (or provider) match the current parallel state."""
+    for key, value in parallel_sizes().items():
+        setattr(config, key, value)
+    config.sequence_parallel = options.sequence_parallel
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def checkpoint_mtp_layers(hf_config: dict[str, Any]) -> int:
+    """How many MTP layers an HF config declares (0 when none), whatever key its family uses."""
+    return max((int(hf_config.get(key) or 0) for key in MTP_CONFIG_KEYS), default=0)
+
+
+def safetensors_files(hf_path: Path) -> list[Path]:
+    return sorted(Path(hf_path).glob("*.safetensors"))
+
+
+def checkpoint_tensor_dtypes(hf_path: Path) -> dict[str, torch.dtype]:
+    """Name -> dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
+    dtypes = {}
+    for file in safetensors_files(hf_path):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                dtypes[name] = reader.get_slice(name).get_dtype()
+    return {name: _SAFETENSORS_DTYPES[dtype] for name, dtype in dtypes.items()}
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class Bridge(ABC):
+    """Build, load and export Megatron-Core chunks for one HF checkpoint."""
+
+    name: ClassVar[BridgeType]
+    supports_mtp_training: ClassVar[bool]
+    supports_lora: ClassVar[bool]
+
+    def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
+        self.hf_path = Path(hf_path)
+        if not (self.hf_path / "config.json").is_file():
+            raise BridgeError(f"hf_checkpoint: {self.hf_path} has no config.json; point it at an HF checkpoint folder")
+        self.trust_remote_code = trust_remote_code
+        self.hf_config = read_json(self.hf_path / "config.json")
+        self.options = ModelOptions()
+
+    @property
+    def checkpoint_mtp_layers(self) -> int:
+        return checkpoint_mtp_layers(self.hf_config)
+
+    def validate(self, options: ModelOptions, *, lora: bool = False) -> None:
+        """Reject what this bridge or checkpoint cannot do, before any model is built."""
+        if options.mtp and not self.supports_mtp_training:
+            raise BridgeError(f"bridge_type: {self.name} cannot build or train MTP heads; set bridge_type: megatron-bridge")
+        if lora and not self.supports_lora:
+            raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: megatron-bridge")
+        if options.mtp and self.checkpoint_mtp_layers == 0:
+            raise BridgeError(
+                f"{self.hf_path}: config.json declares no MTP layers (none of {', '.join(MTP_CONFIG_KEYS)}); restore "
+                "the MTP head first (`lightning-megatron restore-mtp`) or set mtp: false"
+            )
+
+    def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
+        """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded."""
+        self.validate(options)
+        self.options = options
+        return self._build(options, load_weights=load_weights)
+
+    @abstractmethod
+    def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]: ...
+
+    @abstractmethod
+    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
+        """Copy an HF checkpoint's tensors (default: this bridge's) into existing chunks."""
+
+    @abstractmethod
+    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor of the model, gathered across TP/PP; every rank must iterate it."""
+
+    def save_hf(self, chunks: list[torch.nn.Module], path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+        """Write an HF checkpoint atomically; raises, leaving nothing behind, when a tensor would be missing.
+
+        Tensors keep the dtype of the source checkpoint's tensor of the same name unless `dtype` is given.
+        All ranks must call it; global rank 0 writes.
+        """
+        path = Path(path)
+        source_dtypes = checkpoint_tensor_dtypes(self.hf_path)
+        writes = not dist.is_initialized() or dist.get_rank() == 0
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in self.export_hf_weights(chunks):
+            if writes:
+                target_dtype = dtype or source_dtypes.get(name, tensor.dtype)
+                tensors[name] = tensor.detach().to("cpu", target_dtype).contiguous()
+        if writes:
+            expected = {name for name in source_dtypes if self.options.mtp or not self._is_hf_mtp_tensor(name)}
+            missing = sorted(expected - tensors.keys())
+            if missing:
+                raise BridgeError(
+                    f"save_hf: the export would omit {len(missing)} tensor(s) of {self.hf_path}, e.g. {missing[:5]}; "
+                    f"nothing was written to {path}"
+                )
+            _write_atomically(path, lambda folder: self._write_folder(folder, tensors))
+        if dist.is_initialized():
+            dist.barrier()
+        return path
+
+    def _is_hf_mtp_tensor(self, name: str) -> bool:
+        return name.startswith(("mtp.", "model.mtp_layers.", "model.mtp.")) or ".mtp." in name
+
+    def _write_folder(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+        for file in self.hf_path.iterdir():
+            if file.is_file() and file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
+                shutil.copy2(file, folder / file.name)
+        if not self.options.mtp and self.checkpoint_mtp_layers:
+            config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
+            (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_safetensors(folder, tensors)
+
+
+def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One `model.safetensors`, or shards of at most 4 GiB with an index, as HF writes them."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name in sorted(tensors):
+        size = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and shard_bytes + size > _SHARD_BYTES:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensors[name]
+        shard_bytes += size
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata=metadata)
+        return
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file_name, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write(staging)
+        if path.exists():
+            retired = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, retired)
+            os.replace(staging, path)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

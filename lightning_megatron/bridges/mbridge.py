@@ -1,0 +1,51 @@
+"""mbridge: the default backend, for HF load and save of dense models without MTP training or LoRA."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_megatron._compat import import_mbridge
+from lightning_megatron.bridges.base import Bridge, ModelOptions
+
+
+class MBridge(Bridge):
+    name = "mbridge"
+    supports_mtp_training = False
+    supports_lora = False
+
+    def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
+        super().__init__(hf_path, trust_remote_code=trust_remote_code)
+        self._auto_bridge: Any = None
+
+    def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]:
+        # mbridge reads the parallel state (virtual pipeline included) when its bridge is created: create it per build.
+        self._auto_bridge = import_mbridge().AutoBridge.from_pretrained(
+            str(self.hf_path), dtype=options.params_dtype, trust_remote_code=self.trust_remote_code
+        )
+        on_cpu = not torch.cuda.is_available()
+        self._auto_bridge.set_extra_args(
+            use_cpu_initialization=on_cpu,
+            perform_initialization=not load_weights,
+            sequence_parallel=options.sequence_parallel,
+            **options.config_overrides,
+        )
+        chunks = self._auto_bridge.get_model(
+            wrap_with_ddp=False,
+            bf16=False,
+            fp16=False,
+            use_cpu_initialization=on_cpu,
+        )
+        if load_weights:
+            self.load_hf_weights(chunks)
+        return chunks
+
+    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
+        self._auto_bridge.load_weights(chunks, str(hf_path or self.hf_path))
+
+    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._auto_bridge.export_weights(chunks):
+            yield name, tensor

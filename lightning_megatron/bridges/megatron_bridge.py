@@ -1,0 +1,67 @@
+"""megatron-bridge (NVIDIA): the backend for MTP training, LoRA and newer architectures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_megatron._compat import import_megatron_bridge
+from lightning_megatron.bridges.base import Bridge, ModelOptions, apply_parallel_state
+from lightning_megatron.mtp import check_mtp_training_versions
+
+
+class MegatronBridge(Bridge):
+    name = "megatron-bridge"
+    supports_mtp_training = True
+    supports_lora = True
+
+    def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
+        super().__init__(hf_path, trust_remote_code=trust_remote_code)
+        self._auto_bridge: Any = None
+
+    def validate(self, options: ModelOptions, *, lora: bool = False) -> None:
+        super().validate(options, lora=lora)
+        if options.mtp:
+            check_mtp_training_versions()
+
+    @property
+    def auto_bridge(self) -> Any:
+        """megatron-bridge's `AutoBridge` for this checkpoint (weights are streamed from safetensors on load)."""
+        if self._auto_bridge is None:
+            auto_bridge_class = import_megatron_bridge().AutoBridge
+            self._auto_bridge = auto_bridge_class.from_hf_pretrained(
+                str(self.hf_path), trust_remote_code=self.trust_remote_code
+            )
+        return self._auto_bridge
+
+    def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]:
+        provider = self.auto_bridge.to_megatron_provider(load_weights=False)
+        apply_parallel_state(provider, options)
+        provider.params_dtype = provider.pipeline_dtype = options.params_dtype
+        provider.bf16 = options.params_dtype == torch.bfloat16
+        provider.fp16 = options.params_dtype == torch.float16
+        provider.perform_initialization = not load_weights  # weights about to be overwritten need no random init
+        if options.mtp:
+            provider.mtp_loss_scaling_factor = options.mtp_loss_scaling_factor
+            provider.mtp_detach_heads = options.mtp_detach_heads
+        else:
+            provider.mtp_num_layers = None
+        for key, value in options.config_overrides.items():
+            setattr(provider, key, value)
+        provider.finalize()
+        chunks = provider.provide_distributed_model(
+            wrap_with_ddp=False, mixed_precision_wrapper=None, use_cpu_initialization=not torch.cuda.is_available()
+        )
+        if load_weights:
+            self.load_hf_weights(chunks)
+        return chunks
+
+    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
+        self.auto_bridge.load_hf_weights(chunks, None if hf_path is None else str(hf_path))
+
+    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.auto_bridge.export_hf_weights(chunks, cpu=True, show_progress=False):
+            yield name, tensor
