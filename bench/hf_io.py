@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_megatron.demo import _init_single_process
+from lightning_megatron.demo import init_single_process
 
 
 def _median_seconds(action, repeats: int) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="hf_io_"))
     checkpoint = args.checkpoint or make_tiny_checkpoint(workdir / "tiny-qwen3", "qwen3")
-    _init_single_process()
+    init_single_process()
     files = sorted(checkpoint.glob("*.safetensors"))
 
     def raw_read() -> dict[str, torch.Tensor]:

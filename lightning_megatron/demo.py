@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 
-def _init_single_process() -> None:
+def init_single_process() -> None:
+    """One process: gloo (or NCCL with a GPU), Megatron parallel state TP=PP=1, seeded; what scripts here need."""
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
@@ -74,7 +75,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    _init_single_process()
+    init_single_process()
     checkpoint = make_tiny_checkpoint(workdir / "tiny-qwen3-mtp", "qwen3", mtp=True)
     print(f"tiny Qwen3 checkpoint with one MTP layer: {checkpoint}")
     rows = [
