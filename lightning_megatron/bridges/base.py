@@ -124,8 +124,8 @@ class Bridge(ABC):
             raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: megatron-bridge")
         if options.mtp and self.checkpoint_mtp_layers == 0:
             raise BridgeError(
-                f"{self.hf_path}: config.json declares no MTP layers (none of {', '.join(MTP_CONFIG_KEYS)}); restore "
-                "the MTP head first (`lightning-megatron restore-mtp`) or set mtp: false"
+                f"{self.hf_path}: config.json declares no MTP layers (none of {', '.join(MTP_CONFIG_KEYS)}); a "
+                "checkpoint exported with MTP disabled needs its MTP weights and config restored first, or set mtp: false"
             )
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
@@ -154,19 +154,22 @@ class Bridge(ABC):
         path = Path(path)
         source_dtypes = checkpoint_tensor_dtypes(self.hf_path)
         writes = not dist.is_initialized() or dist.get_rank() == 0
+        exported_names: set[str] = set()
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in self.export_hf_weights(chunks):
+            exported_names.add(name)
             if writes:
                 target_dtype = dtype or source_dtypes.get(name, tensor.dtype)
                 tensors[name] = tensor.detach().to("cpu", target_dtype).contiguous()
+        # Every rank sees every name, so every rank raises together (none is left waiting at the barrier).
+        expected = {name for name in source_dtypes if self.options.mtp or not self._is_hf_mtp_tensor(name)}
+        missing = sorted(expected - exported_names)
+        if missing:
+            raise BridgeError(
+                f"save_hf: the export would omit {len(missing)} tensor(s) of {self.hf_path}, e.g. {missing[:5]}; "
+                f"nothing was written to {path}"
+            )
         if writes:
-            expected = {name for name in source_dtypes if self.options.mtp or not self._is_hf_mtp_tensor(name)}
-            missing = sorted(expected - tensors.keys())
-            if missing:
-                raise BridgeError(
-                    f"save_hf: the export would omit {len(missing)} tensor(s) of {self.hf_path}, e.g. {missing[:5]}; "
-                    f"nothing was written to {path}"
-                )
             _write_atomically(path, lambda folder: self._write_folder(folder, tensors))
         if dist.is_initialized():
             dist.barrier()
