@@ -1,9 +1,11 @@
 """Each CPU adjustment: Megatron-Core fails here without it, and the path it unblocks works with it."""
 
+import contextlib
+
 import pytest
 import torch
 
-from lightning_megatron._compat import cpu, prepare_megatron_core
+from lightning_megatron._compat import cpu, no_te, prepare_megatron_core
 from tests._megatron import token_batch, tiny_gpt
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adjustments apply only without CUDA")
@@ -32,8 +34,9 @@ def _backward(ddp) -> None:
 @cpu_only
 def test_all_apply_once_and_are_idempotent(process_group):
     stack_depth = len(torch.overrides._get_current_function_mode_stack())
-    assert prepare_megatron_core() == list(ADJUSTMENTS)
-    assert prepare_megatron_core() == list(ADJUSTMENTS)
+    expected = [*ADJUSTMENTS, *(adjustment.name for adjustment in no_te.MEGATRON_CORE_ADJUSTMENTS)]
+    assert prepare_megatron_core() == expected
+    assert prepare_megatron_core() == expected
     assert len(torch.overrides._get_current_function_mode_stack()) == stack_depth
 
 
@@ -122,5 +125,64 @@ def test_rng_tracker(model_parallel):
 
 
 @pytest.mark.gpu
-def test_nothing_applies_with_cuda():
-    assert prepare_megatron_core() == []
+def test_only_the_no_apex_adjustments_apply_with_cuda():
+    assert prepare_megatron_core() == [adjustment.name for adjustment in no_te.MEGATRON_CORE_ADJUSTMENTS]
+
+
+def test_a_fresh_distributed_optimizer_has_a_state_dict_to_load_a_checkpoint_into(model_parallel):
+    """Loading a checkpoint builds the optimizer's sharded state dict before any step; without Apex/TE upstream
+    asserts on the empty state. With the adjustment the fresh state dict says step 0 and loads back."""
+    adjustment = no_te.MEGATRON_CORE_ADJUSTMENTS[0]
+    prepare_megatron_core()
+    _, optimizer = _ddp_and_optimizer(tiny_gpt(mtp_layers=0))
+    (distributed,) = optimizer.chained_optimizers
+    with adjustment.suspended(), pytest.raises(AssertionError):
+        distributed.state_dict()
+    state = distributed.state_dict()
+    assert {group["step"] for group in state["optimizer"]["param_groups"]} == {0}
+    distributed.load_state_dict(state)
+    assert {float(s["step"]) for s in distributed.optimizer.state.values()} == {0.0}
+
+
+def test_loaded_optimizer_states_need_no_step_tensor(model_parallel):
+    """Checkpoints keep Adam's `step` in the param groups; without Apex/TE the per-parameter state has a `step`
+    tensor too, which upstream then looks for among the loaded tensors."""
+    adjustment = no_te.MEGATRON_CORE_ADJUSTMENTS[1]
+    prepare_megatron_core()
+    ddp, optimizer = _ddp_and_optimizer(tiny_gpt(mtp_layers=0))
+    (distributed,) = optimizer.chained_optimizers
+    distributed.load_state_dict(distributed.state_dict())  # what loading a checkpoint does first
+    model_param = next(iter(distributed.model_param_group_index_map))
+    group_index, group_order = distributed.model_param_group_index_map[model_param]
+    main_param = distributed.optimizer.param_groups[group_index]["params"][group_order]
+    loaded = {"param": torch.full_like(main_param, 0.5), "exp_avg": torch.full_like(main_param, 0.25),
+              "exp_avg_sq": torch.full_like(main_param, 0.125)}
+    with torch.no_grad():
+        with adjustment.suspended(), pytest.raises(KeyError, match="step"):
+            distributed._set_main_param_and_optimizer_states(model_param, loaded)
+        distributed._set_main_param_and_optimizer_states(model_param, loaded)
+    assert torch.equal(main_param, loaded["param"])
+    assert torch.equal(distributed.optimizer.state[main_param]["exp_avg_sq"], loaded["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("adjusted", [False, True], ids=["upstream", "adjusted"])
+def test_each_parameter_keeps_its_own_adam_step_after_loading(model_parallel, adjusted):
+    """Upstream loads one shared `step` tensor into every parameter's state; each Adam step then adds 1 per
+    parameter to it (bias correction wrong after a resume). With the adjustment every step counts once."""
+    adjustment = no_te.MEGATRON_CORE_ADJUSTMENTS[2]
+    prepare_megatron_core()
+    ddp, optimizer = _ddp_and_optimizer(tiny_gpt(mtp_layers=0))
+    (distributed,) = optimizer.chained_optimizers
+    with contextlib.nullcontext() if adjusted else adjustment.suspended():
+        ddp.zero_grad_buffer()
+        _backward(ddp)
+        optimizer.step()
+        distributed.load_state_dict(distributed.state_dict())  # what resuming from a checkpoint does
+        ddp.zero_grad_buffer()
+        _backward(ddp)
+        optimizer.step()
+    steps = {float(state["step"]) for state in distributed.optimizer.state.values()}
+    if adjusted:
+        assert steps == {2.0}
+    else:
+        assert steps == {1.0 + len(distributed.optimizer.state)}

@@ -15,8 +15,12 @@ from lightning_megatron._compat._adjustment import Adjustment
 
 
 def prepare_megatron_core() -> list[str]:
-    """Make Megatron-Core runnable on this machine (a no-op with CUDA); returns the names of the active adjustments."""
-    return [adjustment.name for adjustment in cpu.ADJUSTMENTS if adjustment.apply()]
+    """Make Megatron-Core runnable on this machine; returns the names of the active adjustments.
+
+    The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too).
+    """
+    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS)
+    return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 
 def import_megatron_bridge() -> ModuleType:

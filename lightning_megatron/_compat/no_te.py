@@ -19,6 +19,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from lightning_megatron._compat._adjustment import Adjustment, Patches
 
 
@@ -34,6 +36,97 @@ def _building_local_specs(build_spec: Callable[..., Any]) -> Callable[..., Any]:
         return build_spec(*args, **{**kwargs, "use_transformer_engine": False})
 
     return build_local_spec
+
+
+# megatron-core ----------------------------------------------------------------------------------------------------
+
+
+def _no_apex_or_transformer_engine_optimizer() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _install_state_dict_before_first_step(patches: Patches) -> None:
+    """Without Apex/TE the torch optimizer has no per-parameter state (hence no `step`) before its first step, and
+    upstream asserts it finds exactly one `step`; loading a checkpoint needs this state dict first. Step 0 it is."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    upstream_state_dict = DistributedOptimizer.state_dict
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        if self.optimizer.state:
+            return upstream_state_dict(self)
+        inner_state_dict = self.optimizer.state_dict()
+        optimizer_state = {key: value for key, value in inner_state_dict.items() if key != "state"}
+        for param_group in optimizer_state["param_groups"]:
+            del param_group["params"]
+            param_group["step"] = 0
+        state = {"optimizer": optimizer_state}
+        if self.grad_scaler:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    patches.setattr(DistributedOptimizer, "state_dict", state_dict)
+
+
+def _install_set_states_without_step(patches: Patches) -> None:
+    """Without Apex/TE each torch optimizer state holds a `step` tensor, which checkpoints do not carry (upstream
+    saves `step` in the param groups); loading then looks `step` up among the loaded tensors and fails."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    upstream_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state[main_param].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step}  # already restored from the param groups: copied onto itself
+        upstream_set_states(self, model_param, tensors)
+
+    patches.setattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states)
+
+
+def _install_distinct_step_tensors(patches: Patches) -> None:
+    """Without Apex/TE upstream gives every parameter's state the *same* `step` tensor on load; torch's Adam then
+    increments it once per parameter per step, and Adam's bias correction is wrong from the first resumed step."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    upstream_load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        upstream_load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    patches.setattr(DistributedOptimizer, "load_state_dict", load_state_dict)
+
+
+MEGATRON_CORE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_core.distributed_optimizer_state_dict_before_first_step",
+        "megatron/core/optimizer/distrib_optimizer.py:837-839 asserts one `step` among an empty optimizer state "
+        "(no Apex/TE), so a checkpoint cannot be loaded into a fresh distributed optimizer",
+        _no_apex_or_transformer_engine_optimizer,
+        _install_state_dict_before_first_step,
+    ),
+    Adjustment(
+        "megatron_core.distributed_optimizer_load_without_step_tensors",
+        "megatron/core/optimizer/distrib_optimizer.py:1219-1223 copies every optimizer state tensor, `step` "
+        "included (no Apex/TE), from loaded tensors that never contain it (KeyError: 'step')",
+        _no_apex_or_transformer_engine_optimizer,
+        _install_set_states_without_step,
+    ),
+    Adjustment(
+        "megatron_core.distributed_optimizer_distinct_step_tensors",
+        "megatron/core/optimizer/distrib_optimizer.py:1028-1032 assigns one shared `step` tensor to every "
+        "parameter's Adam state on load (no Apex/TE), so each step adds the number of parameters to it",
+        _no_apex_or_transformer_engine_optimizer,
+        _install_distinct_step_tensors,
+    ),
+)
 
 
 # megatron-bridge --------------------------------------------------------------------------------------------------
