@@ -18,3 +18,17 @@ def test_hf_io_benchmark_runs_tiny():
     assert set(result["bridges"]) == {"mbridge", "megatron-bridge"}
     for timings in result["bridges"].values():
         assert timings["build_and_load_s"] > 0 and timings["save_s"] > 0
+
+
+@pytest.mark.slow
+def test_attention_benchmark_runs_tiny():
+    completed = subprocess.run([sys.executable, "bench/attention.py", "--tiny"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300, check=True)
+    result = json.loads(completed.stdout[completed.stdout.index("{\n"):])
+    assert set(result["megatron"]) == {"local", "sdpa"}
+    for timings in [*result["megatron"].values(), result["hf_transformers_sdpa"]]:
+        assert timings.keys() == {"step_s", "tokens_per_s", "peak_memory_gib", "last_loss"}
+        assert timings["step_s"] > 0 and timings["tokens_per_s"] > 0
+    # the same weights and tokens: both core attentions compute the same training step
+    assert result["megatron"]["sdpa"]["last_loss"] == pytest.approx(result["megatron"]["local"]["last_loss"], abs=1e-4)
+    assert result["sdpa_over_local_step_time"] > 0 and result["sdpa_over_hf_step_time"] > 0

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
+
 BridgeType = Literal["mbridge", "megatron-bridge"]
 
 # The config keys under which model families declare their MTP layers.
@@ -38,6 +40,9 @@ class ModelOptions:
     """What the Megatron model should be beyond what the HF config says.
 
     `mtp`: keep the checkpoint's MTP head (`False` drops it, and an export then declares zero MTP layers).
+    `attention_backend`: the core attention of every layer (MTP included): "sdpa" (PyTorch's fused kernels,
+    `attention.SDPAttention`), "local" (Megatron-Core's `DotProductAttention`), or "auto" (SDPA without Transformer
+    Engine, Transformer Engine's own attention with it).
     `config_overrides`: any `TransformerConfig` field (dropout, recompute, fusions, ...).
     """
 
@@ -46,6 +51,7 @@ class ModelOptions:
     mtp_loss_scaling_factor: float = 0.1
     mtp_detach_heads: bool = True
     sequence_parallel: bool = False
+    attention_backend: AttentionBackend = "auto"
     config_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -118,6 +124,9 @@ class Bridge(ABC):
 
     def validate(self, options: ModelOptions, *, lora: bool = False) -> None:
         """Reject what this bridge or checkpoint cannot do, before any model is built."""
+        if options.attention_backend not in ATTENTION_BACKENDS:
+            raise BridgeError(f"attention_backend: {options.attention_backend!r} is not one of "
+                              f"{', '.join(map(repr, ATTENTION_BACKENDS))}")
         if options.mtp and not self.supports_mtp_training:
             raise BridgeError(f"bridge_type: {self.name} cannot build or train MTP heads; set bridge_type: megatron-bridge")
         if lora and not self.supports_lora:
@@ -125,7 +134,8 @@ class Bridge(ABC):
         if options.mtp and self.checkpoint_mtp_layers == 0:
             raise BridgeError(
                 f"{self.hf_path}: config.json declares no MTP layers (none of {', '.join(MTP_CONFIG_KEYS)}); a "
-                "checkpoint exported with MTP disabled needs its MTP weights and config restored first, or set mtp: false"
+                "checkpoint exported with MTP disabled needs its MTP weights and config restored first "
+                "(lightning-megatron-restore-mtp), or set mtp: false"
             )
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
@@ -170,7 +180,7 @@ class Bridge(ABC):
                 f"nothing was written to {path}"
             )
         if writes:
-            _write_atomically(path, lambda folder: self._write_folder(folder, tensors))
+            write_atomically(path, lambda folder: self._write_folder(folder, tensors))
         if dist.is_initialized():
             dist.barrier()
         return path
@@ -185,10 +195,10 @@ class Bridge(ABC):
         if not self.options.mtp and self.checkpoint_mtp_layers:
             config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _write_safetensors(folder, tensors)
+        write_safetensors(folder, tensors)
 
 
-def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     """One `model.safetensors`, or shards of at most 4 GiB with an index, as HF writes them."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -213,7 +223,7 @@ def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _write_atomically(path: Path, write: Any) -> None:
+def write_atomically(path: Path, write: Any) -> None:
     """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.parent / f".{path.name}.partial-{os.getpid()}"

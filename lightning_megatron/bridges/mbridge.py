@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from lightning_megatron._compat import import_mbridge
+from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, ModelOptions
 
 
@@ -26,6 +27,9 @@ class MBridge(Bridge):
         self._auto_bridge = import_mbridge().AutoBridge.from_pretrained(
             str(self.hf_path), dtype=options.params_dtype, trust_remote_code=self.trust_remote_code
         )
+        # Every mbridge model builds its layer specs here; set on the instance, it reaches only this build.
+        build_spec = self._auto_bridge._get_transformer_layer_spec
+        self._auto_bridge._get_transformer_layer_spec = with_core_attention(build_spec, options.attention_backend)
         on_cpu = not torch.cuda.is_available()
         self._auto_bridge.set_extra_args(
             use_cpu_initialization=on_cpu,

@@ -1,0 +1,229 @@
+"""Core attention without Transformer Engine: Megatron-Core's local attention against SDPAttention, and plain HF.
+
+For one model shape and the same tokens per step, side by side in one process: a plain Megatron-Core training step
+(local layer spec, Float16Module + DDP + distributed optimizer, forward-backward over the microbatches, optimizer
+step) with each core attention, and plain HF transformers Qwen3 (SDPA attention, fp32 weights with bf16 autocast,
+AdamW fused on CUDA). Random weights and tokens. Prints one JSON object: median step time after warm-up, tokens/s
+and peak GPU memory (null on CPU) for each. Defaults are the Qwen3-0.6B shape; `--tiny` is a CPU-sized one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_megatron.demo import init_single_process
+
+TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=64, micro_batch=2,
+            microbatches=2, steps=2, warmup=1, dtype="fp32")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tiny", action="store_true", help="a CPU-sized shape (explicit flags still win)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-groups", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=3072)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--variants", nargs="+", default=["hf", "sdpa", "local"], choices=["hf", "sdpa", "local"])
+    args = parser.parse_args()
+    if args.tiny:
+        parser.set_defaults(**TINY)
+        args = parser.parse_args()
+    return args
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _random_microbatches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    microbatches = []
+    for _ in range(args.microbatches):
+        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).to(_device())
+        microbatches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return microbatches
+
+
+def _measure(step: Callable[[], float], args: argparse.Namespace) -> dict[str, Any]:
+    """Median step time after warm-up, and the peak memory since the model was built (the caller resets it)."""
+    times, loss = [], float("nan")
+    for index in range(args.warmup + args.steps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        loss = step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - started)
+    step_s = statistics.median(times)
+    tokens = args.micro_batch * args.microbatches * args.seq
+    return {
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else None,
+        "last_loss": loss,
+    }
+
+
+def _fresh_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from lightning_megatron.attention import with_core_attention
+
+    bf16 = args.dtype == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.kv_groups, kv_channels=args.head_dim, ffn_hidden_size=args.ffn,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    spec = with_core_attention(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), backend)
+    _fresh_memory()
+    torch.manual_seed(0)  # the same weights for each core attention: their losses agree
+    tensor_parallel.model_parallel_cuda_manual_seed(0, force_reset_rng=True)
+    model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq, position_embedding_type="rope",
+                     rotary_base=1_000_000, share_embeddings_and_output_weights=True).to(_device())
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    model = DistributedDataParallel(config, ddp_config, model)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-5, bf16=bf16, use_distributed_optimizer=True, clip_grad=1.0), [model]
+    )
+    microbatches = _random_microbatches(args)
+    positions = torch.arange(args.seq, device=_device()).expand(args.micro_batch, args.seq)
+
+    def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        batch = next(data_iterator)
+        return model(batch["input_ids"], positions, None, labels=batch["labels"]), loss_func
+
+    forward_backward = get_forward_backward_func()
+
+    def step() -> float:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+                                  num_microbatches=args.microbatches, seq_length=args.seq,
+                                  micro_batch_size=args.micro_batch, forward_only=False)
+        optimizer.step()
+        return statistics.mean(float(loss["lm loss"]) for loss in losses)
+
+    result = _measure(step, args)
+    del model, optimizer
+    # The local attention keeps its [b * heads, sq, sk] score buffer in Megatron's global memory buffer.
+    parallel_state.destroy_global_memory_buffer()
+    parallel_state._set_global_memory_buffer()
+    _fresh_memory()
+    return result
+
+
+def hf_step(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_groups, head_dim=args.head_dim,
+        max_position_embeddings=args.seq, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    _fresh_memory()
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).to(_device()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
+    microbatches = _random_microbatches(args)
+    autocast = functools.partial(torch.autocast, _device().type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+    def step() -> float:
+        losses = []
+        for batch in microbatches:
+            with autocast():
+                logits = model(input_ids=batch["input_ids"]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+            (loss / args.microbatches).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return statistics.mean(losses)
+
+    result = _measure(step, args)
+    del model, optimizer
+    _fresh_memory()
+    return result
+
+
+def main() -> None:
+    args = _parse_args()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    init_single_process()
+    results: dict[str, Any] = {}
+    for variant in args.variants:
+        results[variant] = hf_step(args) if variant == "hf" else megatron_step(args, variant)
+    report: dict[str, Any] = {
+        "shape": {key: getattr(args, key) for key in ("hidden", "layers", "heads", "kv_groups", "head_dim", "ffn",
+                                                     "vocab", "seq", "micro_batch", "microbatches", "dtype")},
+        "tokens_per_step": args.micro_batch * args.microbatches * args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "megatron": {backend: results[backend] for backend in ("local", "sdpa") if backend in results},
+        "hf_transformers_sdpa": results.get("hf"),
+        "versions": {p: metadata.version(p) for p in ("torch", "megatron-core", "transformers")},
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if {"local", "sdpa"} <= results.keys():
+        report["sdpa_over_local_step_time"] = results["sdpa"]["step_s"] / results["local"]["step_s"]
+    if {"hf", "sdpa"} <= results.keys():
+        report["sdpa_over_hf_step_time"] = results["sdpa"]["step_s"] / results["hf"]["step_s"]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

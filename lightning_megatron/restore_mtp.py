@@ -1,0 +1,327 @@
+"""Put an MTP head back into an HF checkpoint that was exported without one.
+
+A checkpoint exported with `mtp=False` carries the fine-tuned backbone but no MTP tensors, and its config.json
+declares zero MTP layers. Training or serving its MTP head needs them back: from the checkpoint the fine-tuning
+started from (`source`), or made fresh (`init`). Everything else must stay as fine-tuned, so the fine-tuned tensors
+are written bit for bit, every other file is copied byte for byte, and config.json changes only in its MTP layer
+count. Only safetensors are read and written here: no Megatron, no Lightning.
+
+    lightning-megatron-restore-mtp FINETUNED OUTPUT --source ORIGINAL
+    lightning-megatron-restore-mtp FINETUNED OUTPUT --init copy-last-layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+
+from lightning_megatron.bridges.base import (
+    MTP_CONFIG_KEYS,
+    checkpoint_mtp_layers,
+    read_json,
+    safetensors_files,
+    write_atomically,
+    write_safetensors,
+)
+
+Init = Literal["random", "copy-last-layer"]
+INITS: tuple[Init, ...] = ("random", "copy-last-layer")
+
+
+class MTPRestoreError(ValueError):
+    """Checkpoints or options that cannot give a correct MTP checkpoint; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class MTPLayout:
+    """Where a family keeps its MTP head, in HF names; `{i}` stands for the MTP layer's index."""
+
+    prefix: str  # every MTP tensor's name starts with it
+    layer: str  # MTP layer i's transformer sub-layer: below it, the same names as in a decoder layer
+    projection: str  # the [embedding, hidden] -> hidden projection
+    norms: tuple[str, ...]  # the embedding norm, the hidden norm and the final norm
+
+
+# The names megatron-bridge 0.6.2 maps (qwen/qwen3_bridge.py, mimo/mimo_bridge.py). Qwen3 has one projection and
+# one set of norms whatever the layer count (megatron-bridge maps layer 0 only); MiMo has them per layer.
+MTP_LAYOUTS = {
+    "qwen3": MTPLayout(
+        prefix="mtp.",
+        layer="mtp.layers.{i}.",
+        projection="mtp.fc.weight",
+        norms=("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"),
+    ),
+    "mimo": MTPLayout(
+        prefix="model.mtp_layers.",
+        layer="model.mtp_layers.{i}.",
+        projection="model.mtp_layers.{i}.input_proj.weight",
+        norms=(
+            "model.mtp_layers.{i}.token_layernorm.weight",
+            "model.mtp_layers.{i}.hidden_layernorm.weight",
+            "model.mtp_layers.{i}.final_layernorm.weight",
+        ),
+    ),
+}
+
+
+def restore_mtp_head(
+    finetuned: str | Path,
+    output: str | Path,
+    *,
+    source: str | Path | None = None,
+    init: Init | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write `output`: the fine-tuned checkpoint plus an MTP head, taken from `source` or made by `init`.
+
+    `source` is the checkpoint the fine-tuning started from: its MTP tensors and MTP layer count are copied, after
+    checking that its family, hidden size, vocab size and every MTP tensor's shape fit the fine-tuned checkpoint.
+    `init="random"` draws matrices from N(0, initializer_range) (config.json, default 0.02) with `seed`, norm
+    weights are ones, biases zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer
+    layer, sets the MTP norms to ones and draws the projection (eh_proj / input_proj) as `random` does.
+    MTP tensors take the dtype of the fine-tuned input embedding: source tensors of another dtype are cast.
+    The folder is written atomically; an earlier HF checkpoint at `output` is replaced.
+    """
+    finetuned, output = Path(finetuned), Path(output)
+    if (source is None) == (init is None):
+        raise MTPRestoreError(
+            "give exactly one of source (the checkpoint the fine-tuning started from, which has the MTP head) "
+            f"or init (one of {', '.join(INITS)}) for a fresh head"
+        )
+    if init is not None and init not in INITS:
+        raise MTPRestoreError(f"init: {init!r} is not one of {', '.join(INITS)}")
+    source = None if source is None else Path(source)
+    _check_output(output, finetuned=finetuned, source=source)
+
+    config = _read_config(finetuned, "finetuned")
+    family = _family(config, finetuned, "finetuned")
+    layout = MTP_LAYOUTS[family]
+    shapes = _tensor_shapes(finetuned, "finetuned")
+    present = sorted(name for name in shapes if name.startswith(layout.prefix))
+    if checkpoint_mtp_layers(config) or present:
+        raise MTPRestoreError(
+            f"finetuned: {finetuned} already has an MTP head (config.json declares {checkpoint_mtp_layers(config)} MTP "
+            f"layer(s); {len(present)} {layout.prefix}* tensor(s)); restore into a checkpoint exported with mtp=False"
+        )
+
+    if source is not None:
+        source_config = _read_config(source, "source")
+        mtp_layers = _check_source(finetuned, config, source, source_config, family)
+        expected = _mtp_shapes(layout, config, shapes, mtp_layers)
+        _check_source_tensors(source, _tensor_shapes(source, "source"), layout, expected)
+    else:
+        source_config = {}
+        mtp_layers = 1
+        expected = _mtp_shapes(layout, config, shapes, mtp_layers)
+
+    keys = [key for key in MTP_CONFIG_KEYS if key in config or key in source_config] or ["num_nextn_predict_layers"]
+    restored_config = {**config, **dict.fromkeys(keys, mtp_layers)}
+    # Listed before anything is written: `output` (and its staging folder) may lie inside `finetuned`.
+    copied = [
+        entry
+        for entry in sorted(finetuned.iterdir())
+        if entry.suffix != ".safetensors"
+        and entry.name not in ("model.safetensors.index.json", "config.json")
+        and entry.resolve() != output.resolve()
+    ]
+
+    tensors = _load_tensors(finetuned)
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    if source is not None:
+        mtp_tensors = _load_tensors(source, names=set(expected))
+    else:
+        mtp_tensors = _fresh_mtp_tensors(expected, tensors, init, std=config.get("initializer_range", 0.02), seed=seed)
+    mtp_tensors = {name: tensor.to(dtype) for name, tensor in mtp_tensors.items()}
+
+    def write(folder: Path) -> None:
+        for entry in copied:
+            if entry.is_dir():
+                shutil.copytree(entry, folder / entry.name)
+            else:
+                shutil.copy2(entry, folder / entry.name)
+        (folder / "config.json").write_text(json.dumps(restored_config, indent=2) + "\n")
+        write_safetensors(folder, {**tensors, **mtp_tensors})
+
+    write_atomically(output, write)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-megatron-restore-mtp",
+        description="Write a copy of an HF checkpoint exported without its MTP head, with the MTP head restored.",
+    )
+    parser.add_argument("finetuned", metavar="FINETUNED", type=Path, help="the checkpoint exported with mtp=False")
+    parser.add_argument("output", metavar="OUTPUT", type=Path, help="the folder to write (written atomically)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--source", type=Path, help="the checkpoint the fine-tuning started from (it has the MTP head)")
+    mode.add_argument("--init", choices=INITS, help="make a fresh MTP head instead")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random tensors of --init (default 0)")
+    args = parser.parse_args(argv)
+    try:
+        path = restore_mtp_head(args.finetuned, args.output, source=args.source, init=args.init, seed=args.seed)
+    except MTPRestoreError as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    print(f"wrote {path}")
+
+
+def _check_output(output: Path, *, finetuned: Path, source: Path | None) -> None:
+    for label, path in (("finetuned", finetuned), ("source", source)):
+        if path is not None and path.resolve().is_relative_to(output.resolve()):
+            raise MTPRestoreError(
+                f"output: {output} is (or contains) the {label} checkpoint {path}, which writing it would replace; "
+                "choose a new folder"
+            )
+    if output.exists() and not (output.is_dir() and ((output / "config.json").is_file() or not any(output.iterdir()))):
+        raise MTPRestoreError(
+            f"output: {output} exists and is not an HF checkpoint folder, and writing would replace it; "
+            "choose a new or empty folder"
+        )
+
+
+def _read_config(path: Path, label: str) -> dict[str, Any]:
+    if not (path / "config.json").is_file():
+        raise MTPRestoreError(f"{label}: {path} has no config.json; point it at an HF checkpoint folder")
+    return read_json(path / "config.json")
+
+
+def _family(config: dict[str, Any], path: Path, label: str) -> str:
+    family = config.get("model_type")
+    if family not in MTP_LAYOUTS:
+        raise MTPRestoreError(
+            f"{label}: {path} has model_type {family!r}; restoring an MTP head is supported for "
+            f"{', '.join(MTP_LAYOUTS)} (the families whose MTP weights the bridges map)"
+        )
+    return family
+
+
+def _check_source(
+    finetuned: Path, config: dict[str, Any], source: Path, source_config: dict[str, Any], family: str
+) -> int:
+    """The source's MTP layer count, once it is known to be the same model as the fine-tuned one."""
+    if source_config.get("model_type") != family:
+        raise MTPRestoreError(
+            f"model_type: the fine-tuned checkpoint {finetuned} is {family!r}, the source {source} is "
+            f"{source_config.get('model_type')!r}; the MTP head must come from a checkpoint of the same family"
+        )
+    for key in ("hidden_size", "vocab_size"):
+        if config.get(key) != source_config.get(key):
+            raise MTPRestoreError(
+                f"{key}: the fine-tuned checkpoint {finetuned} has {config.get(key)}, the source {source} has "
+                f"{source_config.get(key)}; the MTP head must come from the checkpoint the fine-tuning started from"
+            )
+    mtp_layers = checkpoint_mtp_layers(source_config)
+    if mtp_layers == 0:
+        raise MTPRestoreError(
+            f"source: {source} has no MTP head (its config.json declares no MTP layers under any of "
+            f"{', '.join(MTP_CONFIG_KEYS)}); point source at the checkpoint that had it, or use init"
+        )
+    return mtp_layers
+
+
+def _mtp_shapes(
+    layout: MTPLayout, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], mtp_layers: int
+) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """Every MTP tensor the fine-tuned checkpoint needs: its shape, and the decoder tensor it mirrors (if any).
+
+    An MTP transformer layer is a decoder layer, so its tensors are read off the fine-tuned last decoder layer.
+    """
+    hidden = config["hidden_size"]
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    decoder_layer = {name.removeprefix(last): name for name in shapes if name.startswith(last)}
+    if not decoder_layer:
+        raise MTPRestoreError(
+            f"finetuned: config.json declares num_hidden_layers={config['num_hidden_layers']}, but there are no "
+            f"{last}* tensors; the checkpoint is incomplete"
+        )
+    expected: dict[str, tuple[tuple[int, ...], str | None]] = {}
+    for i in range(mtp_layers):
+        expected[layout.projection.format(i=i)] = ((hidden, 2 * hidden), None)
+        expected.update({norm.format(i=i): ((hidden,), None) for norm in layout.norms})
+        for suffix, name in decoder_layer.items():
+            expected[layout.layer.format(i=i) + suffix] = (shapes[name], name)
+    return expected
+
+
+def _check_source_tensors(
+    source: Path,
+    shapes: dict[str, tuple[int, ...]],
+    layout: MTPLayout,
+    expected: dict[str, tuple[tuple[int, ...], str | None]],
+) -> None:
+    present = {name for name in shapes if name.startswith(layout.prefix)}
+    if not present:
+        raise MTPRestoreError(
+            f"source: {source} has no MTP head (no {layout.prefix}* tensors, though config.json declares MTP layers)"
+        )
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise MTPRestoreError(f"source: {source} lacks MTP tensor(s) the head needs: {', '.join(missing[:5])}")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise MTPRestoreError(
+            f"source: {source} has MTP tensor(s) the fine-tuned checkpoint has no place for: "
+            f"{', '.join(unexpected[:5])}"
+        )
+    for name, (shape, mirrored) in expected.items():
+        if shapes[name] != shape:
+            reason = f"the shape of its {mirrored}" if mirrored else "from its hidden_size"
+            raise MTPRestoreError(
+                f"{name}: the source {source} has shape {shapes[name]}, the fine-tuned checkpoint needs {shape} "
+                f"({reason}); the MTP head must come from the checkpoint the fine-tuning started from"
+            )
+
+
+def _fresh_mtp_tensors(
+    expected: dict[str, tuple[tuple[int, ...], str | None]],
+    tensors: dict[str, torch.Tensor],
+    init: Init,
+    *,
+    std: float,
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    fresh = {}
+    for name, (shape, mirrored) in sorted(expected.items()):  # sorted: the same seed draws the same tensors
+        if init == "copy-last-layer" and mirrored is not None:
+            fresh[name] = tensors[mirrored].clone()
+        elif name.endswith(".bias"):
+            fresh[name] = torch.zeros(shape)
+        elif len(shape) == 1:  # the only other vectors are norm weights
+            fresh[name] = torch.ones(shape)
+        else:
+            fresh[name] = torch.normal(0.0, std, shape, generator=generator)
+    return fresh
+
+
+def _tensor_shapes(path: Path, label: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor, read from the safetensors headers only."""
+    shapes = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                shapes[name] = tuple(reader.get_slice(name).get_shape())
+    if not shapes:
+        raise MTPRestoreError(f"{label}: {path} has no *.safetensors files; point it at an HF checkpoint folder")
+    return shapes
+
+
+def _load_tensors(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                if names is None or name in names:
+                    tensors[name] = reader.get_tensor(name)
+    return tensors
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""SDPAttention computes what Megatron-Core's local DotProductAttention computes, and the bridges build it.
+
+References are independent: the local attention (explicit scores and softmax) for the same inputs, the local
+attention run sequence by sequence for packed inputs, TP=1 for TP=2, and HF transformers for the bridges.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from lightning_megatron.attention import SDPAttention, core_attention_class, with_core_attention
+from lightning_megatron.bridges import BridgeError, ModelOptions, create_bridge
+from lightning_megatron.testing import hf_mtp_reference_logits, make_tiny_checkpoint
+from tests._distributed import run_distributed
+from tests._megatron import SEQ, VOCAB, token_batch
+
+HEADS, HEAD_DIM, BATCH, LENGTH = 4, 8, 2, 16
+
+
+def _config(**overrides) -> TransformerConfig:
+    settings = dict(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, use_cpu_initialization=True,
+                    attention_dropout=0.0, hidden_dropout=0.0)
+    return TransformerConfig(**{**settings, **overrides})
+
+
+def _attention(cls: type, config: TransformerConfig, mask_type: AttnMaskType, layer_number: int = 1, **kwargs):
+    return cls(config=config, layer_number=layer_number, attn_mask_type=mask_type, attention_type="self", **kwargs)
+
+
+def _qkv(groups: int, shape: tuple[int, ...] = (LENGTH, BATCH), seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    heads = (HEADS, groups, groups)
+    return [torch.randn(*shape, n, HEAD_DIM, generator=generator).requires_grad_() for n in heads]
+
+
+def _output_and_grads(attention, qkv, mask, **kwargs) -> list[torch.Tensor]:
+    """The output and d(sum(output * fixed weights))/d(q, k, v)."""
+    output = attention(*qkv, mask, **kwargs)
+    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((output * weights).sum(), qkv)
+    return [output.detach(), *grads]
+
+
+def _assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-5)
+
+
+def _right_padding(lengths: list[int]) -> torch.Tensor:
+    """[b, 1, 1, s] key-padding mask, True = masked."""
+    return (torch.arange(LENGTH)[None, :] >= torch.tensor(lengths)[:, None])[:, None, None, :]
+
+
+_CAUSAL = torch.ones(LENGTH, LENGTH, dtype=torch.bool).triu(1)
+_PADDED_CAUSAL = _CAUSAL | _right_padding([LENGTH, 11])  # [b, 1, s, s]: no query row masks every key
+
+# name: (config overrides, constructor kwargs, SDPA mask type and mask, local mask type and mask, layer number)
+CASES = {
+    "causal": ({}, {}, (AttnMaskType.causal, None), (AttnMaskType.causal, None), 1),
+    "padded": ({}, {}, (AttnMaskType.padding, _PADDED_CAUSAL), (AttnMaskType.padding, _PADDED_CAUSAL), 1),
+    "causal_explicit_mask": ({}, {}, (AttnMaskType.causal, _PADDED_CAUSAL), (AttnMaskType.causal, _PADDED_CAUSAL), 1),
+    # Transformer Engine's meaning: the causal mask is added to the padding mask given
+    "padding_causal": ({}, {}, (AttnMaskType.padding_causal, _right_padding([LENGTH, 11])),
+                       (AttnMaskType.padding, _PADDED_CAUSAL), 1),
+    "no_mask": ({}, {}, (AttnMaskType.no_mask, None), (AttnMaskType.no_mask, None), 1),
+    "gqa": ({"num_query_groups": 2}, {}, (AttnMaskType.causal, None), (AttnMaskType.causal, None), 1),
+    "gqa_padded": ({"num_query_groups": 2}, {}, (AttnMaskType.padding, _PADDED_CAUSAL),
+                   (AttnMaskType.padding, _PADDED_CAUSAL), 1),
+    "softmax_scale": ({}, {"softmax_scale": 0.7}, (AttnMaskType.causal, None), (AttnMaskType.causal, None), 1),
+    "query_key_layer_scaling": ({"apply_query_key_layer_scaling": True}, {}, (AttnMaskType.causal, None),
+                                (AttnMaskType.causal, None), 3),
+    "sliding_window": ({"window_size": (3, 0)}, {}, (AttnMaskType.causal, None), (AttnMaskType.causal, None), 1),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_local_attention(model_parallel, case):
+    overrides, kwargs, (sdpa_type, sdpa_mask), (local_type, local_mask), layer_number = CASES[case]
+    config = _config(**overrides)
+    qkv = _qkv(config.num_query_groups)
+    sdpa = _attention(SDPAttention, config, sdpa_type, layer_number, **kwargs)
+    local = _attention(DotProductAttention, config, local_type, layer_number, **kwargs)
+    expected = _output_and_grads(local, qkv, local_mask)
+    assert expected[0].shape == (LENGTH, BATCH, HEADS * HEAD_DIM)
+    _assert_close(_output_and_grads(sdpa, qkv, sdpa_mask), expected)
+
+
+def test_mask_type_given_to_forward_wins(model_parallel):
+    """Attention passes its (possibly inference-adjusted) mask type to forward, as Transformer Engine takes it."""
+    config, qkv = _config(), _qkv(HEADS)
+    sdpa = _attention(SDPAttention, config, AttnMaskType.causal)
+    expected = _output_and_grads(_attention(DotProductAttention, config, AttnMaskType.no_mask), qkv, None)
+    _assert_close(_output_and_grads(sdpa, qkv, None, attn_mask_type=AttnMaskType.no_mask), expected)
+
+
+def test_dropout_applies_in_training_only_and_keeps_the_expectation(model_parallel):
+    config = _config(attention_dropout=0.5)
+    sdpa = _attention(SDPAttention, config, AttnMaskType.causal)
+    q, k, _ = _qkv(HEADS, shape=(LENGTH, 64))
+    ones = torch.ones_like(q).requires_grad_()  # then each output is the sum of its row's probabilities: 1 untouched
+
+    sdpa.eval()
+    torch.testing.assert_close(sdpa(q, k, ones, None), torch.ones(LENGTH, 64, HEADS * HEAD_DIM), rtol=0, atol=1e-6)
+    expected = _output_and_grads(_attention(DotProductAttention, _config(), AttnMaskType.causal), [q, k, ones], None)
+    _assert_close(_output_and_grads(sdpa, [q, k, ones], None), expected)
+
+    sdpa.train()
+    dropped = sdpa(q, k, ones, None)
+    assert (dropped != 1).float().mean() > 0.5  # most rows lost some probability or were scaled up by 1 / (1 - p)
+    assert abs(dropped.mean().item() - 1.0) < 0.03  # inverted dropout keeps the expectation
+
+
+def test_dropout_draws_from_megatrons_model_parallel_rng_stream(model_parallel):
+    sdpa = _attention(SDPAttention, _config(attention_dropout=0.5), AttnMaskType.causal).train()
+    qkv = _qkv(HEADS)
+
+    def forward_from_seed() -> tuple[torch.Tensor, bool]:
+        tensor_parallel.model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+        default_state = torch.get_rng_state()
+        output = sdpa(*qkv, None)
+        return output, torch.equal(torch.get_rng_state(), default_state)
+
+    first, default_untouched = forward_from_seed()
+    second, _ = forward_from_seed()
+    assert default_untouched  # the draw came from the tracker's forked stream, not the default generator
+    assert torch.equal(first, second)
+
+    config = _config(attention_dropout=0.5)
+    config.sequence_parallel = True  # (TransformerConfig refuses it at TP=1, where SDPAttention only reads it)
+    sequence_parallel = _attention(SDPAttention, config, AttnMaskType.causal).train()
+    default_state = torch.get_rng_state()
+    sequence_parallel(*qkv, None)
+    assert not torch.equal(torch.get_rng_state(), default_state)  # as upstream: the default generator under SP
+
+
+def _packed_params(cu_seqlens: list[int], padded: list[int] | None = None) -> PackedSeqParams:
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    cu_padded = None if padded is None else torch.tensor(padded, dtype=torch.int32)
+    max_length = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                           cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_length, max_seqlen_kv=max_length)
+
+
+def _sequence_by_sequence(local, qkv: list[torch.Tensor], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Local attention on each sequence alone ([len, b=1, heads, d]); zeros where no sequence is."""
+    output = torch.zeros(qkv[0].size(0), HEADS * HEAD_DIM)
+    for start, length in spans:
+        output[start:start + length] = local(*(t[start:start + length].unsqueeze(1) for t in qkv), None)[:, 0]
+    return output
+
+
+@pytest.mark.parametrize(("sdpa_type", "local_type"), [(AttnMaskType.causal, AttnMaskType.causal),
+                                                       (AttnMaskType.padding_causal, AttnMaskType.causal),
+                                                       (AttnMaskType.padding, AttnMaskType.no_mask)])
+@pytest.mark.parametrize(("cu_seqlens", "padded"), [([0, 5, 12, 16], None), ([0, 5, 12], [0, 8, 16])],
+                         ids=["packed", "packed_with_padding"])
+def test_packed_thd_equals_attention_sequence_by_sequence(model_parallel, sdpa_type, local_type, cu_seqlens, padded):
+    config = _config(num_query_groups=2)
+    qkv = _qkv(2, shape=(LENGTH,))  # [t, heads, d], as Attention hands THD tensors to core attention
+    starts = padded or cu_seqlens
+    spans = [(start, end - begin) for start, begin, end in zip(starts, cu_seqlens[:-1], cu_seqlens[1:])]
+    sdpa = _attention(SDPAttention, config, sdpa_type)
+    local = _attention(DotProductAttention, config, local_type)
+
+    expected = _output_and_grads(lambda *args: _sequence_by_sequence(local, args[:3], spans), qkv, None)
+    actual = _output_and_grads(sdpa, qkv, None, packed_seq_params=_packed_params(cu_seqlens, padded))
+    _assert_close(actual, expected)
+    if padded:  # lengths 5 and 7 in slots of 8
+        assert torch.count_nonzero(actual[0][5:8]) == 0 and torch.count_nonzero(actual[0][15:]) == 0
+
+
+def test_refuses_what_it_cannot_compute(model_parallel):
+    with pytest.raises(ValueError, match="context_parallel_size=2.*set context_parallel_size: 1"):
+        _attention(SDPAttention, _config(context_parallel_size=2), AttnMaskType.causal)
+    with pytest.raises(ValueError, match="softmax_type='off-by-one'.*attention_backend: local"):
+        _attention(SDPAttention, _config(softmax_type="off-by-one"), AttnMaskType.causal)
+    with pytest.raises(ValueError, match="attention_backend: 'flash' is not one of 'auto', 'sdpa', 'local'"):
+        core_attention_class("flash")
+
+
+def _core_attentions(module: torch.nn.Module) -> dict[str, type]:
+    return {name: type(m) for name, m in module.named_modules() if name.endswith("core_attention")}
+
+
+def test_spec_swap_reaches_every_layer_and_the_mtp_layer_and_copies(model_parallel):
+    config = _config(num_layers=2, mtp_num_layers=1)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    swapped = with_core_attention(block, "sdpa")
+    swapped_mtp = get_gpt_mtp_block_spec(config, swapped, use_transformer_engine=False)
+    model = GPTModel(config, swapped, vocab_size=VOCAB, max_sequence_length=SEQ, mtp_block_spec=swapped_mtp)
+
+    attentions = _core_attentions(model)
+    assert set(attentions) == {"decoder.layers.0.self_attention.core_attention",
+                               "decoder.layers.1.self_attention.core_attention",
+                               "mtp.layers.0.mtp_model_layer.self_attention.core_attention"}
+    assert set(attentions.values()) == {SDPAttention}
+    assert {s.submodules.self_attention.submodules.core_attention for s in block.layer_specs} == {DotProductAttention}
+    assert with_core_attention(swapped, "local").layer_specs[0].submodules.self_attention.submodules.core_attention \
+        is DotProductAttention
+
+
+def test_packed_gpt_model_equals_each_sequence_alone(model_parallel):
+    """The whole local-spec GPT (RoPE included) on a THD pack, which the local attention cannot run at all."""
+    config = _config(num_layers=2, num_query_groups=2)
+    model = GPTModel(config, with_core_attention(get_gpt_layer_local_spec(), "sdpa"), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope").eval()
+    lengths = [9, 7]
+    tokens = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(tokens, positions, None, packed_seq_params=_packed_params([0, 9, 16]))
+        alone = [model(t, torch.arange(t.size(1))[None], None) for t in tokens.split(lengths, dim=1)]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
+
+
+def _tiny_gpt_loss(backend: str) -> tuple[float, dict[str, torch.Tensor], set[type]]:
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, use_cpu_initialization=True,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    model = GPTModel(config, with_core_attention(get_gpt_layer_local_spec(), backend), vocab_size=VOCAB,
+                     max_sequence_length=SEQ)
+    batch = token_batch()
+    per_token = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"])
+    loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.item(), grads, set(_core_attentions(model).values())
+
+
+def _losses_by_parallelism(rank: int, world_size: int) -> dict[tuple[int, str], tuple]:
+    from lightning_megatron._compat import prepare_megatron_core
+
+    prepare_megatron_core()
+    results = {}
+    for tp in (1, 2):
+        for backend in ("local", "sdpa"):
+            parallel_state.initialize_model_parallel(tp, 1)
+            tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+            torch.manual_seed(1234)
+            results[tp, backend] = _tiny_gpt_loss(backend)
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gqa_gpt_matches_tp1_and_the_local_attention(tmp_path):
+    ranks = run_distributed(_losses_by_parallelism, tmp_path)
+    for results in ranks:
+        assert results[1, "sdpa"][2] == results[2, "sdpa"][2] == {SDPAttention}
+        assert results[2, "local"][2] == {DotProductAttention}
+        reference = results[1, "local"][0]
+        for key in ((1, "sdpa"), (2, "local"), (2, "sdpa")):
+            assert results[key][0] == pytest.approx(reference, abs=1e-5)
+        # same TP shards on this rank: every gradient agrees with the local attention's
+        _assert_close(list(results[2, "sdpa"][1].values()), list(results[2, "local"][1].values()))
+    assert ranks[0][2, "sdpa"][0] == ranks[1][2, "sdpa"][0]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {"qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3"),
+            "qwen3_mtp": make_tiny_checkpoint(root / "qwen3_mtp", "qwen3", mtp=True)}
+
+
+def _input_ids() -> torch.Tensor:
+    return torch.randint(0, 384, (2, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+def _megatron_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids),
+                     attention_mask=None)
+
+
+@pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
+@pytest.mark.parametrize(("backend", "expected"), [("auto", SDPAttention), ("sdpa", SDPAttention),
+                                                   ("local", DotProductAttention)])
+def test_bridges_build_the_chosen_attention_and_match_hf(model_parallel, checkpoints, bridge_type, backend, expected):
+    chunks = create_bridge(bridge_type, checkpoints["qwen3"]).build(ModelOptions(attention_backend=backend))
+    attentions = _core_attentions(chunks[0])
+    assert len(attentions) == 2 and set(attentions.values()) == {expected}  # "auto": no Transformer Engine here
+
+    import transformers  # here, not at the top: the 2-process test's workers import this module
+
+    input_ids = _input_ids()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.float32)
+    with torch.no_grad():
+        reference = hf(input_ids).logits
+    assert (_megatron_logits(chunks[0], input_ids) - reference).abs().max() <= 1e-5
+
+
+def test_megatron_bridge_mtp_layer_uses_sdpa_and_matches_hf(model_parallel, checkpoints):
+    path = checkpoints["qwen3_mtp"]
+    model = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True, attention_backend="sdpa"))[0]
+    assert _core_attentions(model)["mtp.layers.0.mtp_model_layer.self_attention.core_attention"] is SDPAttention
+
+    captured = {}
+    model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
+    input_ids = _input_ids()
+    _megatron_logits(model, input_ids)
+    mtp_logits, _ = model.output_layer(captured["hidden"][LENGTH:])
+    reference = hf_mtp_reference_logits(path, input_ids)
+    assert (mtp_logits.transpose(0, 1)[:, :-1] - reference).abs().max() <= 1e-5
+
+
+def test_unknown_attention_backend_is_refused_before_building(checkpoints):
+    with pytest.raises(BridgeError, match="attention_backend: 'flash' is not one of 'auto', 'sdpa', 'local'"):
+        create_bridge("mbridge", checkpoints["qwen3"]).validate(ModelOptions(attention_backend="flash"))
