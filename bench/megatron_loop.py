@@ -1,0 +1,197 @@
+"""The plain Megatron-Core training loop: what `MegatronStrategy` must reproduce, without Lightning.
+
+Written the way Megatron-LM's `pretrain` loop is (parallel state, model from the HF checkpoint through the same
+bridge, Float16Module, Megatron DDP, Megatron optimizer, `get_forward_backward_func`, token-weighted loss), so the
+tests can compare Lightning's loss per step with it and the benchmarks can compare step times. Data order follows
+`torch.utils.data.DistributedSampler` over the data-parallel ranks, shuffled with `sampler_seed`, as Lightning does.
+
+Run as a script for the benchmark: prints JSON with the loss and time of every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+@dataclass
+class LoopConfig:
+    hf_checkpoint: str
+    bridge_type: str = "mbridge"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    precision: str = "fp32"
+    use_distributed_optimizer: bool = True
+    grad_reduce_in_fp32: bool = True
+    clip_grad: float = 1.0
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    steps: int = 4
+    seed: int = 1234
+    sampler_seed: int = 0
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def learning_rate(config: LoopConfig, step: int) -> float:
+    """Linear warm-up, then cosine to `min_lr_ratio * lr` at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.steps <= config.warmup_steps:
+        return config.lr
+    progress = min(1.0, (step - config.warmup_steps) / (config.steps - config.warmup_steps))
+    ratio = config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return config.lr * ratio
+
+
+def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
+    """Train `config.steps` steps; every rank returns the per-step loss and times (torch.distributed must be up)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.utils import get_model_config
+
+    from lightning_megatron._compat import prepare_megatron_core
+    from lightning_megatron.bridges import ModelOptions, create_bridge
+
+    prepare_megatron_core()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+    )
+    seed = config.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    bf16 = config.precision == "bf16"
+    options = ModelOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                           config_overrides={"calculate_per_token_loss": True, **config.model_overrides})
+    chunks = [chunk.to(device) for chunk in create_bridge(config.bridge_type, config.hf_checkpoint).build(options)]
+    model_config = get_model_config(chunks[0])
+    if bf16:
+        model_config.bf16 = True
+        chunks = [Float16Module(model_config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+                                               use_distributed_optimizer=config.use_distributed_optimizer)
+    model = [DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=index > 0)
+             for index, chunk in enumerate(chunks)]
+    model_config.no_sync_func = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
+    model_config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.lr * config.min_lr_ratio,
+                        weight_decay=config.weight_decay, adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
+                        adam_eps=config.adam_eps, clip_grad=config.clip_grad, bf16=bf16,
+                        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                        use_distributed_optimizer=config.use_distributed_optimizer),
+        model,
+    )
+    model_config.grad_scale_func = optimizer.scale_loss
+
+    data_parallel_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = config.global_batch_size // (config.micro_batch_size * data_parallel_size)
+    sampler = DistributedSampler(dataset, num_replicas=data_parallel_size,
+                                 rank=parallel_state.get_data_parallel_rank(), shuffle=True, seed=config.sampler_seed)
+    loader = DataLoader(dataset, batch_size=config.micro_batch_size, sampler=sampler, drop_last=True)
+
+    def global_batches():
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            microbatches = [
+                {key: value.to(device) for key, value in batch.items()} for batch in loader
+            ]
+            for start in range(0, len(microbatches) - num_microbatches + 1, num_microbatches):
+                yield microbatches[start:start + num_microbatches]
+            epoch += 1
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        output = chunk(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+                       labels=batch["labels"], loss_mask=batch["loss_mask"])
+        return output, partial(loss_func, batch["loss_mask"])
+
+    def loss_func(loss_mask, per_token_loss):
+        loss_sum = (per_token_loss.float() * loss_mask.float()).sum()
+        num_tokens = loss_mask.sum().to(torch.int)
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+    losses, step_times, grad_norms = [], [], []
+    batches = global_batches()
+    for step in range(config.steps):
+        microbatches = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches),
+            model=model, num_microbatches=num_microbatches,
+            seq_length=microbatches[0]["input_ids"].shape[1], micro_batch_size=config.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = optimizer.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - started)
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for values in reduced:
+            totals += values["lm loss"].to(device, torch.float64)
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        losses.append(float((totals[0] / totals[1]).float()))
+        grad_norms.append(None if grad_norm is None else float(grad_norm))
+    return {"losses": losses, "grad_norms": grad_norms, "step_times_s": step_times, "model": model}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--checkpoint", default=None, help="HF checkpoint (default: a tiny qwen3 made locally)")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    import tempfile
+
+    from lightning_megatron.demo import init_single_process
+    from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+
+    init_single_process()
+    checkpoint = args.checkpoint or str(make_tiny_checkpoint(tempfile.mkdtemp() + "/qwen3", "qwen3"))
+    result = run(LoopConfig(hf_checkpoint=checkpoint, micro_batch_size=2, global_batch_size=4, steps=args.steps),
+                 RandomTokenDataset(64, 32, 384))
+    print(json.dumps({key: value for key, value in result.items() if key != "model"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""LightningModules whose model is Megatron-Core chunks built, wrapped and stepped by `MegatronStrategy`.
+
+The strategy owns the model's life (built from the HF checkpoint before any `setup` hook, wrapped in Megatron DDP,
+stepped by Megatron's schedules); the module says what one microbatch computes and what is logged. A training step
+receives the microbatches of one global batch and hands them to `strategy.forward_backward`, which runs the
+forward and backward passes of all of them (pipelined when PP > 1) and returns token-weighted metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_megatron.bridges import ModelOptions
+
+Microbatch = dict[str, torch.Tensor]
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+class MegatronLightningModule(pl.LightningModule):
+    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
+
+    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
+    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters.
+    """
+
+    model: torch.nn.ModuleList
+
+    def model_options(self) -> ModelOptions:
+        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
+        return ModelOptions()
+
+    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
+        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
+        raise NotImplementedError
+
+    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
+        raise NotImplementedError
+
+    @property
+    def megatron_strategy(self) -> Any:
+        from lightning_megatron.strategy import MegatronStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, MegatronStrategy):
+            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
+        return strategy
+
+
+def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
+    """Response-only token loss: Megatron returns an unmasked per-token loss, the mask is the data's."""
+    loss_mask = microbatch["loss_mask"].to(per_token_loss.device).float()
+    loss_sum = (per_token_loss.float() * loss_mask).sum()
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm_loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up to 1, then cosine decay to `min_lr_ratio` at `total_steps` (constant if None)."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if total_steps is None or total_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+class SFTModule(MegatronLightningModule):
+    """Supervised fine-tuning: masked (response-only) token loss plus Megatron-Core's native MTP loss.
+
+    MTP: `enable_mtp` keeps the checkpoint's MTP head; `enable_mtp_training` (default: `enable_mtp`) trains it as an
+    auxiliary loss weighted by `mtp_loss_scaling_factor`, jointly with the model unless `MTPOnlyCallback` freezes
+    the rest; `mtp_detach_heads` keeps MTP gradients out of the backbone, embeddings and LM head in joint training
+    (isolated by default). With `enable_mtp` and no MTP training the head is kept unchanged (frozen).
+    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`.
+    """
+
+    def __init__(
+        self,
+        enable_mtp: bool = False,
+        enable_mtp_training: bool | None = None,
+        mtp_loss_scaling_factor: float = 0.1,
+        mtp_detach_heads: bool = True,
+        lr: float = 1e-5,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.95,
+        adam_eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        self.enable_mtp = enable_mtp
+        self.enable_mtp_training = enable_mtp if enable_mtp_training is None else enable_mtp_training
+        if self.enable_mtp_training and not enable_mtp:
+            raise ValueError("enable_mtp_training: true needs enable_mtp: true (the MTP head must be kept to train it)")
+        if self.enable_mtp_training and (not math.isfinite(mtp_loss_scaling_factor) or mtp_loss_scaling_factor <= 0):
+            raise ValueError(f"mtp_loss_scaling_factor: {mtp_loss_scaling_factor} must be finite and > 0 "
+                             "(DeepSeek-V3 uses 0.1)")
+        self.save_hyperparameters()
+
+    def model_options(self) -> ModelOptions:
+        return ModelOptions(
+            mtp=self.enable_mtp,
+            mtp_loss_scaling_factor=self.hparams.mtp_loss_scaling_factor if self.enable_mtp_training else 0.0,
+            mtp_detach_heads=self.hparams.mtp_detach_heads,
+        )
+
+    def setup(self, stage: str) -> None:
+        if self.enable_mtp and not self.enable_mtp_training:
+            from lightning_megatron.mtp import mtp_parameter_flags
+
+            for _, parameter, is_mtp in mtp_parameter_flags(list(self.model)).values():
+                if is_mtp:
+                    parameter.requires_grad_(False)
+
+    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
+        return model(
+            input_ids=microbatch["input_ids"],
+            position_ids=microbatch["position_ids"],
+            attention_mask=None,
+            labels=microbatch["labels"],
+            loss_mask=microbatch["loss_mask"],
+        )
+
+    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+        return masked_token_loss(microbatch, output)
+
+    def training_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
+        strategy = self.megatron_strategy
+        metrics = strategy.forward_backward(microbatches, self.forward_step, self.loss_func)
+        self.log("lm_loss", metrics["lm_loss"], prog_bar=True)
+        if self.enable_mtp:
+            from lightning_megatron.mtp import read_and_reset_mtp_tracker
+
+            mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device)
+            self.log("mtp_loss", mtp_metrics["mtp_loss"], prog_bar=True)
+            self.log("mtp_accuracy", mtp_metrics["mtp_accuracy"])
+        return metrics["lm_loss"]
+
+    def validation_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
+        metrics = self.megatron_strategy.forward_backward(microbatches, self.forward_step, self.loss_func,
+                                                          forward_only=True)
+        self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True)
+        return metrics["lm_loss"]
+
+    def test_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
+        metrics = self.megatron_strategy.forward_backward(microbatches, self.forward_step, self.loss_func,
+                                                          forward_only=True)
+        self.log("test_lm_loss", metrics["lm_loss"])
+        return metrics["lm_loss"]
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        from megatron.core.optimizer import OptimizerConfig
+
+        hp = self.hparams
+        optimizer = self.megatron_strategy.megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=hp.lr, min_lr=hp.lr * hp.min_lr_ratio, weight_decay=hp.weight_decay,
+            adam_beta1=hp.adam_beta1, adam_beta2=hp.adam_beta2, adam_eps=hp.adam_eps,
+        ))
+        total_steps = self.trainer.max_steps if self.trainer.max_steps > 0 else None
+        schedule = warmup_cosine(hp.warmup_steps, total_steps, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,75 @@
+"""Megatron's optimizer as a `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive it unchanged.
+
+Megatron-Core's optimizers (mixed precision, distributed, chained) are not `torch.optim.Optimizer` subclasses, and
+torch's LR schedulers refuse anything else. This adapter exposes Megatron's parameter groups (the same dicts, so a
+scheduler's writes reach the real groups) and runs Megatron's step, which unscales, clips and reports the grad norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class MegatronOptimizerAdapter(torch.optim.Optimizer):
+    """Wraps a Megatron-Core `MegatronOptimizer`; `step` returns the closure's loss, `last_grad_norm*` the norms."""
+
+    def __init__(self, megatron_optimizer: Any) -> None:
+        # torch's __init__ would build param groups of its own; Megatron's are the ones to use.
+        self.megatron_optimizer = megatron_optimizer
+        self.defaults: dict[str, Any] = {}
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self.last_grad_norm: float | None = None
+        self.last_grad_norms_by_group: dict[str, float] = {}
+        self.last_update_successful: bool | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.megatron_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.megatron_optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.megatron_optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.megatron_optimizer.state = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.megatron_optimizer.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        update_successful, grad_norm, _ = self.megatron_optimizer.step()
+        self.last_update_successful = bool(update_successful)
+        self.last_grad_norm = None if grad_norm is None else float(grad_norm)
+        # Megatron norms and clips some parameters apart from the rest (the MTP head with detached heads: "mtp")
+        groups = getattr(self.megatron_optimizer, "grad_norms_by_group", None) or {}
+        self.last_grad_norms_by_group = {name: float(norm) for name, norm in groups.items()}
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.megatron_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.megatron_optimizer.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, *, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict:
+        return self.megatron_optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                          metadata=metadata)
+
+    def __repr__(self) -> str:
+        return f"MegatronOptimizerAdapter({type(self.megatron_optimizer).__name__})"

@@ -1,0 +1,316 @@
+"""MegatronStrategy under a real Lightning Trainer equals the plain Megatron-Core loop, resumes exactly, and saves
+checkpoints that a crash cannot corrupt."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from bench.megatron_loop import LoopConfig
+from bench.megatron_loop import run as run_reference_loop
+from lightning_megatron import checkpoint as megatron_checkpoint
+from lightning_megatron.module import SFTModule
+from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+from tests._distributed import run_distributed
+
+SEQ, VOCAB, SAMPLES = 16, 384, 32
+LR, WARMUP = 1e-3, 1
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("strategy_checkpoints")
+    return {"qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3"),
+            "qwen3_4_layers": make_tiny_checkpoint(root / "qwen3_4_layers", "qwen3", num_layers=4)}
+
+
+class RecordLosses(pl.Callback):
+    """The loss each training step returned, as Lightning saw it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _trainer(tmp_path: Path, strategy: MegatronStrategy, steps: int, devices: int = 1, **kwargs: Any) -> pl.Trainer:
+    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
+                      default_root_dir=tmp_path, **{**defaults, **kwargs})
+
+
+def _loader(batch_size: int) -> DataLoader:
+    return DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=batch_size, drop_last=True)
+
+
+def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, devices: int = 1, callbacks: tuple = (),
+         ckpt_path: str | None = None, trainer_kwargs: dict | None = None, **strategy_kwargs: Any) -> dict[str, Any]:
+    options = dict(micro_batch_size=2, global_batch_size=4, precision="fp32") | strategy_kwargs
+    strategy = MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options)
+    recorder = RecordLosses()
+    trainer = _trainer(tmp_path, strategy, steps, devices, callbacks=[recorder, *callbacks], **(trainer_kwargs or {}))
+    trainer.fit(SFTModule(lr=LR, warmup_steps=WARMUP), _loader(options["micro_batch_size"]), ckpt_path=ckpt_path)
+    return {"losses": recorder.losses, "weights": _weights(strategy.model_chunks), "trainer": trainer}
+
+
+def _weights(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    from megatron.core.utils import unwrap_model
+
+    return {f"{index}.{name}": param.detach().clone()
+            for index, chunk in enumerate(chunks) for name, param in unwrap_model(chunk).named_parameters()}
+
+
+def _reference(hf_checkpoint: Path, steps: int, **overrides: Any) -> dict[str, Any]:
+    config = LoopConfig(hf_checkpoint=str(hf_checkpoint), micro_batch_size=2, global_batch_size=4, lr=LR,
+                        warmup_steps=WARMUP, steps=steps, **overrides)
+    result = run_reference_loop(config, RandomTokenDataset(SAMPLES, SEQ, VOCAB))
+    return {"losses": result["losses"], "weights": _weights(result["model"])}
+
+
+def test_one_process_matches_the_plain_megatron_loop(process_group, checkpoints, tmp_path):
+    steps = 6
+    ours = _fit(tmp_path, checkpoints["qwen3"], steps)
+    reference = _reference(checkpoints["qwen3"], steps)
+    assert len(ours["losses"]) == steps
+    assert ours["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+    assert ours["losses"][-1] < ours["losses"][0]
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], tensor, rtol=0, atol=1e-6)
+
+
+def _distributed_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, parallel: dict) -> dict:
+    steps = 4
+    reference = _reference(Path(hf_checkpoint), steps, **parallel)["losses"]
+    ours = _fit(Path(tmp) / f"rank{rank}", Path(hf_checkpoint), steps, devices=world_size,
+                trainer_kwargs=dict(num_sanity_val_steps=1, limit_val_batches=1),
+                **parallel)
+    return {"ours": ours["losses"], "reference": reference}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, model", [
+    (dict(tensor_model_parallel_size=2), "qwen3"),
+    (dict(pipeline_model_parallel_size=2), "qwen3"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "qwen3_4_layers"),
+    ({}, "qwen3"),  # two processes, nothing but data parallelism: DP=2
+], ids=["tp2", "pp2", "pp2_vpp2", "dp2"])
+def test_two_processes_match_the_plain_megatron_loop(checkpoints, tmp_path, parallel, model):
+    results = run_distributed(_distributed_case, tmp_path, str(tmp_path), str(checkpoints[model]), parallel)
+    for result in results:
+        assert len(result["ours"]) == 4
+        assert result["ours"] == pytest.approx(result["reference"], abs=1e-6)
+    assert results[0]["ours"] == results[1]["ours"]  # every rank logs the same, reduced loss
+
+
+class StopAfter(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("stop_at", [5, 10], ids=["mid_epoch_0", "mid_epoch_1"])
+def test_resume_equals_the_uninterrupted_run_bit_for_bit(process_group, checkpoints, tmp_path, stop_at):
+    steps = 12  # 8 steps per epoch: the run crosses an epoch boundary
+    options = dict(precision="bf16", use_distributed_optimizer=True)
+    uninterrupted = _fit(tmp_path / "full", checkpoints["qwen3"], steps, **options)
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=stop_at, save_top_k=-1)
+    first = _fit(tmp_path / "first", checkpoints["qwen3"], steps, callbacks=(StopAfter(stop_at), saver),
+                 trainer_kwargs=dict(enable_checkpointing=True), **options)
+    saved = tmp_path / "ckpts" / f"epoch={(stop_at - 1) // 8}-step={stop_at}.ckpt"
+    assert megatron_checkpoint.is_complete(saved)
+    resumed = _fit(tmp_path / "second", checkpoints["qwen3"], steps, ckpt_path=str(saved), **options)
+
+    assert first["losses"] == uninterrupted["losses"][:stop_at]
+    assert resumed["losses"] == uninterrupted["losses"][stop_at:]
+    assert resumed["trainer"].global_step == steps
+    unequal = [name for name, tensor in uninterrupted["weights"].items()
+               if not torch.equal(tensor, resumed["weights"][name])]
+    assert unequal == []
+
+
+_CRASHING_RUN = textwrap.dedent("""
+    import os, sys
+    import lightning.pytorch as pl
+    from tests.test_strategy import _fit
+
+    class DieWhileSaving:
+        armed = False
+        def __reduce__(self):
+            if DieWhileSaving.armed:
+                os._exit(17)  # the process dies half-way through writing a checkpoint
+            return (str, ("disarmed",))  # loadable anywhere
+
+    class CrashOnSecondSave(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            DieWhileSaving.armed = trainer.global_step >= 4
+        def state_dict(self):
+            return {"bomb": DieWhileSaving()}
+
+    if __name__ == "__main__":
+        workdir, hf_checkpoint = sys.argv[1], sys.argv[2]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+        saver = pl.callbacks.ModelCheckpoint(dirpath=workdir + "/ckpts", every_n_train_steps=2, save_top_k=-1,
+                                             save_last=True)
+        _fit(workdir, hf_checkpoint, 6, callbacks=(CrashOnSecondSave(), saver),
+             trainer_kwargs=dict(enable_checkpointing=True))
+""")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_killed_mid_write_is_never_picked_up(process_group, checkpoints, tmp_path):
+    from tests._distributed import free_port
+
+    script, log = tmp_path / "crashing_run.py", tmp_path / "crashing_run.log"
+    script.write_text(_CRASHING_RUN)
+    with log.open("w") as output:  # not a pipe: the dying run leaves dist_checkpointing's helper process behind
+        run = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(checkpoints["qwen3"]),
+                                str(free_port())], cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+        try:
+            returncode = run.wait(timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGKILL)
+    assert returncode == 17, log.read_text()[-3000:]
+
+    ckpts = tmp_path / "ckpts"
+    assert sorted(path.name for path in ckpts.glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    partial = ckpts / ".epoch=0-step=4.ckpt.partial"
+    assert (partial / "megatron").is_dir() and not megatron_checkpoint.is_complete(partial)
+    with pytest.raises(megatron_checkpoint.CheckpointError, match="not a complete MegatronStrategy checkpoint"):
+        megatron_checkpoint.load(partial, [], None)
+
+    resumed = _fit(tmp_path / "resume", checkpoints["qwen3"], 6, ckpt_path=str(ckpts / "last.ckpt"))
+    assert len(resumed["losses"]) == 4  # steps 3..6, continuing from the last complete checkpoint (step 2)
+
+
+class FreezeEmbeddingAndFirstLayer(pl.Callback):
+    """Freezes in `setup`, before Megatron DDP and the optimizer exist; records what DDP and the optimizer saw."""
+
+    frozen_prefixes = ("embedding.", "decoder.layers.0.")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for name, param in pl_module.model[0].named_parameters():
+            if name.startswith(self.frozen_prefixes):
+                param.requires_grad_(False)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.model_chunks[0]
+        self.ddp_params = {id(param) for buffer in ddp.buffers for param in buffer.params}
+        optimizer = trainer.optimizers[0].megatron_optimizer
+        self.optimizer_numel = sum(param.numel() for param in optimizer.get_parameters())
+
+
+def test_freezing_in_callback_setup_keeps_frozen_params_out_of_ddp_and_optimizer(process_group, checkpoints,
+                                                                                   tmp_path):
+    from megatron.core.utils import unwrap_model
+
+    freezer = FreezeEmbeddingAndFirstLayer()
+    before = _weights([unwrap_model(chunk) for chunk in _build_only(checkpoints["qwen3"])])
+    result = _fit(tmp_path, checkpoints["qwen3"], 3, callbacks=(freezer,), use_distributed_optimizer=False)
+    model = unwrap_model(result["trainer"].strategy.model_chunks[0])
+    frozen = {name: param for name, param in model.named_parameters() if name.startswith(freezer.frozen_prefixes)}
+    trainable = {name: param for name, param in model.named_parameters() if name not in frozen}
+    assert frozen and trainable
+    assert not any(id(param) in freezer.ddp_params for param in frozen.values())
+    assert all(id(param) in freezer.ddp_params for param in trainable.values())
+    assert freezer.optimizer_numel == sum(param.numel() for param in trainable.values())
+    for name in frozen:
+        assert torch.equal(result["weights"][f"0.{name}"], before[f"0.{name}"]), name
+    assert all(not torch.equal(result["weights"][f"0.{name}"], before[f"0.{name}"]) for name in trainable)
+
+
+def _build_only(hf_checkpoint: Path) -> list[torch.nn.Module]:
+    from lightning_megatron.bridges import ModelOptions, create_bridge
+
+    return create_bridge("mbridge", hf_checkpoint).build(ModelOptions())
+
+
+def test_export_hf_after_fit_gives_the_trained_weights_to_transformers(process_group, checkpoints, tmp_path):
+    import transformers
+
+    result = _fit(tmp_path, checkpoints["qwen3"], 2)
+    strategy = result["trainer"].strategy
+    exported = strategy.export_hf(tmp_path / "export")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    input_ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    model = strategy.model_chunks[0].eval()
+    with torch.no_grad():
+        ours = model(input_ids=input_ids, position_ids=torch.arange(SEQ).expand(2, SEQ), attention_mask=None)
+        theirs = hf_model(input_ids).logits
+    assert (ours - theirs).abs().max() <= 1e-5
+    original = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.float32)
+    assert not torch.equal(original.model.embed_tokens.weight, hf_model.model.embed_tokens.weight)
+
+
+def test_load_checkpoint_accepts_lightning_2_5_and_2_6_call_forms(process_group, checkpoints, tmp_path):
+    result = _fit(tmp_path, checkpoints["qwen3"], 1)
+    strategy, trainer = result["trainer"].strategy, result["trainer"]
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    trainer.state.fn = pl.trainer.states.TrainerFn.VALIDATING  # weights only, as trainer.validate(ckpt_path) does
+    assert strategy.load_checkpoint(tmp_path / "saved.ckpt")["global_step"] == 1  # 2.5: load_checkpoint(path)
+    assert strategy.load_checkpoint(tmp_path / "saved.ckpt", weights_only=False)["global_step"] == 1  # 2.6
+
+
+@pytest.mark.parametrize("trainer_kwargs, message", [
+    (dict(gradient_clip_val=1.0), "set MegatronStrategy\\(clip_grad=...\\)"),
+    (dict(accumulate_grad_batches=2), "set MegatronStrategy\\(global_batch_size=...\\)"),
+    (dict(precision="bf16-mixed"), "set MegatronStrategy\\(precision='bf16' or 'fp32'\\)"),
+])
+def test_trainer_options_that_megatron_replaces_fail_before_the_model_is_built(process_group, checkpoints, tmp_path,
+                                                                              trainer_kwargs, message):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3"]))
+    trainer = _trainer(tmp_path, strategy, 1, **trainer_kwargs)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(SFTModule(), _loader(1))
+    assert strategy.model_chunks == []
+
+
+def test_a_global_batch_that_does_not_split_into_microbatches_is_rejected(process_group, checkpoints, tmp_path):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3"]), micro_batch_size=2, global_batch_size=5)
+    with pytest.raises(ValueError, match="global_batch_size: 5 must be a multiple of micro_batch_size"):
+        _trainer(tmp_path, strategy, 1).fit(SFTModule(), _loader(2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
+    (dict(sequence_parallel=True), "sequence_parallel: true needs tensor_model_parallel_size > 1"),
+    (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size: 0 must be a positive integer"),
+    (dict(precision="fp16"), "precision: 'fp16' is not one of"),
+    (dict(clip_grad=-1.0), "clip_grad: -1.0 must be >= 0"),
+])
+def test_invalid_strategy_options_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MegatronStrategy(hf_checkpoint="unused", **kwargs)
+
+
+def test_a_world_size_that_does_not_fit_the_parallel_sizes_is_rejected(process_group, checkpoints, tmp_path):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3"]), tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="world size 1 is not a multiple of tensor x pipeline x context"):
+        _trainer(tmp_path, strategy, 1).fit(SFTModule(), _loader(1))
+
+
+def test_one_process_needs_no_launcher_so_notebooks_work(checkpoints, tmp_path):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3"]))
+    _trainer(tmp_path, strategy, 1)
+    assert strategy.launcher is None
