@@ -1,0 +1,189 @@
+"""``SFTDataModule``: chat or prompt/response JSONL to response-masked micro-batches, padded or packed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_megatron.data.jsonl import read_jsonl
+from lightning_megatron.data.packing import (
+    PackedSFTDataset,
+    PaddedSFTDataset,
+    PromptDataset,
+    collate_packed,
+    prompt_collate,
+    sequence_alignment,
+)
+from lightning_megatron.data.tokenize import Overlong, tokenize_examples, tokenize_prompts
+
+
+class SFTDataModule(pl.LightningDataModule):
+    """Supervised fine-tuning data from JSONL files, tokenized with the checkpoint's tokenizer.
+
+    Rows are ``{"messages": [...]}`` (loss on every assistant turn) or ``{"prompt": ..., "response": ...}``
+    (loss on the response). Every file of the stage is read, validated and tokenized in :meth:`setup`, so a
+    malformed row stops the run before training starts, named by ``path:line``.
+
+    Micro-batches are padded rows ``[micro_batch_size, seq_length]``, or with ``packing=True`` one row of
+    ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; use it
+    where the attention takes packed sequences. With ``context_parallel_size > 1`` every packed sequence is padded
+    to a multiple of ``2 * context_parallel_size``, so that :func:`split_for_context_parallel` can cut it.
+
+    ``hf_checkpoint``, ``micro_batch_size`` and ``context_parallel_size`` default to the trainer's strategy's
+    attributes of the same names (``context_parallel_size`` to 1 without one). Data-parallel sharding is left
+    to Lightning, which adds a distributed sampler from the strategy's ``distributed_sampler_kwargs``.
+    """
+
+    def __init__(
+        self,
+        train_path: str,
+        val_path: str | None = None,
+        test_path: str | None = None,
+        predict_path: str | None = None,
+        hf_checkpoint: str | None = None,
+        seq_length: int = 2048,
+        packing: bool = False,
+        micro_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        overlong: Overlong = "truncate",
+        context_parallel_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if seq_length < 2:
+            raise ValueError(f"seq_length must be at least 2 (a token and its label), got {seq_length}")
+        if overlong not in ("truncate", "drop", "error"):
+            raise ValueError(f"overlong must be 'truncate', 'drop' or 'error', got {overlong!r}")
+        self.train_path, self.val_path = train_path, val_path
+        self.test_path, self.predict_path = test_path, predict_path
+        self.hf_checkpoint = hf_checkpoint
+        self.seq_length = seq_length
+        self.packing = packing
+        self.micro_batch_size = micro_batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.overlong = overlong
+        self.context_parallel_size = context_parallel_size
+        self.tokenizer: Any = None
+        self.datasets: dict[str, Dataset] = {}
+
+    def setup(self, stage: str) -> None:
+        """Resolve the settings the strategy owns, then read, validate and tokenize the stage's files."""
+        self.micro_batch_size = self._resolved("micro_batch_size", self.micro_batch_size)
+        self.context_parallel_size = self._resolved("context_parallel_size", self.context_parallel_size, default=1)
+        self.hf_checkpoint = self._resolved("hf_checkpoint", self.hf_checkpoint)
+        self._check_layout()
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.hf_checkpoint)
+        paths = {
+            "fit": {"train": self.train_path, "val": self.val_path},
+            "validate": {"val": self.val_path},
+            "test": {"test": self.test_path},
+            "predict": {"predict": self.predict_path},
+        }[stage]
+        for split, path in paths.items():
+            if path is None:
+                if split != "val" or stage == "validate":
+                    raise ValueError(f"{split}_path is not set, but trainer.{stage}() needs it")
+                continue
+            if split not in self.datasets:
+                self.datasets[split] = self._build_dataset(split, path)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._dataloader("train")
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._dataloader("val") if "val" in self.datasets else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self._dataloader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._dataloader("predict")
+
+    @property
+    def pad_id(self) -> int:
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        if pad_id is None:
+            raise ValueError(f"the tokenizer of {self.hf_checkpoint} has neither a pad token nor an eos token")
+        return pad_id
+
+    def _build_dataset(self, split: str, path: str) -> Dataset:
+        if split == "predict":
+            prompts, dropped = tokenize_prompts(
+                read_jsonl(path, for_prediction=True), self.tokenizer, max_tokens=self.seq_length,
+                overlong=self.overlong,
+            )
+            self._warn_dropped(path, dropped, len(prompts))
+            if not prompts:
+                raise ValueError(f"{path}: no prompt is left after overlong='drop'; raise seq_length")
+            return PromptDataset(prompts)
+        examples, dropped = tokenize_examples(
+            read_jsonl(path), self.tokenizer, max_tokens=self.seq_length, overlong=self.overlong
+        )
+        self._warn_dropped(path, dropped, len(examples))
+        if not examples:
+            raise ValueError(f"{path}: no row is left to train on after overlong='drop'; raise seq_length")
+        if self.packing:
+            alignment = sequence_alignment(self.context_parallel_size)
+            return PackedSFTDataset(examples, self.seq_length, self.pad_id, alignment)
+        return PaddedSFTDataset(examples, self.seq_length, self.pad_id)
+
+    def _dataloader(self, split: str) -> DataLoader:
+        if split not in self.datasets:
+            raise RuntimeError(f"no {split} data: call setup() for the stage that reads {split}_path first")
+        dataset = self.datasets[split]
+        training = split == "train"
+        if split == "predict":
+            collate_fn = prompt_collate(self.pad_id)
+        else:
+            collate_fn = collate_packed if self.packing else None
+        return DataLoader(
+            dataset,
+            batch_size=self.micro_batch_size,
+            shuffle=training,
+            generator=torch.Generator().manual_seed(self.seed) if training else None,
+            drop_last=training,
+            num_workers=self.num_workers,
+            collate_fn=collate_fn,
+        )
+
+    def _resolved(self, name: str, value: Any, **fallback: Any) -> Any:
+        """``value`` if given, else the attached trainer's strategy's attribute ``name``, else ``fallback``."""
+        if value is not None:
+            return value
+        trainer = self.trainer
+        strategy_value = getattr(trainer.strategy, name, None) if trainer is not None else None
+        if strategy_value is not None:
+            return strategy_value
+        if "default" in fallback:
+            return fallback["default"]
+        raise ValueError(f"{name} is not set and no trainer strategy provides it: pass SFTDataModule({name}=...)")
+
+    def _check_layout(self) -> None:
+        alignment = sequence_alignment(self.context_parallel_size)
+        if self.seq_length % alignment != 0:
+            raise ValueError(
+                f"seq_length={self.seq_length} must be a multiple of 2 * context_parallel_size = {alignment}: "
+                "context parallelism cuts every sequence into that many equal chunks"
+            )
+        if self.packing and self.micro_batch_size != 1:
+            raise ValueError(
+                f"packing=True needs micro_batch_size=1, got {self.micro_batch_size}: a packed micro-batch is one "
+                "row of seq_length tokens holding several sequences; raise seq_length to put more in it"
+            )
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+
+    def _warn_dropped(self, path: str, dropped: int, kept: int) -> None:
+        if dropped:
+            rank_zero_warn(
+                f"{path}: dropped {dropped} of {dropped + kept} rows that do not fit seq_length={self.seq_length} "
+                "or have no response token to train on (overlong='drop')"
+            )

@@ -1,0 +1,144 @@
+"""Reading SFT JSONL and rejecting malformed rows before a run starts, with every bad row named by file and line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+VALID_ROW_HELP = (
+    "A valid row is one JSON object per line, either "
+    '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]} '
+    f"(roles: {', '.join(ROLES)}; the loss is on every assistant turn) "
+    'or {"prompt": "...", "response": "..."} (the loss is on the response).'
+)
+PREDICT_ROW_HELP = (
+    'A valid prediction row is {"prompt": "..."} or {"messages": [..., {"role": "user", "content": "..."}]} '
+    "(a conversation that ends with a turn to answer)."
+)
+_SHOWN_ERRORS = 5
+
+
+@dataclass(frozen=True)
+class Example:
+    """One validated row. Prompt/response rows keep their two fields: without a chat template they are tokenized
+    as plain text, with one they are rendered as a user turn and an assistant turn."""
+
+    source: str  # "path:line", for error messages
+    messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | None = None
+    response: str | None = None  # None only for prompt-only prediction rows
+
+    def as_messages(self) -> list[dict[str, str]]:
+        if self.messages is not None:
+            return [dict(message) for message in self.messages]
+        turns = [{"role": "user", "content": self.prompt}]
+        if self.response is not None:
+            turns.append({"role": "assistant", "content": self.response})
+        return turns
+
+
+class DataValidationError(ValueError):
+    """Raised when rows of an SFT file are malformed; the message lists the first few as ``path:line: problem``."""
+
+
+def raise_for_bad_rows(problems: list[str], total: int, help_text: str = VALID_ROW_HELP) -> None:
+    """Raise one :class:`DataValidationError` naming the first few of ``problems`` (each ``path:line: what``)."""
+    if not problems:
+        return
+    shown = "\n".join(f"  {problem}" for problem in problems[:_SHOWN_ERRORS])
+    more = f"\n  ... and {len(problems) - _SHOWN_ERRORS} more" if len(problems) > _SHOWN_ERRORS else ""
+    raise DataValidationError(f"{len(problems)} of {total} rows are malformed:\n{shown}{more}\n{help_text}")
+
+
+def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Example]:
+    """Read and validate every row of ``path``; raise :class:`DataValidationError` if any row is malformed.
+
+    Blank lines are skipped (line numbers still count them); keys other than ``messages``, ``prompt`` and
+    ``response`` are ignored, so rows may carry ids or metadata. ``for_prediction`` accepts rows without an answer.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
+    examples: list[Example] = []
+    problems: list[str] = []
+    rows = 0
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            rows += 1
+            source = f"{path}:{line_number}"
+            try:
+                examples.append(_parse_row(raw.decode("utf-8"), source, for_prediction))
+            except UnicodeDecodeError:
+                problems.append(f"{source}: not valid UTF-8")
+            except ValueError as error:
+                problems.append(f"{source}: {error}")
+    help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
+    if rows == 0:
+        raise DataValidationError(f"{path} has no rows. {help_text}")
+    raise_for_bad_rows(problems, rows, help_text)
+    return examples
+
+
+def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"invalid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {_type_name(row)}")
+    if "messages" in row and ("prompt" in row or "response" in row):
+        raise ValueError("has both 'messages' and 'prompt'/'response'; use one format per row")
+    if "messages" in row:
+        return Example(source, messages=_parse_messages(row["messages"], for_prediction))
+    if "prompt" not in row:
+        raise ValueError(f"missing key 'messages' or 'prompt' (keys present: {sorted(row)})")
+    prompt = row["prompt"]
+    if not isinstance(prompt, str):
+        raise ValueError(f"'prompt' must be a string, got {_type_name(prompt)}")
+    if "response" not in row:
+        if for_prediction:
+            return Example(source, prompt=prompt)
+        raise ValueError("missing key 'response'")
+    response = row["response"]
+    if not isinstance(response, str):
+        raise ValueError(f"'response' must be a string, got {_type_name(response)}")
+    if not response.strip():
+        raise ValueError("'response' is empty")
+    return Example(source, prompt=prompt, response=response)
+
+
+def _parse_messages(messages: Any, for_prediction: bool) -> tuple[dict[str, str], ...]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"'messages' must be a non-empty list, got {_type_name(messages)}")
+    parsed = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ValueError(f"{where} must be an object with 'role' and 'content', got {_type_name(message)}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"{where} is missing key {key!r}")
+            if not isinstance(message[key], str):
+                raise ValueError(f"{where}.{key} must be a string, got {_type_name(message[key])}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"{where}.role {message['role']!r} is unknown (known roles: {', '.join(ROLES)})")
+        if message["role"] == "assistant" and not for_prediction and not message["content"].strip():
+            raise ValueError(f"{where} is an assistant turn with empty content")
+        parsed.append({"role": message["role"], "content": message["content"]})
+    if for_prediction and parsed[-1]["role"] == "assistant":
+        raise ValueError("a prediction conversation must not end with an assistant turn")
+    if not for_prediction and not any(message["role"] == "assistant" for message in parsed):
+        raise ValueError("'messages' has no assistant turn to train on")
+    return tuple(parsed)
+
+
+def _type_name(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

@@ -1,0 +1,164 @@
+"""Micro-batch layouts: one sequence per row padded to ``seq_length``, or several sequences packed into one row (THD).
+
+Both layouts give ``input_ids``, ``labels`` (the next token), ``loss_mask`` (1 where the label is a response token)
+and ``position_ids``. A label never crosses the end of its sequence: the last token of every sequence, and every
+padding token, has ``loss_mask`` 0 (its label is the pad id, a valid id that is never trained on). Packed rows add
+``cu_seqlens`` and ``max_seqlen`` for variable-length attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from lightning_megatron.data.tokenize import TokenizedExample
+
+SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
+
+
+def sequence_alignment(context_parallel_size: int) -> int:
+    """The multiple every packed sequence's length is padded to: Megatron's context-parallel layout cuts each
+    sequence into ``2 * cp`` equal chunks."""
+    return 2 * context_parallel_size if context_parallel_size > 1 else 1
+
+
+def pad_example(example: TokenizedExample, seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One sequence, padded at the right end to ``seq_length``."""
+    if len(example) > seq_length:
+        raise ValueError(f"{example.source}: {len(example)} tokens do not fit seq_length={seq_length}")
+    sample = _empty_row(seq_length, pad_id)
+    _write_sequence(sample, example, 0)
+    sample["position_ids"] = torch.arange(seq_length, dtype=torch.int64)
+    return sample
+
+
+def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Greedy first-fit in the given order: each length goes into the first bin with room left, else a new bin.
+
+    Deterministic (same lengths, same bins), and it keeps nearby rows together. Returns the indices per bin.
+    """
+    remaining = np.zeros(len(lengths), dtype=np.int64)
+    bins: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        if length > capacity:
+            raise ValueError(f"a sequence of {length} tokens does not fit in {capacity}")
+        fits = remaining[: len(bins)] >= length
+        target = int(fits.argmax()) if fits.any() else len(bins)
+        if target == len(bins):
+            bins.append([])
+            remaining[target] = capacity
+        bins[target].append(index)
+        remaining[target] -= length
+    return bins
+
+
+def pack_examples(
+    examples: Sequence[TokenizedExample], seq_length: int, pad_id: int, alignment: int = 1
+) -> dict[str, torch.Tensor]:
+    """Concatenate ``examples`` into one row of ``seq_length`` tokens.
+
+    Each sequence is padded to a multiple of ``alignment`` and its positions count from 0; what is left at the end
+    becomes one more padding segment, so ``cu_seqlens`` (int32, ``[n + 1]``) always ends at ``seq_length``.
+    """
+    sample = _empty_row(seq_length, pad_id)
+    position_ids = torch.zeros(seq_length, dtype=torch.int64)
+    boundaries = [0]
+    for example in examples:
+        start = boundaries[-1]
+        span = -(-len(example) // alignment) * alignment
+        if start + span > seq_length:
+            raise ValueError(f"the sequences do not fit seq_length={seq_length}")
+        _write_sequence(sample, example, start)
+        position_ids[start : start + span] = torch.arange(span)
+        boundaries.append(start + span)
+    if boundaries[-1] < seq_length:
+        position_ids[boundaries[-1] :] = torch.arange(seq_length - boundaries[-1])
+        boundaries.append(seq_length)
+    cu_seqlens = torch.tensor(boundaries, dtype=torch.int32)
+    sample["position_ids"] = position_ids
+    sample["cu_seqlens"] = cu_seqlens
+    sample["max_seqlen"] = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+    return sample
+
+
+class PaddedSFTDataset(Dataset):
+    """One sequence per sample, padded to ``seq_length``; the default collate stacks them into ``[b, s]``."""
+
+    def __init__(self, examples: list[TokenizedExample], seq_length: int, pad_id: int) -> None:
+        self.examples, self.seq_length, self.pad_id = examples, seq_length, pad_id
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return pad_example(self.examples[index], self.seq_length, self.pad_id)
+
+
+class PackedSFTDataset(Dataset):
+    """Sequences packed by :func:`first_fit` (in file order) into rows of ``seq_length``; use :func:`collate_packed`."""
+
+    def __init__(self, examples: list[TokenizedExample], seq_length: int, pad_id: int, alignment: int = 1) -> None:
+        self.examples, self.seq_length, self.pad_id, self.alignment = examples, seq_length, pad_id, alignment
+        spans = [-(-len(example) // alignment) * alignment for example in examples]
+        self.bins = first_fit(spans, seq_length)
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        members = [self.examples[i] for i in self.bins[index]]
+        return pack_examples(members, self.seq_length, self.pad_id, self.alignment)
+
+
+def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A packed micro-batch is one row: ``[1, s]`` tensors, ``cu_seqlens`` ``[n + 1]``, ``max_seqlen`` a scalar."""
+    if len(samples) != 1:
+        raise ValueError(f"a packed micro-batch holds one row, got {len(samples)}: use micro_batch_size=1")
+    (sample,) = samples
+    return {key: value.unsqueeze(0) if key in SEQUENCE_KEYS else value for key, value in sample.items()}
+
+
+class PromptDataset(Dataset):
+    """Prediction prompts, unpadded; :func:`prompt_collate` pads a batch at the right end."""
+
+    def __init__(self, prompts: list[torch.Tensor]) -> None:
+        self.prompts = prompts
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.prompts[index]
+
+
+def prompt_collate(pad_id: int) -> partial:
+    """Collate prompts into left-aligned ``input_ids`` ``[b, longest]`` (pad id after each) and ``prompt_lengths``."""
+    return partial(_collate_prompts, pad_id=pad_id)
+
+
+def _collate_prompts(prompts: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([prompt.numel() for prompt in prompts], dtype=torch.int64)
+    input_ids = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, : prompt.numel()] = prompt
+    return {"input_ids": input_ids, "prompt_lengths": lengths}
+
+
+def _empty_row(seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.full((seq_length,), pad_id, dtype=torch.int64),
+        "labels": torch.full((seq_length,), pad_id, dtype=torch.int64),
+        "loss_mask": torch.zeros(seq_length, dtype=torch.float32),
+    }
+
+
+def _write_sequence(sample: dict[str, torch.Tensor], example: TokenizedExample, start: int) -> None:
+    """Write one sequence at ``start``: its ids, the next token as label, and the response mask of that label."""
+    n = len(example)
+    sample["input_ids"][start : start + n] = example.input_ids
+    sample["labels"][start : start + n - 1] = example.input_ids[1:]
+    sample["loss_mask"][start : start + n - 1] = example.response_mask[1:].float()

@@ -1,0 +1,189 @@
+"""Rows to token ids and a response mask, with the checkpoint's own tokenizer and chat template.
+
+The mask marks the tokens that are *answers* (every assistant turn, with the token that ends it); the loss is taken
+where the next token, the label, is one of them. Packing and padding (``packing.py``) turn a token mask into the
+label-aligned ``loss_mask``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from lightning_megatron.data.jsonl import Example, raise_for_bad_rows
+
+Overlong = Literal["truncate", "drop", "error"]
+
+_GENERATION_BLOCK = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # the test transformers itself applies
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    source: str  # "path:line"
+    input_ids: torch.Tensor  # int64 [n]
+    response_mask: torch.Tensor  # bool [n]: the token belongs to a response
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def trainable_tokens(self) -> int:
+        """Response tokens that are some position's label: every one but a response token at position 0."""
+        return int(self.response_mask[1:].sum())
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
+    """Token ids and response mask of one training row.
+
+    With a chat template, the row is rendered as a conversation (a prompt/response row as one user turn and one
+    assistant turn) and every assistant turn is trained on. Without one, only prompt/response rows are possible:
+    ``prompt tokens + response tokens + eos``, trained on the response and the eos, so the model learns to stop.
+    """
+    if has_chat_template(tokenizer):
+        ids, mask = _chat_ids_and_mask(tokenizer, example.as_messages())
+    elif example.messages is not None:
+        raise ValueError(
+            "is a 'messages' row, but the tokenizer has no chat template to render it; "
+            "write prompt/response rows or use a checkpoint whose tokenizer has a chat template"
+        )
+    else:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("cannot end the response: the tokenizer has no chat template and no eos token")
+        prompt = tokenizer(example.prompt, add_special_tokens=True)["input_ids"]
+        response = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
+    return TokenizedExample(
+        example.source, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
+    )
+
+
+def tokenize_prompt(example: Example, tokenizer: Any) -> torch.Tensor:
+    """Token ids of a prediction row, ending where the model should start answering."""
+    if has_chat_template(tokenizer):
+        ids = _render(tokenizer, example.as_messages(), add_generation_prompt=True)
+    elif example.messages is not None:
+        raise ValueError("is a 'messages' row, but the tokenizer has no chat template to render it")
+    else:
+        ids = tokenizer(example.prompt, add_special_tokens=True)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def tokenize_examples(
+    examples: list[Example], tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
+) -> tuple[list[TokenizedExample], int]:
+    """Tokenize training rows and fit them into ``max_tokens``; returns ``(kept, number dropped)``.
+
+    A row longer than ``max_tokens`` is cut to its first ``max_tokens`` tokens (``"truncate"``), left out
+    (``"drop"``) or reported (``"error"``). A row left with no token to train on is reported (dropped with
+    ``"drop"``). Every problem is raised at once as a :class:`DataValidationError` naming ``path:line``.
+    """
+    kept: list[TokenizedExample] = []
+    problems: list[str] = []
+    dropped = 0
+    for example in examples:
+        try:
+            tokenized = tokenize_example(example, tokenizer)
+        except ValueError as error:
+            problems.append(f"{example.source}: {error}")
+            continue
+        length = len(tokenized)
+        if length > max_tokens:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            if overlong == "error":
+                problems.append(
+                    f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
+                    "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'"
+                )
+                continue
+            tokenized = TokenizedExample(
+                example.source, tokenized.input_ids[:max_tokens], tokenized.response_mask[:max_tokens]
+            )
+        if tokenized.trainable_tokens == 0:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            cut = f" after truncating its {length} tokens to {max_tokens}" if length > max_tokens else ""
+            problems.append(
+                f"{example.source}: no response token left to train on{cut}; "
+                "raise seq_length, shorten the prompt, or set overlong='drop'"
+            )
+            continue
+        kept.append(tokenized)
+    raise_for_bad_rows(problems, len(examples))
+    return kept, dropped
+
+
+def tokenize_prompts(
+    examples: list[Example], tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
+) -> tuple[list[torch.Tensor], int]:
+    """Tokenize prediction rows; a prompt longer than ``max_tokens`` keeps its *end* (where the turn to answer
+    is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``."""
+    kept: list[torch.Tensor] = []
+    problems: list[str] = []
+    dropped = 0
+    for example in examples:
+        try:
+            ids = tokenize_prompt(example, tokenizer)
+        except ValueError as error:
+            problems.append(f"{example.source}: {error}")
+            continue
+        if ids.numel() > max_tokens:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            if overlong == "error":
+                problems.append(f"{example.source}: the prompt has {ids.numel()} tokens, more than {max_tokens}")
+                continue
+            ids = ids[-max_tokens:]
+        kept.append(ids)
+    raise_for_bad_rows(problems, len(examples))
+    return kept, dropped
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+
+def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """Render ``messages`` with the chat template and mark the assistant turns.
+
+    A template with a ``{% generation %}`` block marks them itself (``return_assistant_tokens_mask``). Without
+    one, each assistant turn ``i`` is found by rendering prefixes: its tokens run from the end of
+    ``render(messages[:i], add_generation_prompt=True)`` (the assistant header) to the end of
+    ``render(messages[:i + 1])``, cut after the last eos token inside that span, so separators the template puts
+    after the end-of-turn token (ChatML's newline) are not trained on. This needs the template to render a
+    conversation's prefix as a prefix of its tokens; a template that does not (one that rewrites earlier turns,
+    say) is rejected with a request for a ``{% generation %}`` block.
+    """
+    if _GENERATION_BLOCK.search(tokenizer.chat_template):
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(rendered["input_ids"]), list(rendered["assistant_masks"])
+    ids = _render(tokenizer, messages)
+    mask = [0] * len(ids)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        header = _render(tokenizer, messages[:turn], add_generation_prompt=True) if turn else []
+        through_turn = _render(tokenizer, messages[: turn + 1])
+        start, end = len(header), len(through_turn)
+        if header != ids[:start] or through_turn != ids[:end] or start >= end:
+            raise ValueError(
+                "the chat template does not render the conversation's beginning as a prefix of the whole, so the "
+                "assistant tokens cannot be found; use a chat template with a {% generation %} block"
+            )
+        ends_of_turn = [i for i in range(start, end) if ids[i] == tokenizer.eos_token_id]
+        if ends_of_turn:
+            end = ends_of_turn[-1] + 1
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
