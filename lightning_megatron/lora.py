@@ -1,0 +1,221 @@
+"""LoRA through megatron-bridge's PEFT: adapters added before Megatron wraps the model, exported for HF.
+
+`LoRACallback` registers a pre-wrap hook with `MegatronStrategy`. The hook runs in `setup`, after the bridge has
+loaded the HF weights and before Float16Module, Megatron DDP and the optimizer exist, so it freezes every base
+weight and adds `megatron.bridge.peft.lora.LoRA` adapters: DDP's buffers and the optimizer hold only adapters.
+The trained adapters leave in two forms, both through the bridge's name mappings (TP shards gathered, fused
+QKV / gate-up split into HF's projections): an HF PEFT adapter folder (`export_lora_adapter`, loadable with
+`peft.PeftModel.from_pretrained`) and a merged HF checkpoint (`export_lora_merged`, loadable without `peft`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from safetensors.torch import save_file
+
+from lightning_megatron.bridges.base import BridgeError, write_atomically
+
+if TYPE_CHECKING:
+    from lightning_megatron.strategy import MegatronStrategy
+
+# The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
+DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Which linears get adapters, and their shape: `W x + (alpha / rank) * B A x`, with `B` starting at zero.
+
+    `target_modules`: module names (`linear_qkv`) or wildcard patterns over full names
+    (`*.layers.0.*.linear_qkv`; layer numbers are local to the pipeline stage).
+    """
+
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str) or not self.target_modules or not all(
+            isinstance(name, str) and name for name in self.target_modules
+        ):
+            raise ValueError(f"target_modules: {self.target_modules!r} must be a non-empty list of module names, "
+                             f"e.g. {list(DEFAULT_TARGET_MODULES)}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank: {self.rank!r} must be a positive integer (8 or 16 are common)")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:
+            raise ValueError(f"alpha: {self.alpha!r} must be > 0 (the adapter is scaled by alpha / rank)")
+        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: {self.dropout!r} must be in [0, 1)")
+
+    def megatron_bridge_lora(self) -> Any:
+        """megatron-bridge's `LoRA` transform for this config (megatron.bridge must already be imported)."""
+        from megatron.bridge.peft.lora import LoRA
+
+        return LoRA(target_modules=list(self.target_modules), dim=self.rank, alpha=self.alpha, dropout=self.dropout)
+
+
+def check_lora_supported(bridge_type: str, mtp_only: bool) -> None:
+    """Raise, before any model is built, for the combinations LoRA cannot serve."""
+    if bridge_type != "megatron-bridge":
+        raise BridgeError(f"bridge_type: {bridge_type} has no LoRA/PEFT support (LoRACallback); "
+                          "set bridge_type: megatron-bridge")
+    if mtp_only:
+        raise ValueError("LoRACallback and MTPOnlyCallback cannot be used together: LoRA freezes every base weight, "
+                         "the MTP head's included, and trains only adapters, while MTPOnlyCallback trains the whole "
+                         "MTP head; remove one of the two callbacks")
+
+
+class LoRACallback(pl.Callback):
+    """Train LoRA adapters on a frozen model; arguments are `LoRAConfig`'s.
+
+    Needs `MegatronStrategy(bridge_type="megatron-bridge")`. Export afterwards with `export_lora_adapter` or
+    `export_lora_merged`.
+    """
+
+    def __init__(
+        self,
+        target_modules: list[str] | None = None,
+        rank: int = 8,
+        alpha: int = 16,
+        dropout: float = 0.0,
+    ) -> None:
+        self.config = LoRAConfig(
+            target_modules=list(DEFAULT_TARGET_MODULES) if target_modules is None else list(target_modules),
+            rank=rank, alpha=alpha, dropout=dropout,
+        )
+        self._hooked_strategy: Any = None
+
+    def validate_megatron_setup(self, strategy: Any, module: pl.LightningModule) -> None:
+        """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
+        from lightning_megatron.callbacks import MTPOnlyCallback
+
+        mtp_only = any(isinstance(callback, MTPOnlyCallback) for callback in module.trainer.callbacks)
+        check_lora_supported(strategy.bridge_type, mtp_only)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if not callable(getattr(strategy, "register_pre_wrap_hook", None)):
+            raise TypeError(f"LoRACallback needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
+        self.validate_megatron_setup(strategy, pl_module)
+        if self._hooked_strategy is strategy:
+            return  # the strategy keeps its hooks across fit / validate / test
+        self._hooked_strategy = strategy
+        strategy.register_pre_wrap_hook(
+            lambda chunks: self.add_adapters(chunks, training=trainer.state.fn == TrainerFn.FITTING)
+        )
+
+    def add_adapters(self, chunks: list[torch.nn.Module], *, training: bool = True) -> None:
+        """Freeze every parameter of `chunks` and wrap the target linears with adapters, in place."""
+        lora = self.config.megatron_bridge_lora()
+        lora(chunks, training=training)
+        _check_every_target_matched(chunks, self.config.target_modules)
+
+
+def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: list[str]) -> None:
+    """megatron-bridge only warns about a target that matches nothing; a typo here would train nothing it names."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+    from megatron.bridge.peft.utils import wildcard_match
+    from megatron.core import parallel_state
+
+    wrapped = [name for chunk in chunks for name, module in chunk.named_modules() if isinstance(module, LoRALinear)]
+    matches = torch.tensor([
+        sum(1 for name in wrapped if name.rsplit(".", 1)[-1] == target or wildcard_match(target, name))
+        for target in target_modules
+    ], dtype=torch.int64, device=next(chunks[0].parameters()).device)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # another stage may hold the match
+        dist.all_reduce(matches, group=parallel_state.get_pipeline_model_parallel_group())
+    unmatched = [target for target, count in zip(target_modules, matches.tolist(), strict=True) if count == 0]
+    if unmatched:
+        raise ValueError(f"target_modules: {unmatched} matched no linear layer of the model; use names such as "
+                         f"{list(DEFAULT_TARGET_MODULES)} or patterns such as '*.layers.0.*.linear_qkv'")
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def export_lora_adapter(strategy: MegatronStrategy, path: str | Path) -> Path:
+    """Write the adapters as an HF PEFT folder (`adapter_config.json`, `adapter_model.safetensors`), atomically.
+
+    Names and layouts are megatron-bridge's PEFT export (TP shards gathered, fused QKV and gate/up split per HF
+    projection); rank, alpha and dropout are read from the adapters themselves. All ranks call it; rank 0 writes.
+    """
+    from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+    from megatron.bridge.models.conversion.peft_bridge import (
+        build_adapter_config_dict,
+        convert_adapter_weights_to_peft_state,
+        infer_rank_pattern_from_adapter_weights,
+        infer_target_modules_from_adapter_weights,
+    )
+
+    path = Path(path)
+    bridge, chunks = _megatron_bridge_and_chunks(strategy)
+    trained = _trained_lora(chunks, "export_lora_adapter")
+    weights = [
+        HFWeightTuple(name, tensor.detach().to("cpu").clone().contiguous())
+        for name, tensor in bridge.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)
+    ]
+    state, module_weight_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
+    config = build_adapter_config_dict(
+        trained,
+        target_modules=infer_target_modules_from_adapter_weights(module_weight_names),
+        target_parameters=target_parameters,
+        base_model_name_or_path=str(bridge.hf_path),
+        rank_pattern=infer_rank_pattern_from_adapter_weights(weights, default_rank=trained.dim),
+    )
+
+    def write(folder: Path) -> None:
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_atomically(path, write)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def export_lora_merged(strategy: MegatronStrategy, path: str | Path) -> Path:
+    """Write an HF checkpoint with `W + (alpha / rank) * B A` in every adapted linear, atomically.
+
+    The bridge's HF export merges the adapters into copies of the base weights (the model keeps its adapters), so
+    the result loads with plain transformers. All ranks call it; rank 0 writes.
+    """
+    _, chunks = _megatron_bridge_and_chunks(strategy)
+    _trained_lora(chunks, "export_lora_merged")
+    return strategy.export_hf(path)
+
+
+def _megatron_bridge_and_chunks(strategy: MegatronStrategy) -> tuple[Any, list[torch.nn.Module]]:
+    from megatron.core.utils import unwrap_model
+
+    check_lora_supported(strategy.bridge_type, mtp_only=False)
+    bridge = strategy._bridge
+    if bridge is None or not strategy.model_chunks:
+        raise RuntimeError("export: the strategy has no model yet; call it after trainer.fit(...)")
+    return bridge, [unwrap_model(chunk) for chunk in strategy.model_chunks]
+
+
+def _trained_lora(chunks: list[torch.nn.Module], caller: str) -> Any:
+    """The `LoRA` settings the model's adapters were built with (one rank, alpha and dropout for all of them)."""
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    adapters = [module.adapter for chunk in chunks for module in chunk.modules() if isinstance(module, LoRALinear)]
+    if not adapters:
+        raise ValueError(f"{caller}: the model has no LoRA adapters; train with "
+                         "Trainer(callbacks=[LoRACallback(...)]) first, or use strategy.export_hf for a full model")
+    settings = {(adapter.dim, adapter.alpha, getattr(adapter.dropout, "p", 0.0)) for adapter in adapters}
+    if len(settings) > 1:
+        raise ValueError(f"{caller}: the adapters differ in (rank, alpha, dropout): {sorted(settings)}; "
+                         "one adapter_config.json cannot describe them")
+    ((dim, alpha, dropout),) = settings
+    return LoRA(dim=dim, alpha=alpha, dropout=dropout)

@@ -1,0 +1,214 @@
+"""LoRA through megatron-bridge under a real Trainer: only adapters train, and both HF exports reproduce the model.
+
+The exported adapter is checked with `peft` on the Hugging Face model, the merged export with plain transformers;
+both against the logits of the Megatron model that was trained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from lightning_megatron.bridges import BridgeError
+from lightning_megatron.callbacks import MTPOnlyCallback
+from lightning_megatron.lora import (
+    LoRACallback,
+    LoRAConfig,
+    check_lora_supported,
+    export_lora_adapter,
+    export_lora_merged,
+)
+from lightning_megatron.module import SFTModule
+from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+from tests._distributed import run_distributed
+
+SEQ, VOCAB, SAMPLES, STEPS = 16, 384, 16, 3
+LORA = dict(rank=4, alpha=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("lora") / "qwen3", "qwen3")
+
+
+class RecordWeights(pl.Callback):
+    """Base weights at `setup` (before the pre-wrap hook adds adapters); adapters, DDP and optimizer at fit start."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.base = {id(param): (name, param, param.detach().clone())
+                     for name, param in pl_module.model[0].named_parameters()}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.utils import unwrap_model
+
+        model = unwrap_model(trainer.strategy.model_chunks[0])
+        self.adapters = {name: (param, param.detach().clone()) for name, param in model.named_parameters()
+                         if id(param) not in self.base}
+        self.trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        ddp = trainer.strategy.model_chunks[0]
+        self.ddp_params = {id(param) for buffer in ddp.buffers for param in buffer.params}
+        optimizer = trainer.optimizers[0].megatron_optimizer
+        self.optimizer_numel = sum(param.numel() for param in optimizer.get_parameters())
+
+
+def _fit(tmp_path: Path, checkpoint: Path, devices: int = 1, **strategy_kwargs: Any) -> dict:
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", precision="fp32",
+                                micro_batch_size=2, global_batch_size=4, **strategy_kwargs)
+    recorder = RecordWeights()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS,
+                         callbacks=[LoRACallback(**LORA), recorder], default_root_dir=tmp_path,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    loader = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=2, drop_last=True)
+    trainer.fit(SFTModule(lr=1e-2), loader)
+    return {"strategy": strategy, "recorder": recorder}
+
+
+def _input_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _megatron_logits(strategy: MegatronStrategy, input_ids: torch.Tensor) -> torch.Tensor:
+    from megatron.core.utils import unwrap_model
+
+    model = unwrap_model(strategy.model_chunks[0]).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids, position_ids=torch.arange(SEQ).expand_as(input_ids), attention_mask=None)
+
+
+def _hf_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids).logits
+
+
+@pytest.fixture(scope="module")
+def lora_fit(process_group, checkpoint, tmp_path_factory) -> dict:
+    """One LoRA fit at TP=1 with both exports, shared by the tests that read it."""
+    tmp_path = tmp_path_factory.mktemp("lora_fit")
+    result = _fit(tmp_path, checkpoint)
+    result["adapter"] = export_lora_adapter(result["strategy"], tmp_path / "adapter")
+    result["merged"] = export_lora_merged(result["strategy"], tmp_path / "merged")
+    result["logits"] = _megatron_logits(result["strategy"], _input_ids())
+    return result
+
+
+def test_only_adapters_train_and_only_they_reach_ddp_and_the_optimizer(lora_fit):
+    recorder = lora_fit["recorder"]
+    assert len(recorder.adapters) == 16  # linear_in + linear_out of 4 linears x 2 layers
+    assert all(".adapter.linear_" in name for name in recorder.adapters)
+    assert recorder.trainable == set(recorder.adapters)
+    unchanged_base = [name for name, param, before in recorder.base.values() if torch.equal(param, before)]
+    assert sorted(unchanged_base) == sorted(name for name, _, _ in recorder.base.values())
+    changed_adapters = [name for name, (param, before) in recorder.adapters.items() if not torch.equal(param, before)]
+    assert sorted(changed_adapters) == sorted(recorder.adapters)
+    assert recorder.ddp_params == {id(param) for param, _ in recorder.adapters.values()}
+    assert recorder.optimizer_numel == sum(param.numel() for param, _ in recorder.adapters.values())
+
+
+def test_exported_adapter_on_the_hf_model_gives_the_megatron_logits(lora_fit, checkpoint):
+    import peft
+    import transformers
+
+    config = json.loads((lora_fit["adapter"] / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8, 0.0)
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    base_logits = _hf_logits(base, _input_ids())
+    with_adapter = peft.PeftModel.from_pretrained(base, lora_fit["adapter"])
+    logits = _hf_logits(with_adapter, _input_ids())
+    assert (logits - lora_fit["logits"]).abs().max() <= 1e-5
+    assert (base_logits - lora_fit["logits"]).abs().max() > 1e-2  # the adapters did change the model
+
+
+def test_merged_export_gives_the_megatron_logits_without_peft(lora_fit, checkpoint):
+    import transformers
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(lora_fit["merged"], dtype=torch.float32)
+    assert (_hf_logits(merged, _input_ids()) - lora_fit["logits"]).abs().max() <= 1e-5
+    exported = load_file(lora_fit["merged"] / "model.safetensors")
+    original = load_file(checkpoint / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    changed = sorted(name for name in original if not torch.equal(exported[name], original[name]))
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert changed == sorted(name for name in original if name.endswith(tuple(f"{p}.weight" for p in projections)))
+    assert len(changed) == 14  # 7 adapted projections x 2 layers; norms, embedding and LM head untouched
+
+
+def _tensor_parallel_adapter(rank: int, world_size: int, tmp: str, checkpoint: str) -> None:
+    result = _fit(Path(tmp) / f"rank{rank}", Path(checkpoint), devices=world_size, tensor_model_parallel_size=2)
+    export_lora_adapter(result["strategy"], Path(tmp) / "adapter_tp2")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_lora_exports_the_same_adapter(lora_fit, checkpoint, tmp_path):
+    run_distributed(_tensor_parallel_adapter, tmp_path, str(tmp_path), str(checkpoint))
+    tp1 = load_file(lora_fit["adapter"] / "adapter_model.safetensors")
+    tp2 = load_file(tmp_path / "adapter_tp2" / "adapter_model.safetensors")
+    assert sorted(tp2) == sorted(tp1)
+    # LoRA-A gradients start near Adam's eps (B starts at zero), where Adam turns the rounding differences of TP's
+    # reductions into relative update differences of ~2e-5 in a few elements; a misplaced shard or q/k/v slice
+    # would differ by the tensor's own size (|A| ~ 0.5, |B| ~ 2e-2).
+    for name, tensor in tp1.items():
+        torch.testing.assert_close(tp2[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert json.loads((tmp_path / "adapter_tp2" / "adapter_config.json").read_text()) == json.loads(
+        (lora_fit["adapter"] / "adapter_config.json").read_text())
+
+
+def test_lora_on_mbridge_fails_before_the_model_is_built(process_group, checkpoint, tmp_path):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="mbridge", precision="fp32")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, callbacks=[LoRACallback()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=tmp_path)
+    with pytest.raises(BridgeError, match="bridge_type: mbridge has no LoRA/PEFT support .* set bridge_type: "
+                                          "megatron-bridge"):
+        trainer.fit(SFTModule(), DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
+    assert strategy.model_chunks == [] and not hasattr(trainer.lightning_module, "model")
+
+
+def test_a_target_module_that_matches_nothing_is_an_error(process_group, checkpoint, tmp_path):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", precision="fp32")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         callbacks=[LoRACallback(target_modules=["linear_qkv", "linear_qvk"])],
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="target_modules: \\['linear_qvk'\\] matched no linear layer"):
+        trainer.fit(SFTModule(), DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
+
+
+def test_check_lora_supported_names_the_fix():
+    with pytest.raises(BridgeError, match="bridge_type: mbridge has no LoRA/PEFT support"):
+        check_lora_supported("mbridge", mtp_only=False)
+    with pytest.raises(ValueError, match="LoRACallback and MTPOnlyCallback cannot be used together"):
+        check_lora_supported("megatron-bridge", mtp_only=True)
+    check_lora_supported("megatron-bridge", mtp_only=False)
+
+
+def test_lora_with_mtp_only_fails_before_the_model_is_built(process_group, tmp_path):
+    mtp_checkpoint = make_tiny_checkpoint(tmp_path / "qwen3_mtp", "qwen3", mtp=True)
+    strategy = MegatronStrategy(hf_checkpoint=str(mtp_checkpoint), bridge_type="megatron-bridge", precision="fp32")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1,
+                         callbacks=[MTPOnlyCallback(), LoRACallback()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="LoRACallback and MTPOnlyCallback cannot be used together"):
+        trainer.fit(SFTModule(enable_mtp=True), DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
+    assert strategy.model_chunks == [] and not hasattr(trainer.lightning_module, "model")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target_modules=[]), "target_modules: \\[\\] must be a non-empty list"),
+    (dict(target_modules="linear_qkv"), "target_modules: 'linear_qkv' must be a non-empty list"),
+    (dict(rank=0), "rank: 0 must be a positive integer"),
+    (dict(alpha=0), "alpha: 0 must be > 0"),
+    (dict(dropout=1.0), "dropout: 1.0 must be in \\[0, 1\\)"),
+])
+def test_invalid_lora_options_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoRAConfig(**kwargs)
