@@ -90,8 +90,9 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     bf16 = config.precision == "bf16"
+    overrides = {"calculate_per_token_loss": True} | ({} if bf16 else {"cross_entropy_loss_fusion": False})
     options = ModelOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                           config_overrides={"calculate_per_token_loss": True, **config.model_overrides})
+                           config_overrides=overrides | config.model_overrides)
     chunks = [chunk.to(device) for chunk in create_bridge(config.bridge_type, config.hf_checkpoint).build(options)]
     model_config = get_model_config(chunks[0])
     if bf16:

@@ -252,8 +252,7 @@ class MegatronStrategy(ParallelStrategy):
             params_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
             sequence_parallel=self.sequence_parallel,
             attention_backend=self.attention_backend,
-            # token-weighted loss over microbatches and DP x CP ranks: Megatron divides by the global token count
-            config_overrides={**options.config_overrides, "calculate_per_token_loss": True},
+            config_overrides={**self._config_overrides(), **options.config_overrides},
         )
         self._bridge = create_bridge(self.bridge_type, self.hf_checkpoint, trust_remote_code=self.trust_remote_code)
         for callback in module.trainer.callbacks:
@@ -263,6 +262,14 @@ class MegatronStrategy(ParallelStrategy):
         self._bridge.validate(options)
         chunks = self._bridge.build(options)
         module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in chunks)
+
+    def _config_overrides(self) -> dict[str, Any]:
+        overrides: dict[str, Any] = {"calculate_per_token_loss": True}  # token-weighted over microbatches and DP x CP
+        if self.precision == "fp32":
+            # megatron-core's fused ("native") cross-entropy returns bf16 logit gradients whatever the dtype
+            # (fusions/fused_cross_entropy.py:73); megatron-bridge turns it on by default
+            overrides["cross_entropy_loss_fusion"] = False
+        return overrides
 
     # ------------------------------------------------------------------ setup: pre-wrap hooks, DDP, optimizer
 

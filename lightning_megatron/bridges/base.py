@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
+from lightning_megatron.mtp import check_mtp_training_options
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
 
@@ -137,6 +138,14 @@ class Bridge(ABC):
                 "checkpoint exported with MTP disabled needs its MTP weights and config restored first "
                 "(lightning-megatron-restore-mtp), or set mtp: false"
             )
+        if options.mtp and not any(self._is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
+            raise BridgeError(
+                f"{self.hf_path}: config.json declares {self.checkpoint_mtp_layers} MTP layer(s) but the weights hold "
+                "no MTP tensor; restore the head with lightning-megatron-restore-mtp (--source or --init), "
+                "or set mtp: false"
+            )
+        if options.mtp and options.mtp_loss_scaling_factor > 0:
+            check_mtp_training_options(options.mtp_loss_scaling_factor, self.checkpoint_mtp_layers)
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
         """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded."""

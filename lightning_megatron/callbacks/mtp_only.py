@@ -1,0 +1,104 @@
+"""Train only the MTP head of an already fine-tuned model, and prove the rest did not move.
+
+In `setup` (the model exists: the strategy built it in `setup_environment`; Megatron DDP and the optimizer do not,
+so they only ever see the MTP parameters) every non-MTP parameter is frozen, shared embeddings and output
+projection included. The main SFT loss stays in the graph: Megatron-Core's MTP loss backward hangs off it. At the
+end of fit an audit compares a checksum of every frozen tensor with its value at setup (no copy of the weights is
+kept) and writes the result as JSON; a frozen tensor that changed fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.mtp import freeze_non_mtp_parameters, mtp_parameter_flags
+
+
+class MTPOnlyCallback(pl.Callback):
+    """Freeze all but the MTP layer before Megatron wraps the model; audit the frozen weights at the end of fit.
+
+    `audit_path`: where the JSON audit goes (default: `<default_root_dir>/mtp_only_audit.json`).
+    """
+
+    def __init__(self, audit_path: str | None = None) -> None:
+        self.audit_path = audit_path
+        self.trainable: list[str] = []
+        self._frozen_checksums: dict[str, tuple[int, int]] = {}
+
+    def validate_megatron_setup(self, strategy: Any, module: pl.LightningModule) -> None:
+        """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
+        if strategy.bridge_type != "megatron-bridge":
+            raise ValueError(f"MTPOnlyCallback needs bridge_type: megatron-bridge (got {strategy.bridge_type!r}; "
+                             "mbridge cannot build MTP heads)")
+        if not getattr(module, "enable_mtp_training", False):
+            raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
+                             "(enable_mtp_training then defaults to true)")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from megatron.core import parallel_state
+
+        chunks = list(pl_module.model)
+        last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.trainable = freeze_non_mtp_parameters(chunks, allow_missing_mtp=not last_stage)
+        self._frozen_checksums = {name: checksum(parameter)
+                                  for name, parameter, is_mtp in mtp_parameter_flags(chunks).values() if not is_mtp}
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.utils import unwrap_model
+
+        chunks = [unwrap_model(chunk) for chunk in pl_module.model]
+        flags = mtp_parameter_flags(chunks)
+        changed = [name for name, parameter, is_mtp in flags.values()
+                   if not is_mtp and checksum(parameter) != self._frozen_checksums[name]]
+        counts = torch.tensor([
+            _unique_numel(parameter for _, parameter, is_mtp in flags.values() if is_mtp),
+            _unique_numel(parameter for _, parameter, is_mtp in flags.values() if not is_mtp),
+            len(changed),
+        ], dtype=torch.float64, device=trainer.strategy.root_device)
+        _sum_over_model_parallel_ranks(counts)
+        audit = {
+            "trainable_parameters": int(counts[0]),
+            "frozen_parameters": int(counts[1]),
+            "frozen_tensors_changed": int(counts[2]),
+            "frozen_bit_identical": int(counts[2]) == 0,
+            "trainable_tensors_on_rank_0": self.trainable,
+            "changed_tensors_on_this_rank": changed,
+        }
+        path = Path(self.audit_path or Path(trainer.default_root_dir) / "mtp_only_audit.json")
+        if trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(audit, indent=2) + "\n")
+        if counts[2]:
+            raise RuntimeError(f"MTPOnlyCallback: {int(counts[2])} frozen tensor(s) changed during fit, e.g. "
+                               f"{changed[:5]}; see {path}")
+
+
+def checksum(tensor: torch.Tensor) -> tuple[int, int]:
+    """An exact, order-sensitive checksum of a tensor's bits, computed where the tensor lives."""
+    flat = tensor.detach().contiguous().view(-1)
+    bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    bits = bits.to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1_000_003 + 1
+    return int(bits.sum()), int((bits * weights).sum())
+
+
+def _unique_numel(parameters: Any) -> int:
+    """Elements this rank owns: a tensor-parallel-replicated parameter counts on TP rank 0 only."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return sum(p.numel() for p in parameters if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+
+
+def _sum_over_model_parallel_ranks(values: torch.Tensor) -> None:
+    from megatron.core import parallel_state
+
+    dist.all_reduce(values, group=parallel_state.get_model_parallel_group())

@@ -1,0 +1,297 @@
+"""MTP training through the strategy: MTP-only leaves the backbone bit-identical and trains exactly Megatron's
+scaled MTP loss; joint training moves everything; bad combinations fail before a model is built."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from lightning_megatron.callbacks import MTPOnlyCallback
+from lightning_megatron.module import SFTModule
+from lightning_megatron.mtp import is_mtp_parameter
+from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+from tests._distributed import run_distributed
+
+SEQ, VOCAB, SAMPLES, SCALE = 16, 384, 32, 0.1
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mtp_checkpoints")
+    return {"qwen3_mtp": make_tiny_checkpoint(root / "qwen3_mtp", "qwen3", mtp=True),
+            "mimo": make_tiny_checkpoint(root / "mimo", "mimo", mtp=True),
+            "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3")}
+
+
+class Snapshot(pl.Callback):
+    """Every parameter when fit starts (after freezing) and at its end; what the optimizer holds; MTP grads."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.before = _named_parameters(pl_module)
+        self.trainable = {name for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
+        optimizer = trainer.optimizers[0].megatron_optimizer
+        self.optimizer_numel = sum(p.numel() for p in optimizer.get_parameters())
+        self.mtp_grads: list[dict[str, torch.Tensor]] = []
+        self.metrics: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.mtp_grads.append({name: p.main_grad.detach().clone()
+                               for name, p in _named_parameters(pl_module, keep=True).items()
+                               if is_mtp_parameter(name) and p.requires_grad})
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.metrics.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.after = _named_parameters(pl_module)
+
+
+def _named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict[str, torch.Tensor]:
+    from megatron.core.utils import unwrap_model
+
+    return {f"{index}.{name}": (param if keep else param.detach().clone())
+            for index, chunk in enumerate(pl_module.model)
+            for name, param in unwrap_model(chunk).named_parameters()}
+
+
+def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = True, devices: int = 1,
+         dataset: Any = None, lr: float = 1e-2, module_kwargs: dict | None = None, callbacks: tuple = (),
+         **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
+    options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
+                   use_distributed_optimizer=False) | strategy_kwargs
+    snapshot = Snapshot()
+    callbacks = [snapshot, *callbacks] + ([MTPOnlyCallback()] if mtp_only else [])
+    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
+                         devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=callbacks)
+    module = SFTModule(**({"enable_mtp": True, "lr": lr} | (module_kwargs or {})))
+    loader = DataLoader(dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
+                        drop_last=True)
+    trainer.fit(module, loader)
+    return snapshot, trainer
+
+
+def _assert_only_mtp_moved(snapshot: Snapshot) -> None:
+    mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
+    assert snapshot.trainable == mtp
+    frozen_moved = [name for name in snapshot.before if name not in mtp
+                    and not torch.equal(snapshot.before[name], snapshot.after[name])]
+    assert frozen_moved == []
+    assert all(not torch.equal(snapshot.before[name], snapshot.after[name]) for name in mtp)
+    assert snapshot.optimizer_numel == sum(snapshot.before[name].numel() for name in mtp)
+
+
+@pytest.mark.parametrize("model", ["qwen3_mtp", "mimo"])
+def test_mtp_only_trains_the_mtp_head_and_nothing_else(process_group, checkpoints, tmp_path, model):
+    snapshot, trainer = _fit(tmp_path, checkpoints[model], 3, trust_remote_code=model == "mimo")
+    _assert_only_mtp_moved(snapshot)
+    assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp"} <= set(snapshot.metrics[-1])
+    audit = json.loads((tmp_path / "mtp_only_audit.json").read_text())
+    assert audit["frozen_bit_identical"] and audit["frozen_tensors_changed"] == 0
+    assert audit["trainable_parameters"] == snapshot.optimizer_numel
+
+
+def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: str, parallel: dict) -> dict:
+    snapshot, trainer = _fit(Path(tmp), Path(hf_checkpoint), 2, devices=world_size, **parallel)
+    from megatron.core import parallel_state
+
+    mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
+    return {
+        "has_mtp": bool(mtp),
+        "frozen_moved": [name for name in snapshot.before if name not in mtp
+                         and not torch.equal(snapshot.before[name], snapshot.after[name])],
+        "mtp_unchanged": [name for name in mtp if torch.equal(snapshot.before[name], snapshot.after[name])],
+        "trainable_is_mtp": snapshot.trainable == mtp,
+        "optimizer_numel": snapshot.optimizer_numel,
+        "mtp_numel": sum(snapshot.before[name].numel() for name in mtp),
+        "steps": trainer.global_step,
+        "last_stage": parallel_state.is_pipeline_last_stage(),
+        "mtp_loss": snapshot.metrics[-1]["mtp_loss"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_mtp_only_under_tensor_and_pipeline_parallelism(checkpoints, tmp_path, parallel):
+    results = run_distributed(_distributed_mtp_only, tmp_path, str(tmp_path), str(checkpoints["qwen3_mtp"]), parallel)
+    for result in results:
+        assert result["frozen_moved"] == [] and result["mtp_unchanged"] == [] and result["trainable_is_mtp"]
+        assert result["optimizer_numel"] == result["mtp_numel"]
+        assert result["steps"] == 2  # a stage without the MTP layer still steps with the others
+        assert result["has_mtp"] == result["last_stage"]
+    assert results[0]["mtp_loss"] == results[1]["mtp_loss"] > 0
+    if "pipeline_model_parallel_size" in parallel:
+        assert results[0]["optimizer_numel"] == 0  # the first stage holds no MTP parameter: everything frozen
+
+
+def _first_global_batch(dataset: RandomTokenDataset, size: int) -> dict[str, torch.Tensor]:
+    """The samples Lightning's DP sampler (shuffled, seed 0, epoch 0) hands to the first step."""
+    indices = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))[:size]
+    return {key: torch.stack([dataset[i][key] for i in indices]) for key in dataset[0]}
+
+
+def _direct_mtp_gradient(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """d/dθ of `scale * masked MTP cross-entropy` over the whole global batch, from the MTP layer's own output.
+
+    The target at t is token t+2 (labels rolled once more) and the mask rolls with it, its last position dropped.
+    Megatron weights each microbatch's MTP mean by that microbatch's share of the main-loss tokens; every row here
+    masks the same number of tokens, so that weighting is the plain token mean over the global batch.
+    """
+    captured = {}
+    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
+    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+          labels=batch["labels"], loss_mask=batch["loss_mask"])
+    hook.remove()
+    hidden = captured["hidden"][SEQ:]  # [s, b, h]: the MTP layer's chunk after the main decoder's
+    logits, _ = model.output_layer(hidden)
+    targets = torch.roll(batch["labels"], -1, dims=1)
+    mask = torch.roll(batch["loss_mask"], -1, dims=1)
+    mask[:, -1] = 0
+    cross_entropy = F.cross_entropy(logits.transpose(0, 1).reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+    loss = SCALE * (cross_entropy * mask.reshape(-1)).sum() / mask.sum()
+    names, parameters = zip(*[(f"0.{name}", p) for name, p in model.named_parameters() if is_mtp_parameter(name)])
+    return dict(zip(names, torch.autograd.grad(loss, parameters)))
+
+
+class DirectMTPGradient(pl.Callback):
+    """The direct gradient, on the model being trained, right before its first step."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        from megatron.core.utils import unwrap_model
+
+        self.expected = _direct_mtp_gradient(unwrap_model(pl_module.model[0]), self.batch)
+        MTPLossLoggingHelper.clean_metrics_in_tracker()  # that forward must not count as a training step's
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 1], ids=["1_microbatch", "4_microbatches"])
+def test_mtp_gradient_is_the_scaled_masked_mtp_cross_entropy(process_group, checkpoints, tmp_path,
+                                                            micro_batch_size):
+    dataset = RandomTokenDataset(SAMPLES, SEQ, VOCAB)
+    direct = DirectMTPGradient(_first_global_batch(dataset, 4))
+    snapshot, _ = _fit(tmp_path, checkpoints["qwen3_mtp"], 1, dataset=dataset, micro_batch_size=micro_batch_size,
+                       module_kwargs={"mtp_loss_scaling_factor": SCALE}, callbacks=(direct,))
+    (ours,) = snapshot.mtp_grads
+    assert ours.keys() == direct.expected.keys()
+    for name, gradient in direct.expected.items():
+        torch.testing.assert_close(ours[name], gradient, rtol=0, atol=1e-6)
+    assert max(float(g.abs().max()) for g in direct.expected.values()) > 1e-4  # the comparison is not of zeros
+
+
+def test_joint_training_moves_everything_and_both_losses_fall(process_group, checkpoints, tmp_path):
+    fixed_batch = Subset(RandomTokenDataset(SAMPLES, SEQ, VOCAB), range(4))  # every step sees the same batch
+    snapshot, _ = _fit(tmp_path, checkpoints["qwen3_mtp"], 8, mtp_only=False, dataset=fixed_batch)
+    unchanged = [name for name in snapshot.before if torch.equal(snapshot.before[name], snapshot.after[name])]
+    assert unchanged == []
+    first, last = snapshot.metrics[0], snapshot.metrics[-1]
+    assert last["lm_loss"] < first["lm_loss"] - 0.1
+    assert last["mtp_loss"] < first["mtp_loss"] - 0.1
+
+
+def _expect_rejection(tmp_path: Path, hf_checkpoint: Path, message: str, *, bridge_type: str = "megatron-bridge",
+                      module_kwargs: dict | None = None, mtp_only: bool = True) -> None:
+    strategy = MegatronStrategy(hf_checkpoint=str(hf_checkpoint), bridge_type=bridge_type, precision="fp32")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                         callbacks=[MTPOnlyCallback()] if mtp_only else [])
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(SFTModule(**({"enable_mtp": True} | (module_kwargs or {}))),
+                    DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
+    assert strategy.model_chunks == [] and not hasattr(trainer.lightning_module, "model")  # nothing was built
+
+
+def test_mtp_only_without_megatron_bridge_is_rejected(process_group, checkpoints, tmp_path):
+    _expect_rejection(tmp_path, checkpoints["qwen3_mtp"], "MTPOnlyCallback needs bridge_type: megatron-bridge",
+                      bridge_type="mbridge")
+
+
+def test_mtp_only_without_mtp_training_is_rejected(process_group, checkpoints, tmp_path):
+    _expect_rejection(tmp_path, checkpoints["qwen3_mtp"], "set SFTModule\\(enable_mtp=True\\)",
+                      module_kwargs={"enable_mtp": False})
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf])
+def test_a_loss_scale_that_is_not_finite_and_positive_is_rejected(scale):
+    with pytest.raises(ValueError, match="mtp_loss_scaling_factor: .* must be finite and > 0"):
+        SFTModule(enable_mtp=True, mtp_loss_scaling_factor=scale)
+
+
+def test_mtp_training_without_the_mtp_head_is_rejected():
+    with pytest.raises(ValueError, match="enable_mtp_training: true needs enable_mtp: true"):
+        SFTModule(enable_mtp=False, enable_mtp_training=True)
+
+
+def test_more_than_one_mtp_layer_is_rejected(process_group, checkpoints, tmp_path):
+    two_layers = tmp_path / "two_mtp_layers"
+    make_tiny_checkpoint(two_layers, "qwen3", mtp=True)
+    config = json.loads((two_layers / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 2
+    (two_layers / "config.json").write_text(json.dumps(config))
+    _expect_rejection(tmp_path, two_layers, "supports exactly one MTP layer; the checkpoint declares 2")
+
+
+def test_a_checkpoint_without_mtp_config_says_how_to_restore_it(process_group, checkpoints, tmp_path):
+    _expect_rejection(tmp_path, checkpoints["qwen3"], "declares no MTP layers .*lightning-megatron-restore-mtp")
+
+
+def test_a_checkpoint_without_mtp_weights_says_how_to_restore_it(process_group, checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    stripped = tmp_path / "mtp_config_no_weights"
+    make_tiny_checkpoint(stripped, "qwen3", mtp=True)
+    tensors = load_file(stripped / "model.safetensors")
+    save_file({name: t for name, t in tensors.items() if not name.startswith("mtp.")}, stripped / "model.safetensors")
+    _expect_rejection(tmp_path, stripped, "the weights hold no MTP tensor; restore the head with "
+                                          "lightning-megatron-restore-mtp")
+
+
+def test_sft_data_module_feeds_an_mtp_only_fit(process_group, checkpoints, tmp_path):
+    from lightning_megatron.data import SFTDataModule
+
+    rows = [{"prompt": f"What is {i} plus {i}?", "response": f"It is {2 * i}. Adding a number to itself doubles it."}
+            for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3_mtp"]), bridge_type="megatron-bridge",
+                                micro_batch_size=2, global_batch_size=4, precision="fp32")
+    snapshot = Snapshot()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                         callbacks=[snapshot, MTPOnlyCallback()])
+    trainer.fit(SFTModule(enable_mtp=True, lr=1e-2), SFTDataModule(train_path=str(tmp_path / "train.jsonl"),
+                                                                   seq_length=48))
+    _assert_only_mtp_moved(snapshot)
+    assert snapshot.metrics[-1]["mtp_loss"] > 0
+
+
+def test_megatron_fused_cross_entropy_returns_bf16_gradients_so_fp32_runs_turn_it_off(process_group, checkpoints,
+                                                                                      tmp_path):
+    """Why an fp32 MegatronStrategy sets cross_entropy_loss_fusion=False (megatron-bridge turns it on): upstream's
+    fused CE rounds the logit gradients to bf16, which puts the MTP gradient test above off by ~1e-4."""
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.utils import get_model_config
+
+    _, trainer = _fit(tmp_path, checkpoints["qwen3_mtp"], 1)  # also sets up the parallel state used below
+    assert get_model_config(trainer.strategy.model_chunks[0]).cross_entropy_loss_fusion is False
+
+    logits = torch.randn(SEQ, 2, VOCAB, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (SEQ, 2))
+    loss = fused_vocab_parallel_cross_entropy(logits.clone(), targets, parallel_state.get_tensor_model_parallel_group())
+    (gradient,) = torch.autograd.grad(loss.sum(), logits)
+    exact = torch.softmax(logits.detach(), -1) - F.one_hot(targets, VOCAB)
+    assert not torch.allclose(gradient.float(), exact, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gradient.float(), exact.to(torch.bfloat16).float(), rtol=0, atol=1e-6)
