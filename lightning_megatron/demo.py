@@ -25,10 +25,19 @@ def init_single_process() -> None:
     prepare_megatron_core()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def _free_port() -> int:
+    """A port nobody listens on now: a fixed one collides with any other run on the machine."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _round_trip(bridge_type: str, checkpoint: Path, out: Path, mtp: bool) -> dict[str, float | bool]:
