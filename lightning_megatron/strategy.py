@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron.attention import AttentionBackend
 from lightning_megatron.bridges import BridgeType, create_bridge
+from lightning_megatron.bridges.base import parallel_sizes
 from lightning_megatron.module import LossOutput, MegatronLightningModule, Microbatch
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 
@@ -232,16 +233,21 @@ class MegatronStrategy(ParallelStrategy):
         if self.context_parallel_size > 1 and not _transformer_engine_available():
             raise ValueError("context_parallel_size > 1 needs Transformer Engine attention, which is not installed; "
                              "set context_parallel_size: 1")
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            context_parallel_size=self.context_parallel_size,
-            expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-            distributed_timeout_minutes=int(self._timeout.total_seconds() // 60),
-        )
+        sizes = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
+        }
+        # Megatron never frees a process group it made: a second fit in the same process (a notebook, a test)
+        # reuses the parallel state when the sizes are the same rather than leaking another set of groups.
+        if not (parallel_state.model_parallel_is_initialized() and parallel_sizes() == sizes):
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(
+                **sizes, distributed_timeout_minutes=int(self._timeout.total_seconds() // 60)
+            )
         seed_everything_megatron(self.seed)
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
@@ -477,6 +483,11 @@ class MegatronStrategy(ParallelStrategy):
         if self.is_global_zero:
             megatron_checkpoint.remove(Path(filepath))
 
+    @property
+    def bridge(self) -> Any:
+        """The bridge backend that built the model (`lightning_megatron.bridges.Bridge`), after `setup_environment`."""
+        return self._bridge
+
     def export_hf(self, path: str | Path) -> Path:
         """Write an HF checkpoint of the current weights through the bridge (all ranks call it; rank 0 writes)."""
         from megatron.core.utils import unwrap_model
@@ -484,8 +495,14 @@ class MegatronStrategy(ParallelStrategy):
         return self._bridge.save_hf([unwrap_model(chunk) for chunk in self.model_chunks], path)
 
     def teardown(self) -> None:
-        super().teardown()
+        """Lightning's default moves the model to the CPU; here it stays on its device, because `export_hf` after
+        fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
         self._train_batches = None
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
 
 class GlobalBatches:

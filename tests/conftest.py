@@ -29,11 +29,14 @@ def process_group() -> None:
 
 @pytest.fixture
 def model_parallel(process_group: None):
-    """Megatron parallel state for one process (TP=PP=1), seeded; torn down after the test."""
+    """Megatron parallel state for one process (TP=PP=1), seeded.
+
+    Made once and kept: Megatron never frees the process groups it creates, so a fresh state per test would leave
+    thousands of gloo threads behind and slow the whole suite down.
+    """
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
     torch.manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()

@@ -38,10 +38,10 @@ def parallel_state_1x1(process_group: None) -> Iterator[None]:
     """TP=PP=1 for the whole module: mbridge reads the parallel state when a bridge is created."""
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():  # kept: Megatron never frees its process groups
+        parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
     yield
-    parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
