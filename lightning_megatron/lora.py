@@ -198,7 +198,7 @@ def _megatron_bridge_and_chunks(strategy: MegatronStrategy) -> tuple[Any, list[t
     from megatron.core.utils import unwrap_model
 
     check_lora_supported(strategy.bridge_type, mtp_only=False)
-    bridge = strategy._bridge
+    bridge = strategy.bridge
     if bridge is None or not strategy.model_chunks:
         raise RuntimeError("export: the strategy has no model yet; call it after trainer.fit(...)")
     return bridge, [unwrap_model(chunk) for chunk in strategy.model_chunks]

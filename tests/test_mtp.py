@@ -219,6 +219,24 @@ def test_mtp_only_without_megatron_bridge_is_rejected(process_group, checkpoints
                       bridge_type="mbridge")
 
 
+class ExpertBiasSFTModule(SFTModule):
+    def model_options(self) -> Any:
+        import dataclasses
+
+        options = super().model_options()
+        return dataclasses.replace(options, config_overrides={"moe_router_enable_expert_bias": True})
+
+
+def test_mtp_only_with_moe_expert_bias_updates_is_rejected(process_group, checkpoints, tmp_path):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3_mtp"]), bridge_type="megatron-bridge")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                         callbacks=[MTPOnlyCallback()])
+    with pytest.raises(ValueError, match="expert bias every step \\(moe_router_enable_expert_bias\\)"):
+        trainer.fit(ExpertBiasSFTModule(enable_mtp=True), DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
+    assert strategy.model_chunks == []
+
+
 def test_mtp_only_without_mtp_training_is_rejected(process_group, checkpoints, tmp_path):
     _expect_rejection(tmp_path, checkpoints["qwen3_mtp"], "set SFTModule\\(enable_mtp=True\\)",
                       module_kwargs={"enable_mtp": False})

@@ -39,6 +39,11 @@ class MTPOnlyCallback(pl.Callback):
         if not getattr(module, "enable_mtp_training", False):
             raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
                              "(enable_mtp_training then defaults to true)")
+        overrides = module.model_options().config_overrides
+        provider = strategy.bridge.auto_bridge.to_megatron_provider(load_weights=False)
+        if overrides.get("moe_router_enable_expert_bias", getattr(provider, "moe_router_enable_expert_bias", False)):
+            raise ValueError("MTPOnlyCallback cannot freeze a model whose MoE router updates its expert bias every "
+                             "step (moe_router_enable_expert_bias); set it to false or train jointly")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
