@@ -58,7 +58,7 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
     dist.barrier()
     if rank == 0:
         (staging / COMPLETE_MARKER).write_text("")
-        _move_into_place(staging, path)
+        move_into_place(staging, path)
     dist.barrier()
 
 
@@ -128,7 +128,7 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _move_into_place(staging: Path, path: Path) -> None:
+def move_into_place(staging: Path, path: Path) -> None:
     """Rename the finished staging folder to `path`, replacing an earlier checkpoint of the same name."""
     if path.exists():
         retired = path.parent / f".{path.name}.old-{os.getpid()}"

@@ -1,6 +1,7 @@
 """Every benchmark script still runs, in its tiny CPU mode, and prints the JSON it promises."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_bench(script: str, *args: str) -> dict:
-    completed = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # not the test process's own rendezvous port, which an earlier test's process group is listening on
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout[completed.stdout.index("{\n"):])
 

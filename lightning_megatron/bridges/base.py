@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
+from lightning_megatron.checkpoint import move_into_place
 from lightning_megatron.mtp import check_mtp_training_options
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
@@ -240,13 +241,7 @@ def write_atomically(path: Path, write: Any) -> None:
     staging.mkdir()
     try:
         write(staging)
-        if path.exists():
-            retired = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, retired)
-            os.replace(staging, path)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, path)
+        move_into_place(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
