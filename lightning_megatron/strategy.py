@@ -17,7 +17,6 @@ Lifecycle (the order Lightning calls us in):
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
@@ -41,8 +40,6 @@ from lightning_megatron.bridges import BridgeType, create_bridge
 from lightning_megatron.bridges.base import parallel_sizes
 from lightning_megatron.module import LossOutput, MegatronLightningModule, Microbatch
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
-
-log = logging.getLogger(__name__)
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 

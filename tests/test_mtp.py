@@ -313,3 +313,13 @@ def test_megatron_fused_cross_entropy_returns_bf16_gradients_so_fp32_runs_turn_i
     exact = torch.softmax(logits.detach(), -1) - F.one_hot(targets, VOCAB)
     assert not torch.allclose(gradient.float(), exact, rtol=0, atol=1e-6)
     torch.testing.assert_close(gradient.float(), exact.to(torch.bfloat16).float(), rtol=0, atol=1e-6)
+
+
+def test_keeping_the_mtp_head_without_training_it_leaves_it_unchanged(process_group, checkpoints, tmp_path):
+    snapshot, _ = _fit(tmp_path, checkpoints["qwen3_mtp"], 2, mtp_only=False,
+                       module_kwargs={"enable_mtp_training": False})
+    mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
+    assert mtp and not (snapshot.trainable & mtp)
+    assert all(torch.equal(snapshot.before[name], snapshot.after[name]) for name in mtp)
+    assert all(not torch.equal(snapshot.before[name], snapshot.after[name]) for name in snapshot.before
+               if name not in mtp)
