@@ -1,4 +1,4 @@
-"""The README's first command: a tiny HF checkpoint made here, through each bridge into Megatron-Core and back.
+"""An installation check: a tiny HF checkpoint made here, through each bridge into Megatron-Core and back.
 
 It proves the installation end to end on this machine (CPU or GPU): Megatron logits equal HF logits, and the
 exported checkpoint equals the original tensor for tensor, with and without the MTP head.

@@ -16,6 +16,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.bridges import ModelOptions
+from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
+from lightning_megatron.metrics import MTPAcceptanceAccuracy
 
 Microbatch = dict[str, torch.Tensor]
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -81,7 +83,10 @@ class SFTModule(MegatronLightningModule):
     auxiliary loss weighted by `mtp_loss_scaling_factor`, jointly with the model unless `MTPOnlyCallback` freezes
     the rest; `mtp_detach_heads` keeps MTP gradients out of the backbone, embeddings and LM head in joint training
     (isolated by default). With `enable_mtp` and no MTP training the head is kept unchanged (frozen).
-    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`.
+    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`; each
+    validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
+    model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations).
+    `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class SFTModule(MegatronLightningModule):
         adam_beta1: float = 0.9,
         adam_beta2: float = 0.95,
         adam_eps: float = 1e-8,
+        max_new_tokens: int = 128,
     ) -> None:
         super().__init__()
         self.enable_mtp = enable_mtp
@@ -106,7 +112,12 @@ class SFTModule(MegatronLightningModule):
         if self.enable_mtp_training and (not math.isfinite(mtp_loss_scaling_factor) or mtp_loss_scaling_factor <= 0):
             raise ValueError(f"mtp_loss_scaling_factor: {mtp_loss_scaling_factor} must be finite and > 0 "
                              "(DeepSeek-V3 uses 0.1)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
         self.save_hyperparameters()
+        self.val_mtp_acceptance = MTPAcceptanceAccuracy()
+        self._captured_logits: list[torch.Tensor] = []
+        self.generation_eos_token_ids: set[int] = set()  # where predict stops; read in setup("predict")
 
     def model_options(self) -> ModelOptions:
         return ModelOptions(
@@ -116,6 +127,11 @@ class SFTModule(MegatronLightningModule):
         )
 
     def setup(self, stage: str) -> None:
+        if stage == "predict":
+            from transformers import AutoTokenizer
+
+            hf_checkpoint = self.megatron_strategy.hf_checkpoint
+            self.generation_eos_token_ids = eos_token_ids(hf_checkpoint, AutoTokenizer.from_pretrained(hf_checkpoint))
         if self.enable_mtp and not self.enable_mtp_training:
             from lightning_megatron.mtp import mtp_parameter_flags
 
@@ -148,10 +164,56 @@ class SFTModule(MegatronLightningModule):
         return metrics["lm_loss"]
 
     def validation_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
-        metrics = self.megatron_strategy.forward_backward(microbatches, self.forward_step, self.loss_func,
-                                                          forward_only=True)
+        forward_step, loss_func = self.forward_step, self.loss_func
+        if self.enable_mtp:
+            forward_step, loss_func = self._forward_step_capturing_logits, self._loss_func_counting_acceptance
+        metrics = self.megatron_strategy.forward_backward(microbatches, forward_step, loss_func, forward_only=True)
         self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True)
+        if self.enable_mtp:
+            self.log("val_mtp_acceptance", self.val_mtp_acceptance, on_step=False, on_epoch=True, prog_bar=True)
         return metrics["lm_loss"]
+
+    def _forward_step_capturing_logits(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
+        """`forward_step`, keeping the argmax of the two output-layer calls of the last stage (MTP first, then the
+        main logits: Megatron-Core's `GPTModel._postprocess` order)."""
+        from megatron.core.utils import unwrap_model
+
+        output_layer = getattr(unwrap_model(model), "output_layer", None)
+        if output_layer is None or not unwrap_model(model).post_process:
+            return self.forward_step(model, microbatch)
+        captured: list[torch.Tensor] = []
+        handle = output_layer.register_forward_hook(
+            lambda _module, _args, output: captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
+        )
+        try:
+            output = self.forward_step(model, microbatch)
+        finally:
+            handle.remove()
+        if len(captured) != 2:
+            raise RuntimeError(f"expected the MTP and the main output-layer calls, saw {len(captured)} calls")
+        self._captured_logits = captured
+        return output
+
+    def _loss_func_counting_acceptance(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+        mtp_ids, main_ids = self._captured_logits
+        self.val_mtp_acceptance.update(mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
+        return self.loss_func(microbatch, output)
+
+    def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
+        """Greedy continuations, one `{"index", "token_ids"}` per prompt (the index is the prompt's dataset index)."""
+        strategy = self.megatron_strategy
+        if strategy.pipeline_model_parallel_size > 1:
+            raise ValueError("predict generates with pipeline_model_parallel_size: 1 only; use tensor parallelism "
+                             "(tensor_model_parallel_size) to split a model that does not fit")
+        width_multiple = strategy.tensor_model_parallel_size if strategy.sequence_parallel else 1
+        continuations = []
+        for microbatch in microbatches:
+            generated = greedy_continuations(self.model[0], microbatch["input_ids"], microbatch["prompt_lengths"],
+                                             self.hparams.max_new_tokens, self.generation_eos_token_ids,
+                                             width_multiple=width_multiple)
+            continuations.extend({"index": index, "token_ids": token_ids}
+                                 for index, token_ids in zip(microbatch["indices"].tolist(), generated))
+        return continuations
 
     def test_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
         metrics = self.megatron_strategy.forward_backward(microbatches, self.forward_step, self.loss_func,

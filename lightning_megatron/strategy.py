@@ -290,6 +290,7 @@ class MegatronStrategy(ParallelStrategy):
         self.model_chunks = self._wrap(chunks, train=trainer.state.fn == TrainerFn.FITTING)
         module.model = torch.nn.ModuleList(self.model_chunks)
         self.model = module
+        self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if not all(isinstance(optimizer, MegatronOptimizerAdapter) for optimizer in self.optimizers):
@@ -440,7 +441,9 @@ class MegatronStrategy(ParallelStrategy):
         return tensor
 
     def model_to_device(self) -> None:
-        """The bridge builds the chunks on the right device in `setup_environment`."""
+        """The bridge built the chunks on the right device in `setup_environment`; this moves the rest of the
+        module (metrics, buffers) there too."""
+        self.lightning_module.to(self.root_device)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,5 +1,8 @@
 """Callbacks that shape what Megatron trains (they run before the model is wrapped) or report on it."""
 
+from lightning_megatron.callbacks.continuations import ContinuationWriter
+from lightning_megatron.callbacks.export import HFExport
+from lightning_megatron.callbacks.monitoring import TokensPerSecond, TrainingCurves
 from lightning_megatron.callbacks.mtp_only import MTPOnlyCallback
 
-__all__ = ["MTPOnlyCallback"]
+__all__ = ["ContinuationWriter", "HFExport", "MTPOnlyCallback", "TokensPerSecond", "TrainingCurves"]

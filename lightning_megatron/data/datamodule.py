@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.jsonl import read_jsonl
+from lightning_megatron.data.jsonl import Example, read_jsonl
 from lightning_megatron.data.packing import (
     PackedSFTDataset,
     PaddedSFTDataset,
@@ -40,7 +40,7 @@ class SFTDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        train_path: str,
+        train_path: str | None = None,
         val_path: str | None = None,
         test_path: str | None = None,
         predict_path: str | None = None,
@@ -70,6 +70,7 @@ class SFTDataModule(pl.LightningDataModule):
         self.context_parallel_size = context_parallel_size
         self.tokenizer: Any = None
         self.datasets: dict[str, Dataset] = {}
+        self.predict_examples: list[Example] = []  # the rows behind the predict dataset's indices
 
     def setup(self, stage: str) -> None:
         """Resolve the settings the strategy owns, then read, validate and tokenize the stage's files."""
@@ -89,7 +90,7 @@ class SFTDataModule(pl.LightningDataModule):
         }[stage]
         for split, path in paths.items():
             if path is None:
-                if split != "val" or stage == "validate":
+                if split != "val" or stage == "validate":  # validation during fit is optional
                     raise ValueError(f"{split}_path is not set, but trainer.{stage}() needs it")
                 continue
             if split not in self.datasets:
@@ -123,7 +124,8 @@ class SFTDataModule(pl.LightningDataModule):
             self._warn_dropped(path, dropped, len(prompts))
             if not prompts:
                 raise ValueError(f"{path}: no prompt is left after overlong='drop'; raise seq_length")
-            return PromptDataset(prompts)
+            self.predict_examples = [example for example, _ in prompts]
+            return PromptDataset([ids for _, ids in prompts])
         examples, dropped = tokenize_examples(
             read_jsonl(path), self.tokenizer, max_tokens=self.seq_length, overlong=self.overlong
         )

@@ -13,7 +13,8 @@ VALID_ROW_HELP = (
     "A valid row is one JSON object per line, either "
     '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]} '
     f"(roles: {', '.join(ROLES)}; the loss is on every assistant turn) "
-    'or {"prompt": "...", "response": "..."} (the loss is on the response).'
+    'or {"prompt": "...", "response": "..."} (the loss is on the response); either may add '
+    '"response_token_ids": [...], the answer\'s exact token ids, trained on instead of its re-tokenized text.'
 )
 PREDICT_ROW_HELP = (
     'A valid prediction row is {"prompt": "..."} or {"messages": [..., {"role": "user", "content": "..."}]} '
@@ -31,6 +32,9 @@ class Example:
     messages: tuple[dict[str, str], ...] | None = None
     prompt: str | None = None
     response: str | None = None  # None only for prompt-only prediction rows
+    # the answer's exact token ids as a model generated them (ContinuationWriter writes them): trained on instead
+    # of re-tokenizing the answer's text, which need not give the same ids back (byte-level BPE, cut-off bytes)
+    response_token_ids: tuple[int, ...] | None = None
 
     def as_messages(self) -> list[dict[str, str]]:
         if self.messages is not None:
@@ -39,6 +43,12 @@ class Example:
         if self.response is not None:
             turns.append({"role": "assistant", "content": self.response})
         return turns
+
+    def without_answer(self) -> Example:
+        """The row as a prediction prompt: the last assistant turn (or the response) removed."""
+        if self.messages is not None:
+            return Example(self.source, messages=self.messages[:-1])
+        return Example(self.source, prompt=self.prompt)
 
 
 class DataValidationError(ValueError):
@@ -94,8 +104,12 @@ def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
         raise ValueError(f"expected a JSON object, got {_type_name(row)}")
     if "messages" in row and ("prompt" in row or "response" in row):
         raise ValueError("has both 'messages' and 'prompt'/'response'; use one format per row")
+    token_ids = _parse_token_ids(row["response_token_ids"]) if "response_token_ids" in row else None
     if "messages" in row:
-        return Example(source, messages=_parse_messages(row["messages"], for_prediction))
+        messages = _parse_messages(row["messages"], for_prediction, answer_has_ids=token_ids is not None)
+        if token_ids is not None and messages[-1]["role"] != "assistant":
+            raise ValueError("has 'response_token_ids' but its last message is not the assistant turn they encode")
+        return Example(source, messages=messages, response_token_ids=token_ids)
     if "prompt" not in row:
         raise ValueError(f"missing key 'messages' or 'prompt' (keys present: {sorted(row)})")
     prompt = row["prompt"]
@@ -108,12 +122,19 @@ def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
     response = row["response"]
     if not isinstance(response, str):
         raise ValueError(f"'response' must be a string, got {_type_name(response)}")
-    if not response.strip():
+    if not response.strip() and token_ids is None:
         raise ValueError("'response' is empty")
-    return Example(source, prompt=prompt, response=response)
+    return Example(source, prompt=prompt, response=response, response_token_ids=token_ids)
 
 
-def _parse_messages(messages: Any, for_prediction: bool) -> tuple[dict[str, str], ...]:
+def _parse_token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"'response_token_ids' must be a non-empty list of token ids (integers >= 0), "
+                         f"got {_type_name(value)}")
+    return tuple(value)
+
+
+def _parse_messages(messages: Any, for_prediction: bool, answer_has_ids: bool = False) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"'messages' must be a non-empty list, got {_type_name(messages)}")
     parsed = []
@@ -128,7 +149,8 @@ def _parse_messages(messages: Any, for_prediction: bool) -> tuple[dict[str, str]
                 raise ValueError(f"{where}.{key} must be a string, got {_type_name(message[key])}")
         if message["role"] not in ROLES:
             raise ValueError(f"{where}.role {message['role']!r} is unknown (known roles: {', '.join(ROLES)})")
-        if message["role"] == "assistant" and not for_prediction and not message["content"].strip():
+        blank_allowed = for_prediction or (answer_has_ids and index == len(messages) - 1)
+        if message["role"] == "assistant" and not blank_allowed and not message["content"].strip():
             raise ValueError(f"{where} is an assistant turn with empty content")
         parsed.append({"role": message["role"], "content": message["content"]})
     if for_prediction and parsed[-1]["role"] == "assistant":

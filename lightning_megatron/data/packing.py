@@ -123,7 +123,7 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 
 
 class PromptDataset(Dataset):
-    """Prediction prompts, unpadded; :func:`prompt_collate` pads a batch at the right end."""
+    """Prediction prompts, unpadded, each with its index; :func:`prompt_collate` pads a batch at the right end."""
 
     def __init__(self, prompts: list[torch.Tensor]) -> None:
         self.prompts = prompts
@@ -131,21 +131,23 @@ class PromptDataset(Dataset):
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.prompts[index]
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, self.prompts[index]
 
 
 def prompt_collate(pad_id: int) -> partial:
-    """Collate prompts into left-aligned ``input_ids`` ``[b, longest]`` (pad id after each) and ``prompt_lengths``."""
+    """Collate prompts into left-aligned ``input_ids`` ``[b, longest]`` (pad id after each), ``prompt_lengths`` and
+    the prompts' dataset ``indices`` (a distributed sampler hands each rank its own, in no order it promises)."""
     return partial(_collate_prompts, pad_id=pad_id)
 
 
-def _collate_prompts(prompts: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
-    lengths = torch.tensor([prompt.numel() for prompt in prompts], dtype=torch.int64)
-    input_ids = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.int64)
-    for row, prompt in enumerate(prompts):
+def _collate_prompts(items: list[tuple[int, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([prompt.numel() for _, prompt in items], dtype=torch.int64)
+    input_ids = torch.full((len(items), int(lengths.max())), pad_id, dtype=torch.int64)
+    for row, (_, prompt) in enumerate(items):
         input_ids[row, : prompt.numel()] = prompt
-    return {"input_ids": input_ids, "prompt_lengths": lengths}
+    indices = torch.tensor([index for index, _ in items], dtype=torch.int64)
+    return {"input_ids": input_ids, "prompt_lengths": lengths, "indices": indices}
 
 
 def _empty_row(seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:

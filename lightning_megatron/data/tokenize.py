@@ -45,8 +45,18 @@ def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
     With a chat template, the row is rendered as a conversation (a prompt/response row as one user turn and one
     assistant turn) and every assistant turn is trained on. Without one, only prompt/response rows are possible:
     ``prompt tokens + response tokens + eos``, trained on the response and the eos, so the model learns to stop.
+    A row with ``response_token_ids`` is its prompt as :func:`tokenize_prompt` renders it followed by exactly
+    those ids (a generated answer ends in its own end-of-sequence token, or is cut off without one).
     """
-    if has_chat_template(tokenizer):
+    if example.response_token_ids is not None:
+        prompt = tokenize_prompt(example.without_answer(), tokenizer).tolist()
+        response = list(example.response_token_ids)
+        vocab_size = len(tokenizer)
+        if max(response) >= vocab_size:
+            raise ValueError(f"'response_token_ids' holds id {max(response)}, outside the tokenizer's "
+                             f"vocabulary of {vocab_size}: the ids come from another model's tokenizer")
+        ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
+    elif has_chat_template(tokenizer):
         ids, mask = _chat_ids_and_mask(tokenizer, example.as_messages())
     elif example.messages is not None:
         raise ValueError(
@@ -124,10 +134,11 @@ def tokenize_examples(
 
 def tokenize_prompts(
     examples: list[Example], tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
-) -> tuple[list[torch.Tensor], int]:
-    """Tokenize prediction rows; a prompt longer than ``max_tokens`` keeps its *end* (where the turn to answer
-    is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``."""
-    kept: list[torch.Tensor] = []
+) -> tuple[list[tuple[Example, torch.Tensor]], int]:
+    """Tokenize prediction rows into ``(row, prompt ids)`` pairs (the row travels along, so that a continuation
+    can be written back next to its prompt); a prompt longer than ``max_tokens`` keeps its *end* (where the turn
+    to answer is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``."""
+    kept: list[tuple[Example, torch.Tensor]] = []
     problems: list[str] = []
     dropped = 0
     for example in examples:
@@ -144,7 +155,7 @@ def tokenize_prompts(
                 problems.append(f"{example.source}: the prompt has {ids.numel()} tokens, more than {max_tokens}")
                 continue
             ids = ids[-max_tokens:]
-        kept.append(ids)
+        kept.append((example, ids))
     raise_for_bad_rows(problems, len(examples))
     return kept, dropped
 

@@ -2,7 +2,7 @@
 teacher-forced acceptance metric for validation."""
 
 from lightning_megatron.speculative.decode import Decoded, greedy_decode, reference_accepts, speculative_decode
-from lightning_megatron.speculative.metric import MTPAcceptanceAccuracy
+from lightning_megatron.metrics import MTPAcceptanceAccuracy
 from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head, load_target
 from lightning_megatron.speculative.report import measure, measure_checkpoint, read_prompts, write_report
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lightning_megatron.generate import eos_token_ids
 from lightning_megatron.speculative.decode import Decoded, greedy_decode, speculative_decode
 from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head, load_target
 
@@ -59,15 +60,6 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[in
         return tokenizer(prompt)["input_ids"]
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
-def eos_token_ids(hf_path: str | Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """The end-of-sequence ids of generation_config.json (the ones generation stops at), else the tokenizer's."""
-    file = Path(hf_path) / "generation_config.json"
-    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
 
 
 def measure(

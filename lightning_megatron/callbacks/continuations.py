@@ -1,0 +1,93 @@
+"""Write `predict`'s greedy continuations as SFT JSONL: the target model's own answers, to train its MTP head on.
+
+An MTP head is accepted when it drafts what the target says, so the data to train it on is the target's own
+greedy continuations of prompts like the ones it will serve; `lightning-megatron predict` with this callback
+makes that data from a prompts file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+
+class ContinuationWriter(pl.Callback):
+    """Collect every rank's continuations and write them, in prompt order, to `output_path` (atomically).
+
+    Each row is the prompt row with the answer added, ready for `SFTDataModule`: `{"prompt", "response"}` for a
+    prompt row, `{"messages": [..., {"role": "assistant", ...}]}` for a messages row, plus the answer's exact
+    `response_token_ids` (what training then uses: decoded text need not tokenize back to the same ids) and
+    `finish_reason` (`"eos"` or `"length"`). A prompt answered at once with an end-of-sequence token is left out (counted in the
+    log): training on it would teach the head nothing about the answers.
+    """
+
+    def __init__(self, output_path: str) -> None:
+        self.output_path = output_path
+        self._token_ids: dict[int, list[int]] = {}
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._token_ids = {}
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        for item in outputs:
+            self._token_ids[item["index"]] = item["token_ids"]
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        datamodule = trainer.datamodule
+        examples = getattr(datamodule, "predict_examples", None)
+        if not examples:
+            raise TypeError("ContinuationWriter writes the prompts of an SFTDataModule's predict_path next to their "
+                            "continuations; run predict with lightning_megatron.SFTDataModule(predict_path=...)")
+        merged: dict[int, list[int]] = {}
+        parts: list[Any] = [self._token_ids]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self._token_ids)
+        for part in parts:
+            merged.update(part)
+        if not trainer.is_global_zero:
+            return
+        eos = getattr(pl_module, "generation_eos_token_ids", set())
+        rows, empty = [], 0
+        for index in sorted(merged):
+            token_ids = merged[index]
+            finished = bool(token_ids) and token_ids[-1] in eos
+            answer_ids = token_ids[:-1] if finished else token_ids
+            if not answer_ids:
+                empty += 1
+                continue
+            text = datamodule.tokenizer.decode(answer_ids)
+            rows.append(_answered_row(examples[index], text, token_ids, "eos" if finished else "length"))
+        if empty:
+            rank_zero_warn(f"ContinuationWriter: {empty} of {len(merged)} prompts got an empty answer and are left "
+                           f"out of {self.output_path}")
+        _write_jsonl_atomically(Path(self.output_path), rows)
+        rank_zero_info(f"ContinuationWriter: wrote {len(rows)} rows to {self.output_path}")
+
+
+def _answered_row(example: Any, answer: str, token_ids: list[int], finish_reason: str) -> dict[str, Any]:
+    generated = {"response_token_ids": token_ids, "finish_reason": finish_reason}
+    if example.messages is not None:
+        return {"messages": [*example.as_messages(), {"role": "assistant", "content": answer}], **generated}
+    return {"prompt": example.prompt, "response": answer, **generated}
+
+
+def _write_jsonl_atomically(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

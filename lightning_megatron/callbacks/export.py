@@ -1,0 +1,21 @@
+"""Export the trained weights as a Hugging Face checkpoint when fit ends, from a config as from Python."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+
+class HFExport(pl.Callback):
+    """At the end of fit, write an HF checkpoint of the current weights to `dirpath` through the strategy's bridge
+    (`MegatronStrategy.export_hf`: atomic, every tensor of the source checkpoint accounted for)."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        export_hf = getattr(trainer.strategy, "export_hf", None)
+        if export_hf is None:
+            raise TypeError(f"HFExport needs MegatronStrategy, got {type(trainer.strategy).__name__}")
+        path = export_hf(self.dirpath)
+        rank_zero_info(f"HFExport: wrote the HF checkpoint {path}")

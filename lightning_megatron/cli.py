@@ -1,0 +1,92 @@
+"""`lightning-megatron`: LightningCLI over `SFTModule`, `SFTDataModule` and `MegatronStrategy`.
+
+    lightning-megatron fit --config configs/tiny/mtp_only.yaml
+    lightning-megatron predict --config configs/tiny/generate.yaml --data.predict_path prompts.jsonl
+    lightning-megatron fit --config configs/tiny/mtp_only.yaml --print_config
+
+The optimizer is Megatron's (distributed, with fp32 main weights) and is configured on the model (`model.lr`,
+`model.weight_decay`, `model.adam_beta1`, ...); LightningCLI's `optimizer:` and `lr_scheduler:` groups are refused
+with a message that says so. `make_tiny_checkpoint: true` writes the project's tiny Qwen3+MTP checkpoint to
+`trainer.strategy.init_args.hf_checkpoint` when nothing is there yet, so the CPU configs need no download.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_megatron.data import SFTDataModule
+from lightning_megatron.module import SFTModule
+
+DEFAULT_STRATEGY = "lightning_megatron.strategy.MegatronStrategy"
+TINY_CHECKPOINT_WAIT_S = 300
+
+
+class MegatronCLI(LightningCLI):
+    """LightningCLI with the Megatron strategy as the default and the checks a Megatron run needs before it starts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("model_class", SFTModule)
+        kwargs.setdefault("datamodule_class", SFTDataModule)
+        kwargs.setdefault("trainer_defaults", {"strategy": {"class_path": DEFAULT_STRATEGY}})
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--make_tiny_checkpoint", type=bool, default=False,
+            help="Write the project's tiny Qwen3+MTP checkpoint (made locally, no download) to "
+                 "trainer.strategy.init_args.hf_checkpoint if that folder does not exist yet.",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        for group in ("optimizer", "lr_scheduler"):
+            if config.get(group) is not None:
+                raise ValueError(
+                    f"{group}: not used with MegatronStrategy: the optimizer is Megatron's (it owns the DDP gradient "
+                    "buffers and the fp32 main weights) and is configured on the model: model.lr, model.min_lr_ratio, "
+                    "model.warmup_steps, model.weight_decay, model.adam_beta1, model.adam_beta2, model.adam_eps. "
+                    f"Remove the {group}: section (or --{group}) and set those instead."
+                )
+        strategy = config.trainer.strategy
+        if not (hasattr(strategy, "class_path") and hasattr(strategy, "init_args")):
+            raise ValueError(f"trainer.strategy: {strategy!r} is not a MegatronStrategy; give class_path: "
+                             f"{DEFAULT_STRATEGY} with its init_args (or leave trainer.strategy out)")
+        if config.make_tiny_checkpoint:
+            hf_checkpoint = strategy.init_args.get("hf_checkpoint")
+            if not hf_checkpoint:
+                raise ValueError("make_tiny_checkpoint: true needs trainer.strategy.init_args.hf_checkpoint: the "
+                                 "folder to write the tiny checkpoint to")
+            ensure_tiny_checkpoint(Path(hf_checkpoint))
+
+
+def ensure_tiny_checkpoint(path: Path) -> Path:
+    """The tiny Qwen3+MTP checkpoint at `path`, made here on first use (by local rank 0; other ranks wait)."""
+    from lightning_megatron.testing import make_tiny_checkpoint
+
+    if (path / "config.json").is_file():
+        return path
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return make_tiny_checkpoint(path, "qwen3", mtp=True)
+    deadline = time.monotonic() + TINY_CHECKPOINT_WAIT_S
+    while not (path / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"local rank 0 did not write the tiny checkpoint {path} in {TINY_CHECKPOINT_WAIT_S} s")
+        time.sleep(0.5)
+    return path
+
+
+def main(args: list[str] | None = None) -> None:
+    """The `lightning-megatron` console script (`args` defaults to the command line)."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    MegatronCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

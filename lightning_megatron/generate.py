@@ -1,0 +1,91 @@
+"""Greedy continuations with the Megatron model itself, for `predict`: the data MTP-only training learns from.
+
+An MTP head is accepted when it drafts what the target would say, so it is trained on the target's own greedy
+continuations. They are generated here by the Megatron model the strategy built (any tensor-parallel size; the
+logits are vocab-parallel, so the argmax is taken across the shards), one forward of the whole row per new
+token: no KV cache, which is simple and plenty for making training data. Serving-speed decoding with the MTP head
+as drafter is `lightning_megatron.speculative`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def eos_token_ids(hf_path: str | Path, tokenizer: Any) -> set[int]:
+    """The end-of-sequence ids of generation_config.json (the ones generation stops at), else the tokenizer's."""
+    file = Path(hf_path) / "generation_config.json"
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+
+
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dimension of logits split over the vocabulary across tensor-parallel ranks.
+
+    Ties go to the lowest vocabulary id, as `torch.argmax` does on unsplit logits.
+    """
+    from megatron.core import parallel_state
+
+    local_max, local_index = logits.float().max(dim=-1)
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return local_index
+    offset = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    group = parallel_state.get_tensor_model_parallel_group()
+    maxima = [torch.empty_like(local_max) for _ in range(world_size)]
+    indices = [torch.empty_like(local_index) for _ in range(world_size)]
+    dist.all_gather(maxima, local_max.contiguous(), group=group)
+    dist.all_gather(indices, (local_index + offset).contiguous(), group=group)
+    best_rank = torch.stack(maxima).argmax(dim=0)  # the first rank holding the maximum: the lowest id
+    return torch.stack(indices).gather(0, best_rank.unsqueeze(0)).squeeze(0)
+
+
+def greedy_continuations(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    *,
+    width_multiple: int = 1,
+) -> list[list[int]]:
+    """The greedy continuation of each prompt row of `input_ids` ``[b, s]`` (right-padded, lengths given).
+
+    Rows are decoded together: causal attention keeps a row's positions blind to the padding after them. A row
+    stops after an end-of-sequence token (kept in its output) or `max_new_tokens` tokens. `width_multiple` pads
+    each forward's width (sequence parallelism needs a multiple of the tensor-parallel size).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
+    batch = input_ids.shape[0]
+    lengths = prompt_lengths.to(input_ids.device).clone()
+    width = int(lengths.max()) + max_new_tokens + width_multiple
+    tokens = torch.zeros(batch, width, dtype=input_ids.dtype, device=input_ids.device)
+    tokens[:, : input_ids.shape[1]] = input_ids
+    positions = torch.arange(width, device=input_ids.device).expand(batch, width)
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    running = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+    rows = torch.arange(batch, device=input_ids.device)
+    eos = torch.tensor(sorted(eos_token_ids), dtype=input_ids.dtype, device=input_ids.device)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            current = int(lengths.max())  # no row reads a position at or past this one
+            current += -current % width_multiple
+            logits = model(input_ids=tokens[:, :current], position_ids=positions[:, :current], attention_mask=None)
+            next_tokens = vocab_parallel_argmax(logits[rows, lengths - 1])
+            for row in running.nonzero().flatten().tolist():
+                outputs[row].append(int(next_tokens[row]))
+            tokens[rows[running], lengths[running]] = next_tokens[running]
+            running &= ~torch.isin(next_tokens, eos)
+            lengths += running.long()
+            if not running.any():
+                break
+    return outputs

@@ -1,0 +1,1 @@
+"""Recipes: the data and models that the project's benchmarks are run on, made locally from what every machine has."""

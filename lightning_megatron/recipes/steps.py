@@ -1,0 +1,71 @@
+"""The steps recipes are made of: a config derived from one in `configs/`, a `lightning-megatron` run of it in its
+own process (exactly what a user runs), and an acceptance measurement by speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def derived_config(source: str, target: Path, overrides: dict[str, Any]) -> Path:
+    """A copy of `configs/<source>` with dotted keys replaced (list items by index), written to `target`."""
+    config = yaml.safe_load((CONFIGS / source).read_text())
+    for dotted, value in overrides.items():
+        node = config
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[int(last) if isinstance(node, list) else last] = value
+    target.write_text(yaml.safe_dump(config, sort_keys=False))
+    return target
+
+
+def run_cli(subcommand: str, config: Path, title: str) -> None:
+    """`lightning-megatron <subcommand> --config <config>` in its own process, its output in `<config>.log`."""
+    command = [sys.executable, "-m", "lightning_megatron.cli", subcommand, "--config", str(config)]
+    print(f"{title}: lightning-megatron {subcommand} --config {config}", flush=True)
+    log = config.with_suffix(".log")
+    with log.open("w") as output:
+        completed = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=_subprocess_env())
+    if completed.returncode:
+        sys.stderr.write(log.read_text()[-5000:])
+        raise SystemExit(f"lightning-megatron {subcommand} failed (exit {completed.returncode}); full log: {log}")
+    print(f"      log: {log}", flush=True)
+
+
+def acceptance(checkpoint: Path, prompts: list[str], max_new_tokens: int, out: Path,
+               device: str = "cpu") -> dict[str, Any]:
+    """Speculative decoding with the checkpoint's MTP head vs plain greedy (fp32): the report's summary."""
+    import transformers
+
+    from lightning_megatron.speculative import measure_checkpoint, write_report
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    report = measure_checkpoint(checkpoint, prompts, max_new_tokens=max_new_tokens, device=device)
+    write_report(report, out)
+    return report["summary"]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return path
+
+
+def _subprocess_env() -> dict[str, str]:
+    """The CLI processes pick their own rendezvous port; Python warnings from the libraries stay quiet."""
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env

@@ -1,0 +1,224 @@
+"""`lightning-megatron`: every config parses and validates, the CPU default fits, predict writes the model's own
+greedy continuations (equal to HF's greedy decoding) as SFT rows that train on exactly those ids, the optimizer
+group is refused, and the main job raises the MTP head's acceptance."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_megatron.cli import MegatronCLI
+from lightning_megatron.testing import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+def _env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=_env())
+
+
+class _ParseAndInstantiate(MegatronCLI):
+    """Everything `lightning-megatron` does before it builds the Trainer: parse, check, instantiate every class
+    (strategy, callbacks, loggers, module, datamodule). GPU configs cannot build a GPU Trainer here."""
+
+    def instantiate_trainer(self, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(path.relative_to(ROOT / "configs")) for path in CONFIGS])
+def test_every_config_parses_and_instantiates(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_megatron.callbacks import MTPOnlyCallback
+    from lightning_megatron.strategy import MegatronStrategy
+
+    monkeypatch.chdir(ROOT)
+    cli = _ParseAndInstantiate(args=["--config", str(config), "--make_tiny_checkpoint", "false"], run=False)
+    strategy = cli.config_init.trainer.strategy
+    assert isinstance(strategy, MegatronStrategy)
+    callbacks = cli.config_init.trainer.callbacks or []
+    if any(isinstance(callback, MTPOnlyCallback) for callback in callbacks):
+        assert strategy.bridge_type == "megatron-bridge" and cli.model.enable_mtp_training
+    for path in (cli.datamodule.train_path, cli.datamodule.val_path, cli.datamodule.predict_path):
+        if path is not None and path.startswith("configs/"):
+            assert (ROOT / path).is_file(), f"{config}: {path} is not in the repository"
+
+
+def test_optimizer_group_is_refused_with_where_to_configure_it(tmp_path: Path) -> None:
+    completed = _cli("fit", "--config", "configs/tiny/mtp_only.yaml", "--make_tiny_checkpoint", "false",
+                     "--optimizer", "torch.optim.AdamW", "--trainer.strategy.init_args.hf_checkpoint", str(tmp_path))
+    assert completed.returncode != 0
+    assert "optimizer: not used with MegatronStrategy" in completed.stderr
+    assert "model.lr" in completed.stderr
+
+
+def test_print_config_shows_the_strategy_and_the_model_options() -> None:
+    completed = _cli("fit", "--config", "configs/tiny/mtp_only.yaml", "--print_config")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    printed = yaml.safe_load(completed.stdout)
+    assert printed["trainer"]["strategy"]["class_path"] == "lightning_megatron.MegatronStrategy"
+    assert printed["trainer"]["strategy"]["init_args"]["bridge_type"] == "megatron-bridge"
+    assert printed["model"]["enable_mtp"] is True and printed["make_tiny_checkpoint"] is True
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_default_config_fits_and_writes_logs_checkpoint_plot_audit_and_export(tmp_path: Path, device: str) -> None:
+    config = yaml.safe_load((ROOT / "configs/tiny/mtp_only.yaml").read_text())
+    config["trainer"].update(max_steps=4, val_check_interval=2, default_root_dir=str(tmp_path), accelerator=device)
+    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
+    config["trainer"]["strategy"]["init_args"]["precision"] = "fp32" if device == "cpu" else "bf16"
+    if device == "gpu":  # the GPU machine has no tensorboard; the CSV logger then holds the curves too
+        config["trainer"]["logger"] = config["trainer"]["logger"][1:]
+    for logger in config["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(tmp_path)
+    for callback in config["trainer"]["callbacks"]:
+        if "dirpath" in callback.get("init_args", {}):
+            callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+
+    completed = _cli("fit", "--config", str(path))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert (tmp_path / "tiny" / "config.json").is_file()  # made on first use
+    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    for name in ("lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp", "tokens_per_s", "val_lm_loss",
+                 "val_mtp_acceptance"):
+        assert name in header
+    log_dir = tmp_path / ("tensorboard" if device == "cpu" else "csv") / "version_0"
+    if device == "cpu":
+        assert list(log_dir.glob("events.out.tfevents.*"))
+    curves = json.loads((log_dir / "curves.json").read_text())
+    assert [step for step, _ in curves["lm_loss"]] == [1, 2, 3, 4]
+    assert len(curves["val_mtp_acceptance"]) == 2
+    assert (log_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
+    assert (tmp_path / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_predict_writes_hf_greedy_continuations_that_train_on_exactly_those_ids(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from lightning_megatron.data import SFTDataModule
+    from lightning_megatron.speculative import greedy_decode, load_target
+    from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", mtp=True)
+    prompts = [{"prompt": "What is the capital of France?"}, {"prompt": "How do I run the tests?"},
+               {"messages": [{"role": "system", "content": "Answer briefly."},
+                             {"role": "user", "content": "Write a function that adds two numbers."}]}]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    output = tmp_path / "continuations.jsonl"
+    completed = _cli("predict", "--config", "configs/tiny/generate.yaml",
+                     "--trainer.strategy.init_args.hf_checkpoint", str(checkpoint),
+                     "--trainer.default_root_dir", str(tmp_path), "--data.predict_path", str(prompts_file),
+                     "--trainer.strategy.init_args.micro_batch_size", "2", "--model.max_new_tokens", "20",
+                     "--trainer.callbacks", json.dumps([{"class_path": "lightning_megatron.callbacks.ContinuationWriter",
+                                                         "init_args": {"output_path": str(output)}}]))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(rows) == len(prompts)
+
+    target = load_target(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    eos = eos_token_ids(checkpoint, tokenizer)
+    for prompt, row in zip(prompts, rows):
+        prompt_ids = encode_prompt(tokenizer, prompt.get("prompt") or prompt["messages"])
+        assert row["response_token_ids"] == greedy_decode(target, prompt_ids, 20, eos).tokens
+        assert row["finish_reason"] == ("eos" if row["response_token_ids"][-1] in eos else "length")
+        if "messages" in prompt:
+            assert row["messages"][:-1] == prompt["messages"] and row["messages"][-1]["role"] == "assistant"
+        else:
+            assert row["prompt"] == prompt["prompt"] and row["response"] == tokenizer.decode(row["response_token_ids"])
+
+    # training on the rows sees the prompt and exactly the generated ids, the loss on the generated ones
+    datamodule = SFTDataModule(str(output), hf_checkpoint=str(checkpoint), seq_length=128, micro_batch_size=1)
+    datamodule.setup("fit")
+    for index, (prompt, row) in enumerate(zip(prompts, rows)):
+        sample = datamodule.datasets["train"][index]
+        prompt_ids = encode_prompt(tokenizer, prompt.get("prompt") or prompt["messages"])
+        expected = prompt_ids + row["response_token_ids"]
+        assert sample["input_ids"][: len(expected)].tolist() == expected
+        trained_labels = sample["labels"][sample["loss_mask"].bool()].tolist()
+        assert trained_labels == row["response_token_ids"]
+
+
+@pytest.mark.slow
+def test_validation_acceptance_equals_the_hf_reference(tmp_path: Path) -> None:
+    """`val_mtp_acceptance` through the strategy = the metric on HF's own main and MTP logits for the same rows."""
+    import lightning.pytorch as pl
+
+    from lightning_megatron import MegatronStrategy, SFTDataModule, SFTModule
+    from lightning_megatron.metrics import MTPAcceptanceAccuracy
+    from lightning_megatron.speculative import load_target
+    from lightning_megatron.testing import hf_mtp_reference_logits
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", mtp=True)
+    rows = [{"prompt": "What is the capital of France?", "response": "The capital of France is Paris."},
+            {"prompt": "How do I run the tests?", "response": "Install the package, then run pytest."}]
+    data_file = tmp_path / "val.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", precision="fp32",
+                                micro_batch_size=1, global_batch_size=1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    datamodule = SFTDataModule(val_path=str(data_file), seq_length=64)
+    logged = trainer.validate(SFTModule(enable_mtp=True), datamodule=datamodule, verbose=False)[0]
+
+    target = load_target(checkpoint)
+    reference = MTPAcceptanceAccuracy()
+    for sample in datamodule.datasets["val"]:
+        ids = sample["input_ids"].unsqueeze(0)
+        with torch.no_grad():
+            main = target(input_ids=ids).logits
+        reference.update(hf_mtp_reference_logits(checkpoint, ids), main, sample["loss_mask"].unsqueeze(0))
+    assert reference.counted > 0
+    assert logged["val_mtp_acceptance"] == pytest.approx(float(reference.compute()))
+
+
+@pytest.mark.slow
+def test_main_job_raises_acceptance_on_held_out_prompts(tmp_path: Path) -> None:
+    """README command 1, shortened: continuations, MTP-only fit, acceptance before < after, identical outputs."""
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.quickstart", "--workdir", str(tmp_path),
+                                "--max-steps", "60"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                               env=_env())
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    before = json.loads((tmp_path / "acceptance_before" / "report.json").read_text())["summary"]
+    after = json.loads((tmp_path / "acceptance_after" / "report.json").read_text())["summary"]
+    assert before["acceptance_rate"] < 0.05 < after["acceptance_rate"]
+    assert before["all_identical"] and after["all_identical"]
+    assert "MTP draft acceptance on held-out prompts: before" in completed.stdout
+    assert (tmp_path / "mtp_only" / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cell of notebooks/quickstart.ipynb runs in a fresh kernel (no launcher, fit in-process)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # the kernel picks its own rendezvous port
+        monkeypatch.delenv(name, raising=False)
+    notebook = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT / "notebooks")}})
+    client.execute()
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert not [output for output in outputs if output.output_type == "error"]
+    assert any("image/png" in output.get("data", {}) for output in outputs)
