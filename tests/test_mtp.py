@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ SEQ, VOCAB, SAMPLES, SCALE = 16, 384, 32, 0.1
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mtp_checkpoints")
     return {"qwen3_mtp": make_tiny_checkpoint(root / "qwen3_mtp", "qwen3", mtp=True),
+            "qwen3_mtp_tied": make_tiny_checkpoint(root / "qwen3_mtp_tied", "qwen3", mtp=True, tied=True),
             "mimo": make_tiny_checkpoint(root / "mimo", "mimo", mtp=True),
             "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3")}
 
@@ -65,19 +67,23 @@ def _named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict
 
 def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = True, devices: int = 1,
          dataset: Any = None, lr: float = 1e-2, module_kwargs: dict | None = None, callbacks: tuple = (),
+         skip_main_head_backward: bool = True, validate_every: int | None = None,
          **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot = Snapshot()
-    callbacks = [snapshot, *callbacks] + ([MTPOnlyCallback()] if mtp_only else [])
+    mtp_only_callback = MTPOnlyCallback(skip_main_head_backward=skip_main_head_backward)
+    callbacks = [snapshot, *callbacks] + ([mtp_only_callback] if mtp_only else [])
+    validation = dict(val_check_interval=validate_every, limit_val_batches=2, num_sanity_val_steps=0)
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
                          devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=callbacks)
+                         callbacks=callbacks, **(validation if validate_every else {}))
     module = SFTModule(**({"enable_mtp": True, "lr": lr} | (module_kwargs or {})))
-    loader = DataLoader(dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
-                        drop_last=True)
-    trainer.fit(module, loader)
+    dataset = dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB)
+    loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True)
+    val_loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True) if validate_every else None
+    trainer.fit(module, loader, val_loader)
     return snapshot, trainer
 
 
@@ -101,8 +107,26 @@ def test_mtp_only_trains_the_mtp_head_and_nothing_else(process_group, checkpoint
     assert audit["trainable_parameters"] == snapshot.optimizer_numel
 
 
+class NudgeFrozenNorm(pl.Callback):
+    """Changes one frozen tensor behind the optimizer's back after the first step."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        from megatron.core.utils import unwrap_model
+
+        with torch.no_grad():
+            unwrap_model(pl_module.model[0]).decoder.final_layernorm.weight.add_(1.0)
+
+
+def test_the_audit_fails_the_run_when_a_frozen_tensor_changes(process_group, checkpoints, tmp_path):
+    with pytest.raises(RuntimeError, match=r"1 frozen tensor\(s\) changed during fit, e.g. "
+                                           r"\['0.decoder.final_layernorm.weight'\]"):
+        _fit(tmp_path, checkpoints["qwen3_mtp"], 1, callbacks=(NudgeFrozenNorm(),))
+    audit = json.loads((tmp_path / "mtp_only_audit.json").read_text())
+    assert not audit["frozen_bit_identical"] and audit["frozen_tensors_changed"] == 1
+
 def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: str, parallel: dict) -> dict:
-    snapshot, trainer = _fit(Path(tmp), Path(hf_checkpoint), 2, devices=world_size, **parallel)
+    heads = HeadGradients()
+    snapshot, trainer = _fit(Path(tmp), Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,), **parallel)
     from megatron.core import parallel_state
 
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
@@ -117,6 +141,7 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
         "steps": trainer.global_step,
         "last_stage": parallel_state.is_pipeline_last_stage(),
         "mtp_loss": snapshot.metrics[-1]["mtp_loss"],
+        "head_gradients": heads.gradients,
     }
 
 
@@ -130,6 +155,8 @@ def test_mtp_only_under_tensor_and_pipeline_parallelism(checkpoints, tmp_path, p
         assert result["optimizer_numel"] == result["mtp_numel"]
         assert result["steps"] == 2  # a stage without the MTP layer still steps with the others
         assert result["has_mtp"] == result["last_stage"]
+        # the main LM head's backward is skipped on the last stage (the TP ranks alike), the MTP head's runs
+        assert result["head_gradients"] == ({"mtp": 4, "main": 0} if result["last_stage"] else {"mtp": 0, "main": 0})
     assert results[0]["mtp_loss"] == results[1]["mtp_loss"] > 0
     if "pipeline_model_parallel_size" in parallel:
         assert results[0]["optimizer_numel"] == 0  # the first stage holds no MTP parameter: everything frozen
@@ -154,7 +181,8 @@ def _direct_mtp_gradient(model: torch.nn.Module, batch: dict[str, torch.Tensor])
           labels=batch["labels"], loss_mask=batch["loss_mask"])
     hook.remove()
     hidden = captured["hidden"][SEQ:]  # [s, b, h]: the MTP layer's chunk after the main decoder's
-    logits, _ = model.output_layer(hidden)
+    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden, weight=tied)
     targets = torch.roll(batch["labels"], -1, dims=1)
     mask = torch.roll(batch["loss_mask"], -1, dims=1)
     mask[:, -1] = 0
@@ -178,18 +206,93 @@ class DirectMTPGradient(pl.Callback):
         MTPLossLoggingHelper.clean_metrics_in_tracker()  # that forward must not count as a training step's
 
 
+@pytest.mark.parametrize("model", ["qwen3_mtp", "qwen3_mtp_tied"], ids=["untied", "tied"])
 @pytest.mark.parametrize("micro_batch_size", [4, 1], ids=["1_microbatch", "4_microbatches"])
 def test_mtp_gradient_is_the_scaled_masked_mtp_cross_entropy(process_group, checkpoints, tmp_path,
-                                                            micro_batch_size):
+                                                            micro_batch_size, model):
     dataset = RandomTokenDataset(SAMPLES, SEQ, VOCAB)
     direct = DirectMTPGradient(_first_global_batch(dataset, 4))
-    snapshot, _ = _fit(tmp_path, checkpoints["qwen3_mtp"], 1, dataset=dataset, micro_batch_size=micro_batch_size,
+    snapshot, _ = _fit(tmp_path, checkpoints[model], 1, dataset=dataset, micro_batch_size=micro_batch_size,
                        module_kwargs={"mtp_loss_scaling_factor": SCALE}, callbacks=(direct,))
     (ours,) = snapshot.mtp_grads
     assert ours.keys() == direct.expected.keys()
     for name, gradient in direct.expected.items():
         torch.testing.assert_close(ours[name], gradient, rtol=0, atol=1e-6)
     assert max(float(g.abs().max()) for g in direct.expected.values()) > 1e-4  # the comparison is not of zeros
+
+
+class HeadGradients(pl.Callback):
+    """How many gradients reach the output layer's logits, per kind of call: in each forward of a last-stage chunk
+    Megatron-Core calls it for the MTP depth first, then for the main logits."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.utils import unwrap_model
+
+        self.gradients = {"mtp": 0, "main": 0}
+        self.main_logits_require_grad: list[bool] = []
+        for chunk in pl_module.model:
+            model = unwrap_model(chunk)
+            if model.post_process:
+                calls = []
+                model.register_forward_pre_hook(lambda *_: calls.clear())
+                model.output_layer.register_forward_hook(partial(self._count, calls))
+
+    def _count(self, calls: list[str], module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return
+        kind = "mtp" if not calls else "main"
+        calls.append(kind)
+        if kind == "main":
+            self.main_logits_require_grad.append(output[0].requires_grad)
+        if output[0].requires_grad:
+            output[0].register_hook(lambda gradient: self.gradients.update({kind: self.gradients[kind] + 1}))
+
+
+@pytest.mark.parametrize("model, precision", [("qwen3_mtp", "fp32"), ("qwen3_mtp_tied", "fp32"),
+                                              ("qwen3_mtp_tied", "bf16")], ids=["untied", "tied", "tied_bf16"])
+def test_skipping_the_main_head_backward_changes_nothing_but_the_work(process_group, checkpoints, tmp_path, model,
+                                                                     precision):
+    """bf16 also checks the audit's reference point: the norm weights are built in fp32 and cast by the wrap."""
+    runs = {}
+    for skip in (True, False):
+        heads = HeadGradients()
+        snapshot, _ = _fit(tmp_path / str(skip), checkpoints[model], 3, skip_main_head_backward=skip,
+                           precision=precision, callbacks=(heads,), validate_every=2)
+        _assert_only_mtp_moved(snapshot)
+        runs[skip] = snapshot, heads
+    (fast, fast_heads), (plain, plain_heads) = runs[True], runs[False]
+    # 3 steps x 2 microbatches: the MTP head's backward runs in both; the main head's only without the shortcut
+    assert fast_heads.gradients == {"mtp": 6, "main": 0} and fast_heads.main_logits_require_grad == [False] * 6
+    assert plain_heads.gradients == {"mtp": 6, "main": 6} and plain_heads.main_logits_require_grad == [True] * 6
+    assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp", "val_lm_loss"} <= set(fast.metrics[-1])
+    assert fast.metrics == plain.metrics  # lm_loss, mtp_loss, grad norms, validation: equal, step by step
+    for fast_grads, plain_grads in zip(fast.mtp_grads, plain.mtp_grads, strict=True):
+        assert fast_grads.keys() == plain_grads.keys()
+        for name in fast_grads:
+            torch.testing.assert_close(fast_grads[name], plain_grads[name], rtol=0, atol=1e-6)
+    for name in fast.after:
+        torch.testing.assert_close(fast.after[name], plain.after[name], rtol=0, atol=1e-6)
+
+
+class UnfreezeOutputLayer(pl.Callback):
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.utils import unwrap_model
+
+        self.chunks = [unwrap_model(chunk) for chunk in pl_module.model]
+        self.chunks[0].output_layer.weight.requires_grad_(True)
+
+
+def test_skipping_the_main_head_backward_refuses_a_trainable_head(process_group, checkpoints, tmp_path):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from lightning_megatron.mtp_only_graph import skip_main_lm_head_backward
+
+    unfreeze = UnfreezeOutputLayer()
+    with pytest.raises(RuntimeError, match="main output layer's weight requires grad"):
+        _fit(tmp_path, checkpoints["qwen3_mtp"], 1, callbacks=(unfreeze,))
+    MTPLossLoggingHelper.clean_metrics_in_tracker()  # the failed forward's MTP loss must not reach later tests
+    with pytest.raises(ValueError, match="every non-MTP parameter frozen; trainable: .*output_layer.weight"):
+        skip_main_lm_head_backward(unfreeze.chunks)
 
 
 def test_joint_training_moves_everything_and_both_losses_fall(process_group, checkpoints, tmp_path):

@@ -2,9 +2,11 @@
 
 In `setup` (the model exists: the strategy built it in `setup_environment`; Megatron DDP and the optimizer do not,
 so they only ever see the MTP parameters) every non-MTP parameter is frozen, shared embeddings and output
-projection included. The main SFT loss stays in the graph: Megatron-Core's MTP loss backward hangs off it. At the
-end of fit an audit compares a checksum of every frozen tensor with its value at setup (no copy of the weights is
-kept) and writes the result as JSON; a frozen tensor that changed fails the run.
+projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
+backward hangs off it; by default its values are computed but its own backward is skipped (`mtp_only_graph`). At
+the end of fit an audit compares a checksum of every frozen tensor with its value when training started (after the
+wrap and any checkpoint restore, before the first step; no copy of the weights is kept) and writes the result as
+JSON; a frozen tensor that changed fails the run.
 """
 
 from __future__ import annotations
@@ -18,18 +20,27 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.mtp import freeze_non_mtp_parameters, mtp_parameter_flags
+from lightning_megatron.mtp_only_graph import skip_main_lm_head_backward
 
 
 class MTPOnlyCallback(pl.Callback):
     """Freeze all but the MTP layer before Megatron wraps the model; audit the frozen weights at the end of fit.
 
     `audit_path`: where the JSON audit goes (default: `<default_root_dir>/mtp_only_audit.json`).
+    `skip_main_head_backward` (default true): the main LM head reads detached hidden states and its loss is tied
+    back to them with a zero gradient, so the backward skips the main cross-entropy and the LM head's input
+    gradient over the whole vocabulary (and the main logits are freed after the forward), while `lm_loss`, the MTP
+    gradients and the frozen weights are the same as without it. Set it to false to run the main loss's backward
+    as plain Megatron-Core does (e.g. to compare, or if a megatron-core upgrade changes the call pattern the hooks
+    check, which they report as an error).
     """
 
-    def __init__(self, audit_path: str | None = None) -> None:
+    def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True) -> None:
         self.audit_path = audit_path
+        self.skip_main_head_backward = skip_main_head_backward
         self.trainable: list[str] = []
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def validate_megatron_setup(self, strategy: Any, module: pl.LightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
@@ -53,16 +64,25 @@ class MTPOnlyCallback(pl.Callback):
         chunks = list(pl_module.model)
         last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.trainable = freeze_non_mtp_parameters(chunks, allow_missing_mtp=not last_stage)
-        self._frozen_checksums = {name: checksum(parameter)
-                                  for name, parameter, is_mtp in mtp_parameter_flags(chunks).values() if not is_mtp}
+        if self.skip_main_head_backward:
+            self._hook_handles = skip_main_lm_head_backward(chunks)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The reference checksums: after the wrap (bf16 casts the norm weights the model was built with in fp32)
+        and any checkpoint restore, before the first step."""
+        self._frozen_checksums = _frozen_checksums(pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from megatron.core.utils import unwrap_model
-
-        chunks = [unwrap_model(chunk) for chunk in pl_module.model]
-        flags = mtp_parameter_flags(chunks)
+        flags = mtp_parameter_flags(_unwrapped(pl_module))
+        # no reference when training never started (resumed at max_steps): no step ran, nothing changed
+        reference = self._frozen_checksums or _frozen_checksums(pl_module)
         changed = [name for name, parameter, is_mtp in flags.values()
-                   if not is_mtp and checksum(parameter) != self._frozen_checksums[name]]
+                   if not is_mtp and checksum(parameter) != reference[name]]
         counts = torch.tensor([
             _unique_numel(parameter for _, parameter, is_mtp in flags.values() if is_mtp),
             _unique_numel(parameter for _, parameter, is_mtp in flags.values() if not is_mtp),
@@ -84,6 +104,17 @@ class MTPOnlyCallback(pl.Callback):
         if counts[2]:
             raise RuntimeError(f"MTPOnlyCallback: {int(counts[2])} frozen tensor(s) changed during fit, e.g. "
                                f"{changed[:5]}; see {path}")
+
+
+def _unwrapped(pl_module: pl.LightningModule) -> list[torch.nn.Module]:
+    from megatron.core.utils import unwrap_model
+
+    return [unwrap_model(chunk) for chunk in pl_module.model]
+
+
+def _frozen_checksums(pl_module: pl.LightningModule) -> dict[str, tuple[int, int]]:
+    return {name: checksum(parameter)
+            for name, parameter, is_mtp in mtp_parameter_flags(_unwrapped(pl_module)).values() if not is_mtp}
 
 
 def checksum(tensor: torch.Tensor) -> tuple[int, int]:

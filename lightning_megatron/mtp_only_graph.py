@@ -1,0 +1,118 @@
+"""MTP-only training without the main LM head's backward pass.
+
+With every non-MTP parameter frozen, the main SFT loss is kept in the graph for one reason: Megatron-Core hangs the
+MTP loss's backward off it. `process_mtp_loss` returns the main hidden states through `MTPLossAutoScaler`, whose
+backward passes the incoming gradient on unchanged and injects `main_loss_backward_scale` as the MTP loss gradient,
+whatever that incoming gradient's values. The main logits are then computed from those hidden states, so a plain
+backward runs the main cross-entropy backward over `[s, b, vocab]` and the LM head's input-gradient matmul, and
+keeps the main logits alive until then, only to reach that node. The main-loss gradient itself ends in frozen
+parameters: it never reaches an MTP one (the MTP layer's output is not an input of the main logits).
+
+`skip_main_lm_head_backward` hooks each last-stage chunk with an MTP block so the main output layer reads a
+detached copy of those hidden states, and ties the model's output (the per-token loss, or the logits without
+labels) back to them through `_ZeroGradientTie`, whose backward sends zeros. The output still requires grad, so the
+schedule still runs backward, `MTPLossAutoScaler.backward` still fires with the same scale and the MTP gradients
+are the same; the main-loss values are computed exactly as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from lightning_megatron.mtp import mtp_parameter_flags
+
+
+class _ZeroGradientTie(torch.autograd.Function):
+    """`main_output` unchanged, made to depend on `hidden` with a zero gradient (only the shape of it is kept)."""
+
+    @staticmethod
+    def forward(ctx: Any, main_output: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.hidden_layout = (hidden.shape, hidden.dtype, hidden.device)
+        return main_output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, torch.Tensor]:
+        shape, dtype, device = ctx.hidden_layout
+        return None, torch.zeros(shape, dtype=dtype, device=device)
+
+
+class _MainHeadShortcut:
+    """The hooks of one GPTModel chunk. Per forward, `process_mtp_loss` calls the output layer once per MTP depth,
+    then `_postprocess` calls it for the main logits on the hidden states `MTPLossAutoScaler` returned; anything
+    else under grad is refused rather than silently trained differently."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        self.mtp_depths = model.config.mtp_num_layers
+        self.autoscaler_node = MTPLossAutoScaler._backward_cls
+        self.calls = 0
+        self.hidden: torch.Tensor | None = None
+
+    def before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls, self.hidden = 0, None
+
+    def before_output_layer(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self.calls += 1
+        if not torch.is_grad_enabled():
+            return None
+        if not args:
+            raise RuntimeError("MTPOnlyCallback: the output layer was called without a positional input; "
+                               "megatron-core's call pattern changed, pass MTPOnlyCallback(skip_main_head_backward="
+                               "False)")
+        hidden = args[0]
+        if not isinstance(hidden.grad_fn, self.autoscaler_node):
+            return None  # an MTP depth's logits: its backward is the MTP loss's
+        if self.calls != self.mtp_depths + 1 or self.hidden is not None:
+            raise RuntimeError(f"MTPOnlyCallback: output-layer call {self.calls} of this forward reads "
+                               f"MTPLossAutoScaler's output; expected exactly call {self.mtp_depths + 1} (after "
+                               f"{self.mtp_depths} MTP depth(s)); megatron-core's call pattern changed, pass "
+                               "MTPOnlyCallback(skip_main_head_backward=False)")
+        weight = kwargs.get("weight")
+        trainable = [p for p in (weight if weight is not None else module.weight, getattr(module, "bias", None))
+                     if p is not None and p.requires_grad]
+        if trainable:
+            raise RuntimeError("MTPOnlyCallback: the main output layer's weight requires grad, so its backward is "
+                               "needed; something unfroze it after setup")
+        self.hidden = hidden
+        return (hidden.detach(), *args[1:]), kwargs
+
+    def after_model(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        hidden, self.hidden = self.hidden, None
+        if hidden is not None:
+            return _ZeroGradientTie.apply(output, hidden)
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            raise RuntimeError("MTPOnlyCallback: the model's output requires grad but no main output-layer call "
+                               "read MTPLossAutoScaler's output; megatron-core's call pattern changed, pass "
+                               "MTPOnlyCallback(skip_main_head_backward=False)")
+        return None
+
+
+def skip_main_lm_head_backward(chunks: list[torch.nn.Module]) -> list[RemovableHandle]:
+    """Hook every last-stage chunk with an MTP block (unwrapped GPTModels, before DDP); returns the hook handles.
+
+    Only valid when every non-MTP parameter is frozen on this rank (checked: `freeze_non_mtp_parameters` first).
+    Chunks without the output layer (earlier pipeline stages, virtual chunks before the last) get no hooks.
+    """
+    from megatron.core.utils import unwrap_model
+
+    trainable = [name for name, parameter, is_mtp in mtp_parameter_flags(chunks).values()
+                 if parameter.requires_grad and not is_mtp]
+    if trainable:
+        raise ValueError(f"skipping the main LM head's backward needs every non-MTP parameter frozen; trainable: "
+                         f"{trainable[:5]}")
+    handles: list[RemovableHandle] = []
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
+            continue
+        shortcut = _MainHeadShortcut(model)
+        handles += [
+            model.register_forward_pre_hook(shortcut.before_model, with_kwargs=True),
+            model.output_layer.register_forward_pre_hook(shortcut.before_output_layer, with_kwargs=True),
+            model.register_forward_hook(shortcut.after_model, with_kwargs=True),
+        ]
+    return handles
