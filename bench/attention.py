@@ -3,26 +3,35 @@
 For one model shape and the same tokens per step, side by side in one process: a plain Megatron-Core training step
 (local layer spec, Float16Module + DDP + distributed optimizer, forward-backward over the microbatches, optimizer
 step) with each core attention, and plain HF transformers Qwen3 (SDPA attention, fp32 weights with bf16 autocast,
-AdamW fused on CUDA). Random weights and tokens. Prints one JSON object: median step time after warm-up, tokens/s
-and peak GPU memory (null on CPU) for each. Defaults are the Qwen3-0.6B shape; `--tiny` is a CPU-sized one.
+AdamW fused on CUDA). Random weights and tokens. Prints one JSON object: median step time after warm-up, tokens/s,
+model FLOPs and MFU (`bench/common.py`; no MTP layer here) and peak GPU memory (null on CPU) for each. Defaults are
+the Qwen3-0.6B shape; `--tiny` is a CPU-sized one. The `hf` variant is P4 of the benchmarks (bench/README.md): plain
+HF transformers beside our Megatron runs, the same tokens per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import gc
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import (
+    ModelShape,
+    emit,
+    environment,
+    fresh_memory,
+    model_flops,
+    peak_flops,
+    peak_memory_gib,
+    throughput,
+)
 from lightning_megatron.demo import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=64, micro_batch=2,
@@ -46,6 +55,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--variants", nargs="+", default=["hf", "sdpa", "local"], choices=["hf", "sdpa", "local"])
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: H200 dense bf16)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     if args.tiny:
         parser.set_defaults(**TINY)
@@ -66,8 +77,14 @@ def _random_microbatches(args: argparse.Namespace) -> list[dict[str, torch.Tenso
     return microbatches
 
 
+def _shape(args: argparse.Namespace) -> ModelShape:
+    return ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_groups=args.kv_groups,
+                      head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab, mtp_layers=0)
+
+
 def _measure(step: Callable[[], float], args: argparse.Namespace) -> dict[str, Any]:
-    """Median step time after warm-up, and the peak memory since the model was built (the caller resets it)."""
+    """Median step time after warm-up, its throughput, and the peak memory since the model was built (the caller
+    resets it)."""
     times, loss = [], float("nan")
     for index in range(args.warmup + args.steps):
         if torch.cuda.is_available():
@@ -78,21 +95,10 @@ def _measure(step: Callable[[], float], args: argparse.Namespace) -> dict[str, A
             torch.cuda.synchronize()
         if index >= args.warmup:
             times.append(time.perf_counter() - started)
-    step_s = statistics.median(times)
-    tokens = args.micro_batch * args.microbatches * args.seq
-    return {
-        "step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else None,
-        "last_loss": loss,
-    }
-
-
-def _fresh_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    sequences = args.micro_batch * args.microbatches
+    flops = model_flops(_shape(args), sequences, args.seq)
+    return {**throughput(statistics.median(times), sequences * args.seq, flops, peak_flops(args.peak_tflops)),
+            "peak_memory_gib": peak_memory_gib(), "last_loss": loss}
 
 
 def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
@@ -117,7 +123,7 @@ def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
     )
     spec = with_core_attention(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), backend)
-    _fresh_memory()
+    fresh_memory()
     torch.manual_seed(0)  # the same weights for each core attention: their losses agree
     tensor_parallel.model_parallel_cuda_manual_seed(0, force_reset_rng=True)
     model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq, position_embedding_type="rope",
@@ -158,7 +164,7 @@ def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     # The local attention keeps its [b * heads, sq, sk] score buffer in Megatron's global memory buffer.
     parallel_state.destroy_global_memory_buffer()
     parallel_state._set_global_memory_buffer()
-    _fresh_memory()
+    fresh_memory()
     return result
 
 
@@ -171,7 +177,7 @@ def hf_step(args: argparse.Namespace) -> dict[str, Any]:
         max_position_embeddings=args.seq, rms_norm_eps=1e-6, tie_word_embeddings=True,
     )
     config._attn_implementation = "sdpa"
-    _fresh_memory()
+    fresh_memory()
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to(_device()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
@@ -193,7 +199,7 @@ def hf_step(args: argparse.Namespace) -> dict[str, Any]:
 
     result = _measure(step, args)
     del model, optimizer
-    _fresh_memory()
+    fresh_memory()
     return result
 
 
@@ -207,6 +213,8 @@ def main() -> None:
     for variant in args.variants:
         results[variant] = hf_step(args) if variant == "hf" else megatron_step(args, variant)
     report: dict[str, Any] = {
+        "benchmark": "attention",
+        **environment(),
         "shape": {key: getattr(args, key) for key in ("hidden", "layers", "heads", "kv_groups", "head_dim", "ffn",
                                                      "vocab", "seq", "micro_batch", "microbatches", "dtype")},
         "tokens_per_step": args.micro_batch * args.microbatches * args.seq,
@@ -214,15 +222,12 @@ def main() -> None:
         "warmup": args.warmup,
         "megatron": {backend: results[backend] for backend in ("local", "sdpa") if backend in results},
         "hf_transformers_sdpa": results.get("hf"),
-        "versions": {p: metadata.version(p) for p in ("torch", "megatron-core", "transformers")},
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "date": time.strftime("%Y-%m-%d"),
     }
     if {"local", "sdpa"} <= results.keys():
         report["sdpa_over_local_step_time"] = results["sdpa"]["step_s"] / results["local"]["step_s"]
     if {"hf", "sdpa"} <= results.keys():
         report["sdpa_over_hf_step_time"] = results["sdpa"]["step_s"] / results["hf"]["step_s"]
-    print(json.dumps(report, indent=2))
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

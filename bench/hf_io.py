@@ -1,77 +1,125 @@
-"""HF checkpoint load and save through each bridge, side by side with raw safetensors I/O of the same bytes.
+"""P3: HF checkpoint load and save through each bridge, side by side with raw safetensors I/O of the same bytes.
 
-Prints one JSON object. `--tiny` (the default) uses a tiny checkpoint made locally; pass `--checkpoint` for a real
-one. Times are medians over `--repeats` runs in one process (imports excluded); ratios are against raw I/O.
+For each bridge: `build` (model creation without random init, HF weights loaded) and `save_hf` (a complete HF
+checkpoint written atomically), against reading the same tensors raw with safetensors onto the device the bridge
+puts the model on, and writing them raw from there. megatron-bridge loads and saves the MTP head when the checkpoint
+has one; mbridge cannot build MTP heads, so its model, and its raw baseline, leave the MTP tensors out. Times are
+medians over `--repeats` runs in one process after one warm-up (imports and first-call set-up excluded); ratios
+are against raw (target: within 1.5x). `--tiny` (also the default without `--checkpoint`): a tiny checkpoint made
+locally; `--checkpoint` for a real one (the 0.6B benchmark checkpoint: `python -m bench.make_checkpoint`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
-from importlib import metadata
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from bench.common import ModelShape, emit, environment, make_checkpoint
 from lightning_megatron.demo import init_single_process
 
 
-def _median_seconds(action, repeats: int) -> float:
+def _median_seconds(action: Callable[[], Any], repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         started = time.perf_counter()
         action()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
+def _raw_read(files: list[Path], names: set[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """The named tensors, read with safetensors straight onto `device` into memory the caller owns (on the CPU
+    safetensors hands out views of its memory map, which read nothing until touched: they are copied out)."""
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as handle:
+            for name in handle.keys():
+                if name in names:
+                    tensor = handle.get_tensor(name)
+                    tensors[name] = tensor.clone() if device.type == "cpu" else tensor
+    return tensors
+
+
+def _model_device(chunks: list[torch.nn.Module]) -> torch.device:
+    return next(chunks[0].parameters()).device
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: int) -> dict[str, Any]:
+    from lightning_megatron.bridges import ModelOptions, create_bridge
+
+    files = sorted(checkpoint.glob("*.safetensors"))
+    dtypes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            dtypes.update({name: handle.get_slice(name).get_dtype() for name in handle.keys()})
+    bridge = create_bridge(bridge_type, checkpoint)
+    mtp = bridge_type == "megatron-bridge" and ModelShape.from_hf_checkpoint(checkpoint).mtp_layers > 0
+    # the bridge's own rule for which HF tensors are the MTP head (the ones an mtp=False export leaves out)
+    names = {name for name in dtypes if mtp or not bridge._is_hf_mtp_tensor(name)}
+    options = ModelOptions(params_dtype=_DTYPES[dtypes[min(names)]], mtp=mtp)
+    chunks = bridge.build(options)  # warm-up: the first build pays one-time set-up
+    device = _model_device(chunks)
+    tensors = _raw_read(files, names, device)
+    size = sum(tensor.nbytes for tensor in tensors.values())
+    raw_read_s = _median_seconds(lambda: _raw_read(files, names, device), repeats)
+    raw_write_s = _median_seconds(lambda: save_file(tensors, workdir / f"raw-{bridge_type}.safetensors"), repeats)
+    del tensors
+    load_s = _median_seconds(lambda: bridge.build(options), repeats)
+    save_s = _median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
+    return {
+        "mtp": mtp,
+        "tensors": len(names),
+        "bytes": size,
+        "device": str(device),
+        "raw_read_s": raw_read_s,
+        "raw_write_s": raw_write_s,
+        "build_and_load_s": load_s,
+        "save_s": save_s,
+        "load_vs_raw_read": load_s / raw_read_s,
+        "save_vs_raw_write": save_s / raw_write_s,
+    }
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny checkpoint made locally (the default)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="an HF checkpoint folder (default: a tiny one)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bridges", nargs="+", default=["mbridge", "megatron-bridge"])
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-
-    from lightning_megatron.bridges import ModelOptions, create_bridge
-    from lightning_megatron.testing import make_tiny_checkpoint
+    if args.tiny and args.checkpoint:
+        parser.error("--tiny and --checkpoint exclude each other")
 
     workdir = Path(tempfile.mkdtemp(prefix="hf_io_"))
-    checkpoint = args.checkpoint or make_tiny_checkpoint(workdir / "tiny-qwen3", "qwen3")
+    checkpoint = args.checkpoint or make_checkpoint(workdir / "tiny-qwen3-mtp", tiny=True)
     init_single_process()
-    files = sorted(checkpoint.glob("*.safetensors"))
-
-    def raw_read() -> dict[str, torch.Tensor]:
-        return {name: tensor for file in files for name, tensor in load_file(file).items()}
-
-    tensors = raw_read()
-    result = {
-        "checkpoint": str(checkpoint) if args.checkpoint else "tiny qwen3 (make_tiny_checkpoint)",
-        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        "raw_read_s": _median_seconds(raw_read, args.repeats),
-        "raw_write_s": _median_seconds(lambda: save_file(tensors, workdir / "raw.safetensors"), args.repeats),
-        "bridges": {},
-        "versions": {p: metadata.version(p) for p in ("torch", "megatron-core", "megatron-bridge", "mbridge")},
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "date": time.strftime("%Y-%m-%d"),
+    result: dict[str, Any] = {
+        "benchmark": "hf_io",
+        **environment(),
+        "checkpoint": str(checkpoint) if args.checkpoint else "tiny qwen3 + MTP (bench.common.make_checkpoint)",
+        "repeats": args.repeats,
+        "target_vs_raw": 1.5,
+        "bridges": {bridge_type: measure_bridge(bridge_type, checkpoint, workdir, args.repeats)
+                    for bridge_type in args.bridges},
     }
-    dtype = next(iter(tensors.values())).dtype
-    for bridge_type in args.bridges:
-        bridge = create_bridge(bridge_type, checkpoint)
-        chunks = bridge.build(ModelOptions(params_dtype=dtype))  # warm-up: first build pays one-time set-up
-        load_s = _median_seconds(lambda: bridge.build(ModelOptions(params_dtype=dtype)), args.repeats)
-        save_s = _median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), args.repeats)
-        result["bridges"][bridge_type] = {
-            "build_and_load_s": load_s,
-            "save_s": save_s,
-            "load_vs_raw_read": load_s / result["raw_read_s"],
-            "save_vs_raw_write": save_s / result["raw_write_s"],
-        }
-    print(json.dumps(result, indent=2))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,14 @@ bridge, Float16Module, Megatron DDP, Megatron optimizer, `get_forward_backward_f
 tests can compare Lightning's loss per step with it and the benchmarks can compare step times. Data order follows
 `torch.utils.data.DistributedSampler` over the data-parallel ranks, shuffled with `sampler_seed`, as Lightning does.
 
-Run as a script for the benchmark: prints JSON with the loss and time of every step.
+`run` returns the loss of every step and its wall time, measured from one synchronised step end to the next
+(fetching the microbatches, forward-backward, optimizer step, loss reduction: everything an iteration costs), which
+is how `bench/lightning_overhead.py` times the Lightning fit it compares against. On a GPU the peak-memory counter
+is reset when training starts (`setup_peak_memory_bytes`: the peak of building the model until then). With an MTP
+head the MTP loss is read from Megatron-Core's tracker and the tracker cleaned every step, as Megatron-LM's
+`training_log` does.
+
+Run as a script (`python -m bench.megatron_loop`): prints JSON with the loss and time of every step.
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ class LoopConfig:
     steps: int = 4
     seed: int = 1234
     sampler_seed: int = 0
+    attention_backend: str = "auto"
+    mtp: bool = False
+    mtp_loss_scaling_factor: float = 0.1
+    mtp_detach_heads: bool = True
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,7 +102,9 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
 
     bf16 = config.precision == "bf16"
     overrides = {"calculate_per_token_loss": True} | ({} if bf16 else {"cross_entropy_loss_fusion": False})
-    options = ModelOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    options = ModelOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32, mtp=config.mtp,
+                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor if config.mtp else 0.0,
+                           mtp_detach_heads=config.mtp_detach_heads, attention_backend=config.attention_backend,
                            config_overrides=overrides | config.model_overrides)
     chunks = [chunk.to(device) for chunk in create_bridge(config.bridge_type, config.hf_checkpoint).build(options)]
     model_config = get_model_config(chunks[0])
@@ -142,15 +155,18 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
         num_tokens = loss_mask.sum().to(torch.int)
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
 
-    losses, step_times, grad_norms = [], [], []
+    losses, mtp_losses, step_times, grad_norms = [], [], [], []
     batches = global_batches()
+    setup_peak_memory = None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        setup_peak_memory = torch.cuda.max_memory_allocated()  # building and wrapping; training's peak is apart
+        torch.cuda.reset_peak_memory_stats()
+    previous_end = time.perf_counter()
     for step in range(config.steps):
         microbatches = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -162,9 +178,6 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
             forward_only=False,
         )
         _, grad_norm, _ = optimizer.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - started)
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for values in reduced:
             totals += values["lm loss"].to(device, torch.float64)
@@ -174,7 +187,26 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
                            group=parallel_state.get_pipeline_model_parallel_group())
         losses.append(float((totals[0] / totals[1]).float()))
         grad_norms.append(None if grad_norm is None else float(grad_norm))
-    return {"losses": losses, "grad_norms": grad_norms, "step_times_s": step_times, "model": model}
+        if config.mtp:
+            mtp_losses.append(_read_and_clean_mtp_tracker(num_microbatches))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        step_times.append(end - previous_end)
+        previous_end = end
+    return {"losses": losses, "mtp_losses": mtp_losses, "grad_norms": grad_norms, "step_times_s": step_times,
+            "setup_peak_memory_bytes": setup_peak_memory, "model": model}
+
+
+def _read_and_clean_mtp_tracker(num_microbatches: int) -> float:
+    """This step's MTP loss (mean over microbatches, unscaled), the way Megatron-LM's training_log reads it."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.reduce_metrics_in_tracker()
+    tracker = MTPLossLoggingHelper.tracker
+    loss = float(tracker["loss_values"].sum()) / num_microbatches if "loss_values" in tracker else float("nan")
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    return loss
 
 
 def main() -> None:

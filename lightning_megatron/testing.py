@@ -1,10 +1,12 @@
-"""Deterministic tiny Hugging Face checkpoints, written locally, for tests and the demo.
+"""Deterministic Hugging Face checkpoints with random weights, written locally, for tests, the demo and benchmarks.
 
-Nothing here downloads anything: every checkpoint (weights, config, tokenizer, remote code) is built from the
-arguments alone, so the same call gives byte-identical files (for the same transformers and tokenizers versions;
-config.json records the transformers version). The MTP families carry exactly the tensor names megatron-bridge
-0.6.2 maps (``qwen/qwen3_bridge.py``, ``mimo/mimo_bridge.py``), and :func:`hf_mtp_reference_logits` computes what
-the MTP head should predict using Hugging Face modules only, as an independent check on whatever Megatron computes.
+Tiny by default; any real dense shape on request (the benchmarks write a Qwen3-0.6B-shaped one). Nothing here
+downloads anything: every checkpoint (weights, config, tokenizer, remote code) is built from the arguments alone
+(a tokenizer passed in included), so the same call gives byte-identical files (for the same transformers and
+tokenizers versions; config.json records the transformers version). The MTP families carry exactly the tensor
+names megatron-bridge 0.6.2 maps (``qwen/qwen3_bridge.py``, ``mimo/mimo_bridge.py``), and
+:func:`hf_mtp_reference_logits` computes what the MTP head should predict using Hugging Face modules only, as an
+independent check on whatever Megatron computes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,9 +43,6 @@ _ARCHITECTURES: dict[Family, str] = {
     "mimo": "MiMoForCausalLM",
 }
 
-_NUM_HEADS = 4
-_NUM_KV_HEADS = 2
-_MAX_POSITIONS = 512
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
 
@@ -189,49 +189,82 @@ def make_tiny_checkpoint(
     num_layers: int = 2,
     hidden_size: int = 64,
     vocab_size: int = 384,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 512,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write a tiny, deterministic HF checkpoint of ``family`` into ``path`` and return ``path``.
 
     Tests and the demo need real checkpoints (config, safetensors, tokenizer, generation config) without a
     download. The same arguments always give byte-identical files. Each tensor is drawn from its own generator,
     seeded by ``seed`` and the tensor's name, so e.g. a Qwen3 checkpoint with ``mtp=True`` shares every non-MTP
-    tensor with the one without. Shapes: ``hidden_size`` split into 4 query heads and 2 KV heads
-    (head_dim ``hidden_size // 4``), intermediate size ``2 * hidden_size``.
+    tensor with the one without. Shapes: ``num_attention_heads`` query heads and ``num_key_value_heads`` KV heads
+    of ``head_dim`` (default ``hidden_size // num_attention_heads``; Qwen2 and MiMo configs have no such field, so
+    there it must be the default), FFN ``intermediate_size`` (default ``2 * hidden_size``). The defaults are the
+    original tiny shape; a real one (e.g. Qwen3-0.6B: 1024 hidden, 28 layers, 16/8 heads, head_dim 128,
+    FFN 3072, vocab 151936) costs a few seconds per 100M parameters.
 
     ``(family, mtp)`` must be one of :data:`FAMILIES` (MiMo always has its MTP layer: pass ``mtp=True``).
     ``tied=True`` ties the LM head to the input embedding and leaves ``lm_head.weight`` out of the file.
+
+    The tokenizer is a byte-level BPE trained on a fixed corpus with exactly ``vocab_size`` tokens (ChatML specials,
+    bytes, merges, then ``<|reserved_N|>`` fillers) and a ChatML chat template. ``tokenizer`` writes a ready one
+    instead; ``vocab_size`` must be at least its size (extra embedding rows are padding, as in real Qwen
+    checkpoints). If it holds all of ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>`` they play their usual
+    roles (eos ``<|im_end|>``; bos and pad ``<|endoftext|>``) and the chat template is written; otherwise its
+    lowest-id special token is bos, eos and pad, and no chat template is written.
+
     The checkpoint is built in a temporary directory next to ``path`` and renamed into place, replacing what
     was there, so a reader never sees a half-written checkpoint.
     """
     if (family, mtp) not in FAMILIES:
         raise ValueError(f"unsupported (family, mtp)=({family!r}, {mtp}); supported: {FAMILIES}")
-    if hidden_size % 8 != 0:
-        raise ValueError(f"hidden_size must be a multiple of 8 (4 heads of even size), got {hidden_size}")
+    shape = _Shape(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=2 * hidden_size if intermediate_size is None else intermediate_size,
+        head_dim=hidden_size // num_attention_heads if head_dim is None else head_dim,
+        max_position_embeddings=max_position_embeddings,
+    )
+    _check_shape(family, shape, explicit_head_dim=head_dim is not None)
+    if tokenizer is None:
+        tokenizer = _build_tokenizer(vocab_size)
+    elif tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the given tokenizer's {tokenizer.get_vocab_size()} tokens; "
+            f"pass vocab_size >= {tokenizer.get_vocab_size()}"
+        )
+    roles = _special_token_roles(tokenizer)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()
     try:
-        tokenizer = _build_tokenizer(vocab_size)
-        special_ids = {token: tokenizer.token_to_id(token) for token in _SPECIAL_TOKENS}
-        config = _model_config(family, mtp, tied, dtype, num_layers, hidden_size, vocab_size, special_ids)
+        ids = {role: tokenizer.token_to_id(token) for role, token in roles.items()}
+        config = _model_config(family, mtp, tied, dtype, shape, ids)
         tensors = {
-            name: _random_tensor(name, shape, seed).to(dtype)
-            for name, shape in _tensor_shapes(family, mtp, tied, num_layers, hidden_size, vocab_size).items()
+            name: _random_tensor(name, tensor_shape, seed).to(dtype)
+            for name, tensor_shape in _tensor_shapes(family, mtp, tied, shape).items()
         }
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", config)
         _write_json(
             tmp / "generation_config.json",
             {
-                "bos_token_id": special_ids[_ENDOFTEXT],
-                "eos_token_id": [special_ids[_IM_END], special_ids[_ENDOFTEXT]],
-                "pad_token_id": special_ids[_ENDOFTEXT],
+                "bos_token_id": ids["bos"],
+                "eos_token_id": [ids["eos"], ids["bos"]] if ids["eos"] != ids["bos"] else ids["eos"],
+                "pad_token_id": ids["pad"],
                 "do_sample": False,
             },
         )
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(roles, shape.max_position_embeddings))
         if family == "mimo":
             (tmp / "configuration_mimo.py").write_text(_CONFIGURATION_MIMO_PY)
             (tmp / "modeling_mimo.py").write_text(_MODELING_MIMO_PY)
@@ -331,14 +364,59 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         return model.lm_head(x)
 
 
+@dataclass(frozen=True)
+class _Shape:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+def _check_shape(family: Family, shape: _Shape, *, explicit_head_dim: bool) -> None:
+    """Refuse shapes the HF classes or Megatron would reject later with a less clear message."""
+    if shape.num_key_value_heads <= 0 or shape.num_attention_heads % shape.num_key_value_heads != 0:
+        raise ValueError(
+            f"num_attention_heads={shape.num_attention_heads} must be a positive multiple of "
+            f"num_key_value_heads={shape.num_key_value_heads}"
+        )
+    if not explicit_head_dim and shape.hidden_size % shape.num_attention_heads != 0:
+        raise ValueError(
+            f"hidden_size={shape.hidden_size} is not divisible by num_attention_heads={shape.num_attention_heads}; "
+            "pass head_dim explicitly"
+        )
+    if shape.head_dim <= 0 or shape.head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be positive and even (rotary embeddings), got {shape.head_dim}")
+    if family in ("qwen2", "mimo") and shape.head_dim * shape.num_attention_heads != shape.hidden_size:
+        raise ValueError(
+            f"{family} configs have no head_dim field: head_dim={shape.head_dim} must equal "
+            f"hidden_size // num_attention_heads = {shape.hidden_size // shape.num_attention_heads}"
+        )
+
+
+def _special_token_roles(tokenizer: Tokenizer) -> dict[str, str]:
+    """bos/eos/pad token strings: the ChatML ones if the tokenizer has all of them, else its first special token."""
+    if all(tokenizer.token_to_id(token) is not None for token in _SPECIAL_TOKENS):
+        return {"bos": _ENDOFTEXT, "eos": _IM_END, "pad": _ENDOFTEXT}
+    specials = sorted((i, t.content) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+    if not specials:
+        raise ValueError(
+            "the given tokenizer has neither the ChatML tokens (<|endoftext|>, <|im_start|>, <|im_end|>) nor any "
+            "special token to use as bos/eos/pad; add one with tokenizer.add_special_tokens([...])"
+        )
+    first = specials[0][1]
+    return {"bos": first, "eos": first, "pad": first}
+
+
 def _model_config(
     family: Family,
     mtp: bool,
     tied: bool,
     dtype: torch.dtype,
-    num_layers: int,
-    hidden_size: int,
-    vocab_size: int,
+    shape: _Shape,
     special_ids: dict[str, int],
 ) -> dict[str, Any]:
     """config.json contents, produced by the transformers config class so it reads like a real checkpoint's."""
@@ -346,22 +424,22 @@ def _model_config(
 
     fields: dict[str, Any] = dict(
         architectures=[_ARCHITECTURES[family]],
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=_NUM_HEADS,
-        num_key_value_heads=_NUM_KV_HEADS,
-        max_position_embeddings=_MAX_POSITIONS,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": _ROPE_THETA},
         rms_norm_eps=_RMS_EPS,
         tie_word_embeddings=tied,
-        bos_token_id=special_ids[_ENDOFTEXT],
-        eos_token_id=special_ids[_IM_END],
+        bos_token_id=special_ids["bos"],
+        eos_token_id=special_ids["eos"],
         dtype=str(dtype).removeprefix("torch."),
     )
     if family in ("qwen3", "llama"):
-        fields["head_dim"] = hidden_size // _NUM_HEADS
+        fields["head_dim"] = shape.head_dim
     if mtp:
         # The key megatron-bridge maps to mtp_num_layers (model_bridge.py CONFIG_MAPPING; mimo_bridge.py).
         fields["num_nextn_predict_layers"] = 1
@@ -377,19 +455,17 @@ def _model_config(
     return config
 
 
-def _tensor_shapes(
-    family: Family, mtp: bool, tied: bool, num_layers: int, hidden_size: int, vocab_size: int
-) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(family: Family, mtp: bool, tied: bool, shape: _Shape) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint with its shape, in HF naming."""
-    head_dim = hidden_size // _NUM_HEADS
+    hidden_size, vocab_size = shape.hidden_size, shape.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (vocab_size, hidden_size),
         "model.norm.weight": (hidden_size,),
     }
     if not tied:
         shapes["lm_head.weight"] = (vocab_size, hidden_size)
-    for i in range(num_layers):
-        shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, hidden_size, head_dim))
+    for i in range(shape.num_layers):
+        shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape))
     if family == "qwen3" and mtp:
         shapes.update(
             {
@@ -399,7 +475,7 @@ def _tensor_shapes(
                 "mtp.norm.weight": (hidden_size,),
             }
         )
-        shapes.update(_decoder_layer_shapes("mtp.layers.0.", family, hidden_size, head_dim))
+        shapes.update(_decoder_layer_shapes("mtp.layers.0.", family, shape))
     if family == "mimo":
         prefix = "model.mtp_layers.0."
         shapes.update(
@@ -410,13 +486,14 @@ def _tensor_shapes(
                 f"{prefix}final_layernorm.weight": (hidden_size,),
             }
         )
-        shapes.update(_decoder_layer_shapes(prefix, family, hidden_size, head_dim))
+        shapes.update(_decoder_layer_shapes(prefix, family, shape))
     return shapes
 
 
-def _decoder_layer_shapes(prefix: str, family: Family, hidden_size: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+def _decoder_layer_shapes(prefix: str, family: Family, shape: _Shape) -> dict[str, tuple[int, ...]]:
     """One decoder layer's tensors: Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v biases."""
-    q_size, kv_size = _NUM_HEADS * head_dim, _NUM_KV_HEADS * head_dim
+    hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q_size, kv_size = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
         f"{prefix}input_layernorm.weight": (hidden_size,),
         f"{prefix}post_attention_layernorm.weight": (hidden_size,),
@@ -424,9 +501,9 @@ def _decoder_layer_shapes(prefix: str, family: Family, hidden_size: int, head_di
         f"{prefix}self_attn.k_proj.weight": (kv_size, hidden_size),
         f"{prefix}self_attn.v_proj.weight": (kv_size, hidden_size),
         f"{prefix}self_attn.o_proj.weight": (hidden_size, q_size),
-        f"{prefix}mlp.gate_proj.weight": (2 * hidden_size, hidden_size),
-        f"{prefix}mlp.up_proj.weight": (2 * hidden_size, hidden_size),
-        f"{prefix}mlp.down_proj.weight": (hidden_size, 2 * hidden_size),
+        f"{prefix}mlp.gate_proj.weight": (ffn, hidden_size),
+        f"{prefix}mlp.up_proj.weight": (ffn, hidden_size),
+        f"{prefix}mlp.down_proj.weight": (hidden_size, ffn),
     }
     if family == "qwen3":
         shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
@@ -479,17 +556,19 @@ def _build_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _tokenizer_config() -> dict[str, Any]:
-    """tokenizer_config.json: tokenizer.json used as-is, ChatML specials, the chat template inline."""
-    return {
+def _tokenizer_config(roles: dict[str, str], max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json: tokenizer.json used as-is, its specials, the ChatML chat template if it has ChatML."""
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
-        "eos_token": _IM_END,
-        "pad_token": _ENDOFTEXT,
-        "chat_template": CHAT_TEMPLATE,
+        "eos_token": roles["eos"],
+        "pad_token": roles["pad"],
         "clean_up_tokenization_spaces": False,
-        "model_max_length": _MAX_POSITIONS,
+        "model_max_length": max_length,
     }
+    if roles["eos"] == _IM_END:
+        config["chat_template"] = CHAT_TEMPLATE
+    return config
 
 
 def _write_json(file: Path, content: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_megatron.testing import FAMILIES, hf_mtp_reference_logits, make_tiny_checkpoint
@@ -211,3 +212,84 @@ def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict,
 def test_mtp_reference_refuses_checkpoints_without_mtp(checkpoints: dict) -> None:
     with pytest.raises(ValueError, match="no MTP weights"):
         hf_mtp_reference_logits(checkpoints["qwen3", False, False], IDS)
+
+
+def test_attention_and_ffn_shapes_follow_the_arguments(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(
+        tmp_path / "shaped", "qwen3", mtp=True, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
+        intermediate_size=80, max_position_embeddings=1024,
+    )
+    tensors = load_file(path / "model.safetensors")
+    for prefix in ("model.layers.1.", "mtp.layers.0."):
+        assert tensors[f"{prefix}self_attn.q_proj.weight"].shape == (96, 64)
+        assert tensors[f"{prefix}self_attn.k_proj.weight"].shape == (24, 64)
+        assert tensors[f"{prefix}self_attn.o_proj.weight"].shape == (64, 96)
+        assert tensors[f"{prefix}self_attn.q_norm.weight"].shape == (12,)
+        assert tensors[f"{prefix}mlp.down_proj.weight"].shape == (64, 80)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 2, 12)
+    assert (config["intermediate_size"], config["max_position_embeddings"]) == (80, 1024)
+    assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == 1024
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "match"),
+    [
+        ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 4}, "multiple of num_key_value_heads"),
+        ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 2}, "pass head_dim explicitly"),
+        ("qwen3", {"head_dim": 7}, "even"),
+        ("qwen2", {"head_dim": 32}, "no head_dim field"),
+    ],
+)
+def test_inconsistent_shapes_are_refused(tmp_path: Path, family: str, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_tiny_checkpoint(tmp_path / "x", family, **kwargs)
+    assert not any(tmp_path.iterdir())
+
+
+def _plain_tokenizer() -> Tokenizer:
+    """A word-level tokenizer without ChatML: its specials are <pad> (id 0) and </s> (id 1)."""
+    vocab = {"<pad>": 0, "</s>": 1, "[UNK]": 2, **{word: i + 3 for i, word in enumerate("the quick brown fox".split())}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["</s>", "<pad>"])
+    return tokenizer
+
+
+def test_a_given_tokenizer_without_chatml_is_written_with_its_first_special_token(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "custom", "qwen3", vocab_size=300, tokenizer=_plain_tokenizer())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert len(tokenizer) == 7 and tokenizer.encode("the fox") == [3, 6]
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<pad>", "<pad>") and tokenizer.chat_template is None
+    config = json.loads((path / "config.json").read_text())
+    assert (config["vocab_size"], config["eos_token_id"], config["bos_token_id"]) == (300, 0, 0)
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert load_file(path / "model.safetensors")["model.embed_tokens.weight"].shape == (300, 64)
+
+    with pytest.raises(ValueError, match="pass vocab_size >= 7"):
+        make_tiny_checkpoint(tmp_path / "small", "qwen3", vocab_size=6, tokenizer=_plain_tokenizer())
+    no_specials = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match="special token"):
+        make_tiny_checkpoint(tmp_path / "none", "qwen3", tokenizer=no_specials)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["custom"]
+
+
+def test_a_given_chatml_tokenizer_gives_the_same_files_as_the_built_in_one(tmp_path: Path) -> None:
+    default = make_tiny_checkpoint(tmp_path / "default", "qwen3", vocab_size=512)
+    given = make_tiny_checkpoint(
+        tmp_path / "given", "qwen3", vocab_size=512, tokenizer=Tokenizer.from_file(str(default / "tokenizer.json"))
+    )
+    for name in sorted(p.name for p in default.iterdir()):
+        assert (default / name).read_bytes() == (given / name).read_bytes(), name
+
+
+def test_a_qwen3_vocabulary_is_filled_with_reserved_tokens(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "big-vocab", "qwen3", num_layers=1, hidden_size=16, vocab_size=151936)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 151936
+    assert tokenizer.id_to_token(151935).startswith("<|reserved_")
+    assert load_file(path / "model.safetensors")["model.embed_tokens.weight"].shape == (151936, 16)

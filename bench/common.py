@@ -1,0 +1,174 @@
+"""What every benchmark here shares: the model shape, its FLOPs, the environment record, memory, JSON output.
+
+The benchmarked model is Qwen3-0.6B-shaped (hidden 1024, 28 layers, 16 heads, 8 KV groups, head_dim 128, FFN 3072,
+vocab 151936, tied embeddings, one MTP layer) with random weights, written locally as a bf16 HF checkpoint; the
+tiny CPU mode uses the same code on `make_tiny_checkpoint`'s default shape.
+
+Model FLOPs are counted the Megatron-LM way (`num_floating_point_operations` in `megatron/training/training.py`,
+megatron-core 0.19.2, dense GQA decoder, unpacked sequences). For one step of B sequences of length s
+(T = B * s tokens), L decoder layers and m MTP layers:
+
+    F = 2 * T * [ p_b * L * (3 h f + h (q + 2 k) + q h) + p_m * m * (3 h f + h (q + 2 k) + q h + 3 h + 2 h^2)
+                  + (p_o + m * p_mo) * h V ]
+      + 2 * B * s^2 * q * (p_b * L + p_m * m)
+
+with h hidden, f FFN, q = heads * head_dim, k = KV groups * head_dim, V the vocabulary, and p the number of GEMM
+passes each part needs: 3 (forward, input gradient, weight gradient) or fewer. Joint training is Megatron-LM's count:
+every p = 3. The s^2 term is Q K^T and softmax(.) V, halved by the causal mask. MTP-only training counts what it
+needs: the frozen backbone forward only (p_b = 1), the MTP layer with its projection and norms fully (p_m = 3), the
+main LM head forward only (p_o = 1: `lm_loss` is still logged) and the MTP LM head forward plus its input gradient
+(p_mo = 2: the shared output weight is frozen). MFU = F / step time / peak; the peak is the H200's dense bf16
+989.4 TFLOP/s (no MFU elsewhere unless `--peak-tflops` says what the peak is).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+H200_DENSE_BF16_TFLOPS = 989.4
+PACKAGES = ("torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning")
+
+QWEN3_0_6B: dict[str, Any] = dict(
+    num_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
+)
+"""`make_tiny_checkpoint` arguments of the Qwen3-0.6B shape (the real model's max_position_embeddings too)."""
+
+
+def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
+    """The benchmark checkpoint: Qwen3 with one MTP layer, tied embeddings; bf16 0.6B shape, or tiny fp32."""
+    from lightning_megatron.testing import make_tiny_checkpoint
+
+    if tiny:
+        return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True)
+    return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True, dtype=torch.bfloat16, **QWEN3_0_6B)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    mtp_layers: int
+
+    @classmethod
+    def from_hf_checkpoint(cls, path: str | Path) -> ModelShape:
+        config = json.loads((Path(path) / "config.json").read_text())
+        heads = config["num_attention_heads"]
+        return cls(
+            layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
+            kv_groups=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=config["intermediate_size"],
+            vocab=config["vocab_size"], mtp_layers=config.get("num_nextn_predict_layers", 0),
+        )
+
+
+@dataclass(frozen=True)
+class Passes:
+    """GEMM passes per part of the model: 3 = forward + input gradient + weight gradient."""
+
+    backbone: int = 3
+    mtp: int = 3
+    main_head: int = 3
+    mtp_head: int = 3
+
+
+JOINT = Passes()
+MTP_ONLY = Passes(backbone=1, mtp=3, main_head=1, mtp_head=2)
+
+
+def model_flops(shape: ModelShape, sequences: int, seq_length: int, passes: Passes = JOINT, *,
+                with_mtp: bool = True) -> float:
+    """Model FLOPs of one step over `sequences` sequences of `seq_length` tokens (formula in the module docstring)."""
+    h, f, vocab = shape.hidden, shape.ffn, shape.vocab
+    q, k = shape.heads * shape.head_dim, shape.kv_groups * shape.head_dim
+    m = shape.mtp_layers if with_mtp else 0
+    tokens = sequences * seq_length
+    layer = 3 * h * f + h * (q + 2 * k) + q * h
+    linear = (passes.backbone * shape.layers * layer + passes.mtp * m * (layer + 3 * h + 2 * h * h)
+              + (passes.main_head + m * passes.mtp_head) * h * vocab)
+    attention = sequences * seq_length**2 * q * (passes.backbone * shape.layers + passes.mtp * m)
+    return 2.0 * (tokens * linear + attention)
+
+
+def peak_flops(override_tflops: float | None) -> float | None:
+    """The accelerator's dense bf16 peak in FLOP/s: `override_tflops` if given, the H200's on an H200, else None."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name():
+        return H200_DENSE_BF16_TFLOPS * 1e12
+    return None
+
+
+def throughput(step_s: float, tokens_per_step: int, flops_per_step: float, peak: float | None) -> dict[str, Any]:
+    """Tokens/s, model TFLOP/s and MFU of a median step time."""
+    return {
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_step / step_s,
+        "model_tflop_per_step": flops_per_step / 1e12,
+        "model_tflop_per_s": flops_per_step / step_s / 1e12,
+        "mfu": flops_per_step / step_s / peak if peak else None,
+    }
+
+
+def fresh_memory() -> None:
+    """Free what the last run left and restart the peak-memory count."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated_gib() -> float | None:
+    return torch.cuda.memory_allocated() / 1024**3 if torch.cuda.is_available() else None
+
+
+def peak_memory_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """The exact command (and the driver that ran it, from `BENCH_DRIVER`), the device, the library versions and
+    the date, for the JSON of every benchmark."""
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    launch = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
+    return {
+        "command": shlex.join([Path(sys.executable).name, *launch, *sys.argv[1:]]),
+        "driver": os.environ.get("BENCH_DRIVER"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "versions": {package: _version(package) for package in PACKAGES},
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def emit(result: dict[str, Any], out: Path | None) -> None:
+    """Print the result as JSON and, with `out`, write it there too."""
+    text = json.dumps(result, indent=2) + "\n"
+    print(text, end="")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

@@ -1,0 +1,191 @@
+"""Markdown tables from the benchmarks' JSON, for the README: `python -m bench.report [FILES OR FOLDERS]`.
+
+Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `hf_io.py` (P3) and
+`attention.py` (P4, and the older attention results without MFU); other JSON files are skipped with a note.
+Prints a training-step table, a table of the ratios against their targets, an HF load/save table and the source
+of every figure (command, device, versions, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+
+Result = tuple[str, dict[str, Any]]
+
+
+def load(paths: list[Path]) -> list[Result]:
+    """`(file name, parsed JSON)` for every JSON file given or inside a folder given, in name order."""
+    files: list[Path] = []
+    for path in paths:
+        files.extend(sorted(path.glob("*.json")) if path.is_dir() else [path])
+    return [(file.name, json.loads(file.read_text())) for file in files]
+
+
+def kind(data: dict[str, Any]) -> str | None:
+    if "benchmark" in data:
+        return data["benchmark"]
+    return "attention" if "hf_transformers_sdpa" in data else None
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} s"
+
+
+def _tokens(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1000:.1f}k"
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} GiB"
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _step_row(label: str, figures: dict[str, Any] | None, ratio: str, source: str) -> str | None:
+    if figures is None:
+        return None
+    return _row([label, _seconds(figures.get("step_s")), _tokens(figures.get("tokens_per_s")),
+                 _percent(figures.get("mfu")), _gib(figures.get("peak_memory_gib")), ratio, source])
+
+
+def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    rows: list[str | None] = []
+    joint_step_by_device: dict[str, float] = {}  # our joint step, to set plain HF's beside on the same device
+    for name, data in results:
+        if kind(data) != "lightning_overhead":
+            continue
+        source, runs = f"[{sources[name]}]", data["runs"]
+        overhead, mtp_only = data.get("overhead", {}), data.get("mtp_only", {})
+        if "lightning" in runs:
+            joint_step_by_device[data.get("device", "")] = runs["lightning"]["step_s"]
+        precision = "" if data["settings"]["precision"] == "bf16" else f" ({data['settings']['precision']})"
+        rows += [
+            _step_row(f"plain Megatron-Core loop, joint with MTP{precision}", runs.get("plain"), "reference",
+                      source),
+            _step_row(f"lightning_megatron, joint with MTP{precision}", runs.get("lightning"),
+                      f"{_times(overhead.get('lightning_over_plain_step_time'))} plain step time", source),
+            _step_row(f"lightning_megatron, MTP-only (`MTPOnlyCallback`){precision}", runs.get("mtp_only"),
+                      f"{_times(mtp_only.get('step_time_ratio'))} joint step time, "
+                      f"{_times(mtp_only.get('peak_memory_ratio'))} joint peak memory"
+                      + (f" ({_times(mtp_only['peak_memory_ratio_including_setup'])} with set-up)"
+                         if mtp_only.get("peak_memory_ratio_including_setup") else ""), source),
+        ]
+    for name, data in results:
+        if kind(data) != "attention":
+            continue
+        source, megatron = f"[{sources[name]}]", data.get("megatron", {})
+        hf = data.get("hf_transformers_sdpa")
+        joint_step = joint_step_by_device.get(data.get("device", ""))
+        vs_ours = (f"ours (joint, with MTP): {_times(joint_step / hf['step_s'])} its step time"
+                   if hf and joint_step else "")
+        bf16 = data.get("shape", {}).get("dtype", "bf16") == "bf16"
+        rows += [
+            _step_row("Megatron-Core, no MTP, SDPA core attention", megatron.get("sdpa"), "", source),
+            _step_row("Megatron-Core, no MTP, local core attention", megatron.get("local"), "", source),
+            _step_row("plain HF transformers Qwen3, no MTP, SDPA, fused AdamW, "
+                      + ("fp32 master + bf16 autocast" if bf16 else "fp32"), hf, vs_ours, source),
+        ]
+    present = [row for row in rows if row is not None]
+    if not present:
+        return []
+    return ["| run | median step | tokens/s | MFU | peak GPU memory | ratio | source |",
+            "|---|---|---|---|---|---|---|", *present]
+
+
+def _target_row(figure: str, value: float | None, target: float, source: str) -> str:
+    met = "n/a" if value is None else ("yes" if value <= target else "no")
+    return _row([figure, _times(value), f"<= {target}x", met, source])
+
+
+def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    rows = []
+    for name, data in results:
+        source = f"[{sources[name]}]"
+        if kind(data) == "lightning_overhead":
+            if "overhead" in data:
+                overhead = data["overhead"]
+                rows.append(_target_row("P1 Lightning / plain Megatron-Core step time",
+                                        overhead["lightning_over_plain_step_time"], overhead["target"], source))
+            if "mtp_only" in data:
+                mtp_only = data["mtp_only"]
+                rows.append(_target_row("P2 MTP-only / joint step time", mtp_only["step_time_ratio"],
+                                        mtp_only["targets"]["step_time_ratio"], source))
+                rows.append(_target_row("P2 MTP-only / joint peak memory", mtp_only["peak_memory_ratio"],
+                                        mtp_only["targets"]["peak_memory_ratio"], source))
+        if kind(data) == "hf_io":
+            target = data.get("target_vs_raw", 1.5)
+            for bridge, timings in data["bridges"].items():
+                rows.append(_target_row(f"P3 {bridge} load / raw read", timings["load_vs_raw_read"], target, source))
+                rows.append(_target_row(f"P3 {bridge} save / raw write", timings["save_vs_raw_write"], target,
+                                        source))
+    if not rows:
+        return []
+    return ["| figure | measured | target | met | source |", "|---|---|---|---|---|", *rows]
+
+
+def hf_io_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    rows = []
+    for name, data in results:
+        if kind(data) != "hf_io":
+            continue
+        for bridge, t in data["bridges"].items():
+            tensors = f"{t['tensors']}{' (MTP head included)' if t.get('mtp') else ' (no MTP head)'}"
+            rows.append(_row([bridge, tensors, f"{t['bytes'] / 1e9:.2f} GB", _seconds(t["build_and_load_s"]),
+                              _seconds(t["raw_read_s"]), _times(t["load_vs_raw_read"]), _seconds(t["save_s"]),
+                              _seconds(t["raw_write_s"]), _times(t["save_vs_raw_write"]), f"[{sources[name]}]"]))
+    if not rows:
+        return []
+    return ["| bridge | tensors | size | build + load | raw read | ratio | save | raw write | ratio | source |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _source_line(number: int, name: str, data: dict[str, Any]) -> str:
+    versions = ", ".join(f"{package} {version}" for package, version in (data.get("versions") or {}).items()
+                         if version is not None)
+    driver = f" (run by `{data['driver']}`)" if data.get("driver") else ""
+    return (f"[{number}] `{name}`: `{data.get('command', 'command not recorded')}`{driver}; "
+            f"{data.get('device', 'device not recorded')}; {versions}; {data.get('date', 'date not recorded')}")
+
+
+def render(results: list[Result]) -> str:
+    known = [(name, data) for name, data in results if kind(data) is not None]
+    sources = {name: number for number, (name, _) in enumerate(known, start=1)}
+    sections = []
+    for title, table in (("Training step", training_table(known, sources)),
+                         ("Targets", targets_table(known, sources)),
+                         ("HF checkpoint load and save", hf_io_table(known, sources))):
+        if table:
+            sections.append("\n".join([f"**{title}**", "", *table]))
+    sources_section = [_source_line(sources[name], name, data) for name, data in known]
+    skipped = [name for name, data in results if kind(data) is None]
+    if skipped:
+        sources_section.append(f"(skipped, not a known benchmark: {', '.join(skipped)})")
+    sections.append("\n".join(["Sources:", "", *(f"- {line}" for line in sources_section)]))
+    return "\n\n".join(sections) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="*", type=Path, default=[DEFAULT_RESULTS],
+                        help="JSON files or folders of them (default: bench/results)")
+    args = parser.parse_args()
+    print(render(load(args.paths)), end="")
+
+
+if __name__ == "__main__":
+    main()
