@@ -16,7 +16,6 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +23,12 @@ import torch.nn.functional as F
 
 from bench.common import (
     ModelShape,
+    add_step_options,
     emit,
     environment,
     fresh_memory,
     model_flops,
+    parse_with_tiny,
     peak_flops,
     peak_memory_gib,
     throughput,
@@ -49,19 +50,10 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--ffn", type=int, default=3072)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=3)
+    add_step_options(parser)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--variants", nargs="+", default=["hf", "sdpa", "local"], choices=["hf", "sdpa", "local"])
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: H200 dense bf16)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    args = parser.parse_args()
-    if args.tiny:
-        parser.set_defaults(**TINY)
-        args = parser.parse_args()
-    return args
+    return parse_with_tiny(parser, TINY)
 
 
 def _device() -> torch.device:

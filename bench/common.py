@@ -23,6 +23,7 @@ main LM head forward only (p_o = 1: `lm_loss` is still logged) and the MTP LM he
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -45,6 +46,25 @@ QWEN3_0_6B: dict[str, Any] = dict(
     intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
 )
 """`make_tiny_checkpoint` arguments of the Qwen3-0.6B shape (the real model's max_position_embeddings too)."""
+
+
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """The options every training-step benchmark shares: batch shape, timed and warm-up steps, MFU peak, output."""
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=3)
+
+
+def parse_with_tiny(parser: argparse.ArgumentParser, tiny_defaults: dict[str, Any]) -> argparse.Namespace:
+    """Parse the command line; with `--tiny`, `tiny_defaults` replace the defaults (explicit flags still win)."""
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: H200 dense bf16)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    if args.tiny:
+        parser.set_defaults(**tiny_defaults)
+        args = parser.parse_args()
+    return args
 
 
 def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:

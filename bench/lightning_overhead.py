@@ -43,12 +43,14 @@ from bench.common import (
     JOINT,
     MTP_ONLY,
     ModelShape,
+    add_step_options,
     allocated_gib,
     emit,
     environment,
     fresh_memory,
     make_checkpoint,
     model_flops,
+    parse_with_tiny,
     peak_flops,
     peak_memory_gib,
     throughput,
@@ -202,20 +204,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="the HF checkpoint (default: made in a temp dir by bench/common.make_checkpoint)")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=3)
+    add_step_options(parser)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: H200 dense bf16)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    args = parser.parse_args()
-    if args.tiny:
-        parser.set_defaults(**TINY)
-        args = parser.parse_args()
-    return args
+    return parse_with_tiny(parser, TINY)
 
 
 def main() -> None:

@@ -540,19 +540,24 @@ def _build_tokenizer(vocab_size: int) -> Tokenizer:
     minimum = 256 + len(_SPECIAL_TOKENS)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + special tokens), got {vocab_size}")
+    return train_byte_level_bpe([_TOKENIZER_CORPUS], vocab_size, list(_SPECIAL_TOKENS))
+
+
+def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+    """Byte-level BPE (any text round-trips) trained on ``texts``, ``special_tokens`` first, with exactly
+    ``vocab_size`` ids: when the texts run out of merges, ``<|reserved_N|>`` special tokens fill up."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(_SPECIAL_TOKENS),
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([_TOKENIZER_CORPUS], trainer)
-    shortfall = vocab_size - tokenizer.get_vocab_size()
-    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(shortfall)])
+    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tokenizer.get_vocab_size())])
     return tokenizer
 
 

@@ -39,7 +39,9 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
+
+from lightning_megatron.testing import make_tiny_checkpoint, train_byte_level_bpe
 
 SizeName = Literal["cpu", "gpu"]
 
@@ -181,19 +183,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     minimum = 256 + 1
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + {EOS}), got {vocab_size}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
-    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tokenizer.get_vocab_size())])
-    return tokenizer
+    return train_byte_level_bpe(list(texts), vocab_size, [EOS])
 
 
 def chunk_rows(
@@ -339,7 +329,6 @@ def make_model(
     float32 (speculative decoding is checked token for token against greedy in float32), with ``tokenizer``
     (a ``tokenizers.Tokenizer`` or a ``tokenizer.json`` path, whose size is the vocab) and no chat template.
     ``max_position_embeddings`` is twice ``seq_length`` (default: the size's), room for generation."""
-    from lightning_megatron.testing import make_tiny_checkpoint
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
