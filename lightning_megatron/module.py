@@ -130,6 +130,9 @@ class SFTModule(MegatronLightningModule):
         if stage == "predict":
             from transformers import AutoTokenizer
 
+            if self.megatron_strategy.pipeline_model_parallel_size > 1:
+                raise ValueError("predict generates with pipeline_model_parallel_size: 1 only; use tensor "
+                                 "parallelism (tensor_model_parallel_size) to split a model that does not fit")
             hf_checkpoint = self.megatron_strategy.hf_checkpoint
             self.generation_eos_token_ids = eos_token_ids(hf_checkpoint, AutoTokenizer.from_pretrained(hf_checkpoint))
         if self.enable_mtp and not self.enable_mtp_training:
@@ -202,9 +205,6 @@ class SFTModule(MegatronLightningModule):
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Greedy continuations, one `{"index", "token_ids"}` per prompt (the index is the prompt's dataset index)."""
         strategy = self.megatron_strategy
-        if strategy.pipeline_model_parallel_size > 1:
-            raise ValueError("predict generates with pipeline_model_parallel_size: 1 only; use tensor parallelism "
-                             "(tensor_model_parallel_size) to split a model that does not fit")
         width_multiple = strategy.tensor_model_parallel_size if strategy.sequence_parallel else 1
         continuations = []
         for microbatch in microbatches:
