@@ -182,7 +182,8 @@ def _check_manifest_share(path: Path) -> list[str]:
         return [f"{path / MANIFEST} cannot be read ({error}); copy the checkpoint again or pick an earlier one"]
     advice = "copy the checkpoint folder again from where it was written, or resume from an earlier checkpoint"
     problems = []
-    for name in _share(sorted(set(_written_files(path)) - set(expected))):
+    read_by_loading = [name for name in _written_files(path) if name.startswith(("megatron/", "rng/"))]
+    for name in _share(sorted(set(read_by_loading) - set(expected))):
         problems.append(f"{path / name} was not written by MegatronStrategy (it is not in {MANIFEST}); refusing to "
                         "load a checkpoint folder with files Megatron might read that we did not write: remove it")
     for name in _share(sorted(expected)):
@@ -241,7 +242,7 @@ def _unreadable_shard(folder: Path, dcp_metadata: Any) -> Exception | None:
 
 def _written_files(folder: Path) -> list[str]:
     """What a checkpoint folder holds besides its markers, as sorted relative paths."""
-    return sorted(str(file.relative_to(folder)) for file in folder.rglob("*")
+    return sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*")
                   if file.is_file() and file.name not in (COMPLETE_MARKER, MANIFEST))
 
 

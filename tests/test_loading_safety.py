@@ -4,6 +4,7 @@ and fit, predict, export and restore on local paths never reach the network."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -212,13 +213,13 @@ def test_an_auto_map_for_a_model_transformers_knows_needs_no_remote_code(tiny, t
 
 
 def _offline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
-    """Fit (MTP, megatron-bridge), export, restore the MTP head, predict (mbridge), all under the socket guard."""
+    """Fit (megatron-bridge), export, restore the MTP head, predict (mbridge), all under the socket guard."""
     from tests._network import ATTEMPTS, block_network
 
     block_network()
     import huggingface_hub
 
-    with pytest.raises(OSError):  # the guard sees hub traffic
+    with contextlib.suppress(Exception):  # the guard sees hub traffic (huggingface_hub wraps its OSError)
         huggingface_hub.model_info("Qwen/Qwen3-0.6B")
     guard_works = bool(ATTEMPTS)
     ATTEMPTS.clear()
@@ -236,7 +237,7 @@ def _offline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> d
                    enable_model_summary=False, enable_checkpointing=False)
     strategy = MegatronStrategy(hf_checkpoint=hf_checkpoint, bridge_type="megatron-bridge", precision="fp32")
     trainer = pl.Trainer(strategy=strategy, max_steps=1, **options)
-    trainer.fit(SFTModule(enable_mtp=True), datamodule=SFTDataModule(str(data), seq_length=32))
+    trainer.fit(SFTModule(), datamodule=SFTDataModule(str(data), seq_length=32))  # exported without its MTP head
     strategy.export_hf(work / "export")
     if rank == 0:
         restore_mtp_head(work / "export", work / "restored", source=hf_checkpoint)
@@ -244,8 +245,9 @@ def _offline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> d
     predictor = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(work / "restored"), precision="fp32"),
                            callbacks=[ContinuationWriter(str(work / "continuations.jsonl"))], **options)
     predictor.predict(SFTModule(max_new_tokens=2), datamodule=SFTDataModule(predict_path=str(data), seq_length=32))
+    written = work / "continuations.jsonl"  # rank 0 writes it
     return {"guard_works": guard_works, "attempts": list(ATTEMPTS),
-            "continuations": len((work / "continuations.jsonl").read_text().splitlines())}
+            "continuations": len(written.read_text().splitlines()) if rank == 0 else None}
 
 
 @pytest.mark.slow
