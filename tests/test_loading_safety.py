@@ -99,9 +99,22 @@ def test_a_pickle_that_would_run_code_is_refused_before_it_runs(saved, tmp_path,
         payload = pickle.dumps(CreatesAFile(marker)) if target.endswith(".metadata") else _torch_payload(marker)
         (folder / target).write_bytes(payload)
         where = target.replace(".", r"\.")
+    if target.startswith(("megatron", "common")):  # upstream, Megatron's own loader runs the payload
+        _load_with_megatron_alone(folder / "megatron")
+        assert marker.is_file()
+        marker.unlink()
     with pytest.raises(UnsafeFileError, match=rf"{where}.*: refused to load: it holds .*system"):
         saved["strategy"].load_checkpoint(folder)
     assert not marker.exists()
+
+
+def _load_with_megatron_alone(folder: Path) -> None:
+    """What megatron.core.dist_checkpointing reads first: `.metadata` (plain pickle), then the common state."""
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with contextlib.suppress(Exception, CheckpointException):  # the payload has run by the time it fails
+        load_common_state_dict(str(folder))
 
 
 def test_the_saved_checkpoint_lists_every_file_and_resumes(saved):
