@@ -62,13 +62,18 @@ def _refusal(path: Path | str, found: str) -> UnsafeFileError:
 
 
 def load_torch_file(source: Path | IO[bytes], name: str | None = None) -> Any:
-    """`torch.load(source, weights_only=True)` with our allowlist; refuses anything else, naming the file."""
+    """`torch.load(source, weights_only=True)` with our allowlist; refuses a file naming other types, by name.
+
+    A file that fails for another reason (truncated, damaged) raises torch's own error, for the caller to report.
+    """
     try:
         with torch.serialization.safe_globals(TORCH_LOAD_ALLOWLIST):
             return torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise _refusal(name or source, _unsafe_globals(source) or f"data torch's weights_only loader rejects "
-                                                                 f"({error})") from None
+    except pickle.UnpicklingError:
+        unsafe = _unsafe_globals(source)
+        if unsafe:
+            raise _refusal(name or source, unsafe) from None
+        raise
 
 
 def _unsafe_globals(source: Path | IO[bytes]) -> str:
@@ -82,13 +87,17 @@ def _unsafe_globals(source: Path | IO[bytes]) -> str:
         return ""
 
 
+class _DisallowedGlobal(pickle.UnpicklingError):
+    pass
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in DCP_METADATA_ALLOWLIST:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _DisallowedGlobal(f"{module}.{name}")
 
 
 def load_dcp_metadata(path: Path) -> Any:
@@ -96,7 +105,7 @@ def load_dcp_metadata(path: Path) -> Any:
     try:
         with open(path, "rb") as file:
             return _MetadataUnpickler(file).load()
-    except pickle.UnpicklingError as error:
+    except _DisallowedGlobal as error:
         raise _refusal(path, str(error)) from None
 
 
