@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from lightning_megatron._compat import cpu, no_te
+from lightning_megatron._compat import cpu, no_te, vl
 from lightning_megatron._compat._adjustment import Adjustment
 
 
@@ -28,7 +28,7 @@ def import_megatron_bridge() -> ModuleType:
 
     Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
     """
-    for adjustment in no_te.MEGATRON_BRIDGE_ADJUSTMENTS:
+    for adjustment in (*no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *vl.MEGATRON_BRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("megatron.bridge")
 
