@@ -385,8 +385,13 @@ class MegatronStrategy(ParallelStrategy):
         for microbatch in microbatches:  # bad layouts fail here, before any forward pass of the step
             check_microbatch(microbatch, cp_size)
 
+        # A model that fuses other inputs into the sequence first (Qwen3-VL's images) cuts it for CP itself.
+        cut_here = not getattr(self.lightning_module, "cuts_context_parallel_in_model", False)
+
         def megatron_forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple:
-            microbatch = split_for_context_parallel(next(data_iterator), cp_rank, cp_size)
+            microbatch = next(data_iterator)
+            if cut_here:
+                microbatch = split_for_context_parallel(microbatch, cp_rank, cp_size)
             return forward_step(model, microbatch), partial(loss_func, microbatch)
 
         iterators: Any = [iter(microbatches) for _ in self.model_chunks]

@@ -30,6 +30,7 @@ from lightning_megatron.testing import (
     train_byte_level_bpe,
 )
 
+_MAX_TOKENIZER_SIZE = 1024  # a larger vocab_size gets embedding rows past the tokenizer (padding, as in Qwen's)
 VLFamily = Literal["qwen2_5_vl", "qwen3_vl"]
 VL_FAMILIES: tuple[VLFamily, ...] = ("qwen2_5_vl", "qwen3_vl")
 
@@ -75,17 +76,25 @@ def make_tiny_vl_checkpoint(
     vision_depth: int = 2,
     vision_hidden_size: int = 32,
     vision_num_heads: int = 2,
+    vision_intermediate_size: int | None = None,
+    vision_full_attention_every: int = 0,
+    tied: bool = False,
     max_pixels: int = 112 * 112,
     dtype: torch.dtype = torch.float32,
+    with_weights: bool = True,
 ) -> Path:
     """Write a tiny, deterministic Qwen2.5-VL or Qwen3-VL checkpoint into ``path`` (atomically) and return it.
 
     Text model: ``num_layers`` decoder layers of ``hidden_size`` with ``num_attention_heads``/``num_key_value_heads``
     heads (head_dim ``hidden_size // num_attention_heads``, whose half is split 1:1.5:1.5 over MRoPE's temporal,
     height and width sections); vision tower: ``vision_depth`` blocks of ``vision_hidden_size`` (Qwen2.5-VL: patch 14,
-    window attention with the last block full; Qwen3-VL: patch 16, deepstack from block 0). Images are resized to at
-    most ``max_pixels`` pixels, so a sample's image tokens stay few. Real shapes (e.g. Qwen2.5-VL-3B: 2048 hidden,
-    36 layers, 16/2 heads, FFN 11008, vision 1280 x 32 blocks) work too; they cost seconds per 100M parameters.
+    window attention with every ``vision_full_attention_every``-th block full, default only the last, windows of
+    56 pixels then, else 112 as in the real models; Qwen3-VL: patch 16, deepstack from block 0) with FFN
+    ``vision_intermediate_size`` (default twice its width). ``tied`` ties the LM head to the embedding. Images are
+    resized to at most ``max_pixels`` pixels, so a sample's image tokens stay few. The tokenizer has
+    ``min(vocab_size, 1024)`` tokens (the rest of the vocabulary is padding rows). Real shapes (e.g. Qwen2.5-VL-3B:
+    2048 hidden, 36 layers, 16/2 heads, FFN 11008, vision 1280 x 32 blocks) work too, at seconds per 100M parameters;
+    ``with_weights=False`` writes everything but the safetensors, for a model that is randomly initialised anyway.
     """
     if family not in VL_FAMILIES:
         raise ValueError(f"family: {family!r} is not one of {VL_FAMILIES}")
@@ -93,19 +102,23 @@ def make_tiny_vl_checkpoint(
     if head_dim * num_attention_heads != hidden_size or head_dim % 16:
         raise ValueError(f"hidden_size / num_attention_heads = {hidden_size / num_attention_heads} must be a "
                          "multiple of 16 (MRoPE splits half the head dimension 2:3:3 into 3 sections)")
-    tokenizer = train_byte_level_bpe([_TOKENIZER_CORPUS], vocab_size, list(_VL_SPECIAL_TOKENS))
+    tokenizer = train_byte_level_bpe([_TOKENIZER_CORPUS], min(vocab_size, _MAX_TOKENIZER_SIZE),
+                                     list(_VL_SPECIAL_TOKENS))
     ids = {token: tokenizer.token_to_id(token) for token in _VL_SPECIAL_TOKENS}
     config = _vl_config(family, ids, num_layers, hidden_size, num_attention_heads, num_key_value_heads,
                         intermediate_size or 2 * hidden_size, vocab_size, vision_depth, vision_hidden_size,
-                        vision_num_heads, dtype)
-    model = _hf_model(config)
-    tensors = {name: _random_tensor(name, tuple(t.shape), seed).to(dtype) for name, t in model.state_dict().items()}
-    model.load_state_dict(tensors)
+                        vision_num_heads, vision_intermediate_size or 2 * vision_hidden_size, vision_full_attention_every, tied, dtype)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
-        model.save_pretrained(tmp)
+        if with_weights:
+            model = _hf_model(config)
+            model.load_state_dict({name: _random_tensor(name, tuple(t.shape), seed).to(dtype)
+                                   for name, t in model.state_dict().items()})
+            model.save_pretrained(tmp)
+        else:
+            config.save_pretrained(tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
         roles = {"bos": _ENDOFTEXT, "eos": _IM_END, "pad": _ENDOFTEXT}
         tokenizer_config = _tokenizer_config(roles, 4096)
@@ -131,6 +144,9 @@ def _vl_config(
     vision_depth: int,
     vision_hidden_size: int,
     vision_num_heads: int,
+    vision_intermediate_size: int,
+    vision_full_attention_every: int,
+    tied: bool,
     dtype: torch.dtype,
 ) -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
@@ -142,25 +158,27 @@ def _vl_config(
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
         bos_token_id=ids[_ENDOFTEXT], eos_token_id=ids[_IM_END], pad_token_id=ids[_ENDOFTEXT],
-        tie_word_embeddings=False, dtype=str(dtype).removeprefix("torch."),
+        tie_word_embeddings=tied, dtype=str(dtype).removeprefix("torch."),
     )
     vision: dict[str, Any] = dict(
         depth=vision_depth, hidden_size=vision_hidden_size, num_heads=vision_num_heads,
-        intermediate_size=2 * vision_hidden_size, out_hidden_size=hidden_size, spatial_merge_size=2,
+        intermediate_size=vision_intermediate_size, out_hidden_size=hidden_size, spatial_merge_size=2,
         temporal_patch_size=2,
     )
     tokens = dict(image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
     if family == "qwen2_5_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
-        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[vision_depth - 1])
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+        every = vision_full_attention_every or vision_depth
+        vision.update(patch_size=14, window_size=56 if vision_full_attention_every == 0 else 112,
+                      fullatt_block_indexes=list(range(every - 1, vision_depth, every)))
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied,
                                 dtype=text["dtype"], **tokens)
     text.update(head_dim=hidden_size // num_attention_heads, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section, "mrope_interleaved": True})
     vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0],
                   hidden_act="gelu_pytorch_tanh")
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype=text["dtype"],
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied, dtype=text["dtype"],
                          **tokens)
 
 

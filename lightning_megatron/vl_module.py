@@ -18,7 +18,8 @@ import torch
 
 from lightning_megatron.bridges import ModelOptions
 from lightning_megatron.data.context_parallel import split_for_context_parallel
-from lightning_megatron.module import LossOutput, Microbatch, SFTModule, masked_token_loss
+from lightning_megatron.layout import LossOutput, Microbatch, model_inputs
+from lightning_megatron.module import SFTModule, masked_token_loss
 
 
 class VLSFTModule(SFTModule):
@@ -54,36 +55,18 @@ class VLSFTModule(SFTModule):
         super().setup(stage)
 
     def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        inputs: dict[str, Any] = {
-            "input_ids": microbatch["input_ids"],
-            "position_ids": None,  # MRoPE positions come from the token ids and the image grids
-            "attention_mask": None,
-            "labels": microbatch["labels"],
-            "loss_mask": microbatch["loss_mask"],
-        }
+        # MRoPE positions come from the token ids and the image grids
+        inputs: dict[str, Any] = {**model_inputs(microbatch), "position_ids": None}
         if "pixel_values" in microbatch:
             dtype = next(model.parameters()).dtype
             inputs["pixel_values"] = microbatch["pixel_values"].to(dtype)
             inputs["image_grid_thw"] = microbatch["image_grid_thw"]
-        if "cu_seqlens" in microbatch:
-            inputs["packed_seq_params"] = packed_seq_params(microbatch)
         output = model(**inputs)
         # Qwen3-VL with CP returns (per-token loss, its CP-cut loss mask); loss_func cuts the mask identically.
         return output[0] if isinstance(output, tuple) else output
 
     def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
         return masked_token_loss(context_parallel_part(microbatch), output)
-
-
-def packed_seq_params(microbatch: Microbatch) -> Any:
-    """Megatron's THD description of a packed row: every sequence (padding segments too) as its own span."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu_seqlens = microbatch["cu_seqlens"].to(torch.int32).flatten()
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
-                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
 
 def context_parallel_part(microbatch: Microbatch) -> Microbatch:

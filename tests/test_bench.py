@@ -193,3 +193,14 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
             "bench.report"} <= set(modules)
     assert all((ROOT / (module.replace(".", "/") + ".py")).is_file() for module in modules)
     assert subprocess.run(["bash", "-n", str(ROOT / "bench/run_h200.sh")]).returncode == 0
+
+
+def test_vl_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.vl", "--tiny")
+    padded, packed = result["padded"], result["packed"]
+    assert packed["rows"] < padded["rows"] == result["sequences_per_step"]
+    assert packed["processed_tokens_per_step"] < padded["processed_tokens_per_step"]
+    assert 0 < result["padding_fraction_padded"] < 1 and result["real_tokens_per_step"] > 0
+    for figures in (padded, packed):
+        assert figures["step_s"] > 0 and figures["real_tokens_per_s"] > 0 and figures["peak_memory_gib"] is None
+        assert all(math.isfinite(loss) for loss in figures["losses"])
