@@ -29,6 +29,9 @@ class VLSFTModule(SFTModule):
     trains). MTP heads and generation (`predict`) are text-model features and are refused here.
     """
 
+    # The strategy hands over full rows; the model cuts them after fusing the images (see the module docstring).
+    cuts_context_parallel_in_model = True
+
     def __init__(
         self,
         freeze_vision_tower: bool = False,

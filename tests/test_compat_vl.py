@@ -100,3 +100,21 @@ def test_qwen3_vl_patch_mergers_use_hugging_faces_exact_gelu(checkpoints, tmp_pa
     with ADJUSTMENTS["megatron_bridge.qwen3_vl_merger_gelu"].suspended():
         assert (image_embeddings() - reference).abs().max() > 1e-4
     torch.testing.assert_close(image_embeddings(), reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="applies only without TE")
+def test_packed_context_parallel_indices_without_transformer_engine(checkpoints):
+    """Qwen3-VL cuts packed rows for CP through Megatron-Core's per-document balancing, which calls Transformer
+    Engine's kernel; without TE the torch version gives each rank the chunks the data pipeline's split gives it."""
+    from megatron.core import utils
+
+    from lightning_megatron.layout import context_parallel_positions
+
+    adjustment = ADJUSTMENTS["megatron_core.thd_partitioned_indices"]
+    bounds = [0, 8, 24, 32]
+    with adjustment.suspended(), pytest.raises(AttributeError, match="thd_get_partitioned_indices"):
+        utils.tex.thd_get_partitioned_indices(torch.tensor(bounds), 32, 2, 0)
+    for cp_size in (2, 4):
+        for rank in range(cp_size):
+            indices = utils.tex.thd_get_partitioned_indices(torch.tensor(bounds, dtype=torch.int32), 32, cp_size, rank)
+            assert indices.tolist() == context_parallel_positions(bounds, rank, cp_size).tolist()

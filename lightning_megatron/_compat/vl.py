@@ -8,6 +8,9 @@ bridge forgets.
   bridge chose) builds the language layers, and the local ViT spec, torch norms and Megatron's parallel linears the
   vision tower; ``provider.vision_transformer_layer_spec`` (a spec or a function returning one) overrides the ViT
   layer spec, e.g. to give the vision tower an attention that runs its packed (one sequence per image) layout.
+- Qwen3-VL with packed rows and context parallelism cuts each sequence with Transformer Engine's
+  ``thd_get_partitioned_indices`` (through Megatron-Core's ``get_batch_on_this_cp_rank``); without TE the same
+  load-balanced chunks are computed in torch.
 - Qwen3-VL, TE or not: its patch mergers apply the vision MLP's tanh-approximated GELU where Hugging Face's apply the
   exact one, so image embeddings differ from the checkpoint's own model by ~1e-3.
 """
@@ -125,6 +128,35 @@ def _install_qwen3_vl_merger_exact_gelu(patches: Patches) -> None:
     patches.setattr(Qwen3VLVisionPatchMerger, "__init__", init_with_exact_gelu)
 
 
+def _thd_partitioning_needs_transformer_engine() -> bool:
+    from megatron.core import utils
+
+    return utils.tex is None
+
+
+def _thd_get_partitioned_indices(cu_seqlens: Any, total_tokens: int, world_size: int, rank: int) -> Any:
+    """Transformer Engine's ``thd_get_partitioned_indices``: per packed sequence (each divisible into
+    ``2 * world_size`` chunks), chunk ``rank`` then chunk ``2 * world_size - 1 - rank``."""
+    import torch
+
+    bounds = cu_seqlens.tolist()
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        chunk = (end - start) // (2 * world_size)
+        for index in (rank, 2 * world_size - 1 - rank):
+            pieces.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
+    indices = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return indices[indices < total_tokens].to(cu_seqlens.device)
+
+
+def _install_thd_partitioned_indices(patches: Patches) -> None:
+    from types import SimpleNamespace
+
+    from megatron.core import utils
+
+    patches.setattr(utils, "tex", SimpleNamespace(thd_get_partitioned_indices=_thd_get_partitioned_indices))
+
+
 MEGATRON_BRIDGE_ADJUSTMENTS = (
     Adjustment(
         "megatron_bridge.qwen25_vl_mrope_section",
@@ -146,5 +178,12 @@ MEGATRON_BRIDGE_ADJUSTMENTS = (
         "tanh GELU; HF's Qwen3VLVisionPatchMerger uses nn.GELU() (exact): image embeddings ~4e-4 off",
         _qwen3_vl_merger_uses_tanh_gelu,
         _install_qwen3_vl_merger_exact_gelu,
+    ),
+    Adjustment(
+        "megatron_core.thd_partitioned_indices",
+        "megatron/core/utils.py:2441 tex.thd_get_partitioned_indices (Transformer Engine) cuts packed rows for CP, "
+        "as Qwen3-VL's forward does after fusing the images (packed_seq_utils.py:68): tex is None without TE",
+        _thd_partitioning_needs_transformer_engine,
+        _install_thd_partitioned_indices,
     ),
 )
