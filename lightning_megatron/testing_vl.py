@@ -107,7 +107,8 @@ def make_tiny_vl_checkpoint(
     ids = {token: tokenizer.token_to_id(token) for token in _VL_SPECIAL_TOKENS}
     config = _vl_config(family, ids, num_layers, hidden_size, num_attention_heads, num_key_value_heads,
                         intermediate_size or 2 * hidden_size, vocab_size, vision_depth, vision_hidden_size,
-                        vision_num_heads, vision_intermediate_size or 2 * vision_hidden_size, vision_full_attention_every, tied, dtype)
+                        vision_num_heads, vision_intermediate_size or 2 * vision_hidden_size,
+                        vision_full_attention_every, tied, dtype)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
