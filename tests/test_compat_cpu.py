@@ -65,6 +65,20 @@ def test_cuda_tensors_and_type_names(model_parallel):
 
 
 @cpu_only
+def test_cuda_tensors_pinned_for_the_context_parallel_rotary_slice(model_parallel):
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    cp_group = SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # the function reads nothing else of the group
+    with ADJUSTMENTS["cpu.cuda_tensors"].suspended():
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            get_pos_emb_on_this_cp_rank(torch.arange(8.0)[:, None], 0, cp_group)
+    # rank 1 of 2 holds chunks 1 and 2 of 4
+    assert get_pos_emb_on_this_cp_rank(torch.arange(8.0)[:, None], 0, cp_group).flatten().tolist() == [2, 3, 4, 5]
+
+
+@cpu_only
 def test_cuda_tensors_optimizer_clips_gradients(model_parallel):
     clip = 1e-3
     ddp, optimizer = _ddp_and_optimizer(tiny_gpt(), distributed=False, optimizer="sgd", lr=1.0,
