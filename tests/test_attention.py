@@ -397,10 +397,11 @@ def test_unknown_attention_backend_is_refused_before_building(checkpoints):
 
 def _gpu_layouts(length: int) -> list[dict]:
     """Microbatches of one shape with different layouts: packed (with slot padding) and a tree."""
-    subtree_end = torch.arange(1, length + 1)
-    subtree_end[: length // 2] = length // 2  # a prompt shared by two branches
-    subtree_end[length // 2: 3 * length // 4] = 3 * length // 4
-    subtree_end[3 * length // 4:] = length
+    subtree_end = torch.arange(1, length + 1)  # the last 8 tokens: pads that see only themselves
+    tree = length - 8
+    subtree_end[: length // 4] = tree  # a prompt shared by two branches
+    subtree_end[length // 4: length // 2] = length // 2
+    subtree_end[length // 2: tree] = tree
     return [{"packed_seq_params": _packed_params([0, 100, 130, 200], [0, 128, 160, length])},
             {"packed_seq_params": _packed_params([0, 17, 96, length])},
             {"attention_mask": subtree_end[None]},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_megatron._compat.context_parallel import ADJUSTMENTS as CONTEXT_PARALLEL_ADJUSTMENTS
 from lightning_megatron.bridges.base import safetensors_files
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
@@ -29,6 +31,7 @@ from lightning_megatron.testing import make_tiny_checkpoint
 from tests._distributed import run_distributed
 
 VOCAB, ROW, STEPS = 384, 32, 5
+(MTP_TOKEN_COUNTS,) = CONTEXT_PARALLEL_ADJUSTMENTS
 
 
 class SequencesDataset(Dataset):
@@ -128,6 +131,11 @@ def _two_rank_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, 
         for cp in (1, 2):
             results["joint", packed, cp] = _fit(workdir / f"joint{packed}{cp}", checkpoints["mtp"], dataset,
                                                 context_parallel_size=cp)
+    # without the MTP token-count adjustment each CP rank normalises by its own tokens: the MTP loss is off
+    # (kept off while the fit's own prepare_megatron_core runs)
+    with MTP_TOKEN_COUNTS.suspended(), mock.patch.object(MTP_TOKEN_COUNTS, "needed", lambda: False):
+        results["upstream_mtp_counts"] = _fit(workdir / "upstream", checkpoints["mtp"], dataset, steps=1,
+                                              export=False, context_parallel_size=2)
     packed_rows = SequencesDataset(True, alignment=4, rows=2 * STEPS, seed=1)
     for cp in (1, 2):
         results["mbridge", cp] = _fit(workdir / f"mbridge{cp}", checkpoints["plain"], packed_rows, mtp=False,
@@ -151,6 +159,9 @@ def test_context_parallel_2_equals_cp1_packed_and_padded_both_bridges_and_mtp_on
     for packed in (False, True):
         _compare_fits(results["joint", packed, 1], results["joint", packed, 2], ("lm_loss", "mtp_loss"))
     _compare_fits(results["mbridge", 1], results["mbridge", 2], ("lm_loss",))
+    upstream, reference = results["upstream_mtp_counts"]["metrics"][0], results["joint", True, 1]["metrics"][0]
+    assert upstream["lm_loss"] == pytest.approx(reference["lm_loss"], abs=1e-5)
+    assert abs(upstream["mtp_loss"] - reference["mtp_loss"]) > 0.1
     reference, ours = results["mtp_only", 1], results["mtp_only", 2]
     for name, before in ours["before"].items():
         if not is_mtp_parameter(name):
