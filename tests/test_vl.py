@@ -262,3 +262,18 @@ def test_tiny_config_fit_lowers_the_response_loss(tmp_path):
         losses = [float(row["lm_loss"]) for row in csv.DictReader(metrics) if row.get("lm_loss")]
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_freeze_vision_tower_leaves_only_the_projection_and_language_model_trainable(vl_models, vl_checkpoints,
+                                                                                     family):
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.vl_module import VLSFTModule
+
+    model = create_bridge("megatron-bridge", vl_checkpoints[family]).build(
+        VLSFTModule(freeze_vision_tower=True).model_options())[0]
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    tower = (("visual.patch_embed", "visual.blocks") if family == "qwen2_5_vl"
+             else ("vision_model.patch_embed", "vision_model.pos_embed", "vision_model.decoder.layers"))
+    assert frozen and all(name.startswith(tower) for name in frozen)
+    assert all(p.requires_grad for name, p in model.named_parameters() if name.startswith("language_model."))
