@@ -89,9 +89,7 @@ class SDPAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
-        # The config says whether this module's sequences are CP-split: a vision tower inside a CP model (Qwen3-VL)
-        # shares the process groups but sees whole images (its config has context_parallel_size 1).
-        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        self.cp_group = getattr(pg_collection, "cp", None)
         tp_size = pg_collection.tp.size()
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)

@@ -76,6 +76,7 @@ def test_qwen3_vl_builds_from_local_specs_without_transformer_engine(checkpoints
     vision_attention = model.vision_model.decoder.layers[0].self_attention.core_attention
     language_attention = model.language_model.decoder.layers[0].self_attention.core_attention
     assert isinstance(vision_attention, SDPAttention) and isinstance(language_attention, SDPAttention)
+    assert vision_attention.cp_group is None  # whole images, even inside a context-parallel model
 
 
 def test_qwen3_vl_patch_mergers_use_hugging_faces_exact_gelu(checkpoints, tmp_path):

@@ -193,6 +193,8 @@ def test_vl_options_a_model_cannot_serve_are_refused_naming_model_and_option(vl_
         check_vl_options(config, bridge_name="mbridge", context_parallel_size=1)
     qwen3_vl = create_bridge("megatron-bridge", vl_checkpoints["qwen3_vl"]).hf_config
     check_vl_options(qwen3_vl, bridge_name="megatron-bridge", context_parallel_size=2)
+    with pytest.raises(VLOptionError, match="attention_backend: local is not supported for Qwen3-VL"):
+        check_vl_options(qwen3_vl, bridge_name="megatron-bridge", context_parallel_size=1, attention_backend="local")
 
 
 class _Record(pl.Callback):

@@ -149,7 +149,7 @@ class Bridge(ABC):
         if options.mtp and options.mtp_loss_scaling_factor > 0:
             check_mtp_training_options(options.mtp_loss_scaling_factor, self.checkpoint_mtp_layers)
         if vl_model_type(self.hf_config) is not None:
-            check_vl_options(self.hf_config, bridge_name=self.name,
+            check_vl_options(self.hf_config, bridge_name=self.name, attention_backend=options.attention_backend,
                              context_parallel_size=parallel_sizes()["context_parallel_size"])
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
