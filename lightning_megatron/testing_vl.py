@@ -119,6 +119,7 @@ def make_tiny_vl_checkpoint(
                                    for name, t in model.state_dict().items()})
             model.save_pretrained(tmp)
         else:
+            config.architectures = [_hf_model_class(config).__name__]
             config.save_pretrained(tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
         roles = {"bos": _ENDOFTEXT, "eos": _IM_END, "pad": _ENDOFTEXT}
@@ -183,13 +184,15 @@ def _vl_config(
                          **tokens)
 
 
-def _hf_model(config: Any) -> torch.nn.Module:
+def _hf_model_class(config: Any) -> type:
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
-    model_class = (Qwen2_5_VLForConditionalGeneration if config.model_type == "qwen2_5_vl"
-                   else Qwen3VLForConditionalGeneration)
+    return Qwen2_5_VLForConditionalGeneration if config.model_type == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
+
+
+def _hf_model(config: Any) -> torch.nn.Module:
     with torch.device("meta"):
-        model = model_class(config)
+        model = _hf_model_class(config)(config)
     return model.to_empty(device="cpu").float().eval()
 
 
