@@ -181,15 +181,15 @@ def test_context_parallel_2_equals_cp1_packed_and_padded_both_bridges_and_mtp_on
     assert ranks[1]["joint", True, 2]["metrics"] == results["joint", True, 2]["metrics"]  # every rank logs the same
 
 
-def _validate(workdir: Path, hf_checkpoint: str, dataset: Dataset, **strategy_kwargs: Any) -> float:
-    """`val_lm_loss` of one global batch of 4 rows through the forward-only schedule (MTP layer included)."""
+def _validate(workdir: Path, hf_checkpoint: str, dataset: Dataset, **strategy_kwargs: Any) -> tuple[float, float]:
+    """`val_lm_loss` and `val_mtp_acceptance` of one global batch of 4 rows through the forward-only schedule."""
     strategy = MegatronStrategy(hf_checkpoint=hf_checkpoint, bridge_type="megatron-bridge", micro_batch_size=1,
                                 global_batch_size=4, precision="fp32", **strategy_kwargs)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size(),
                          logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=workdir,
                          limit_val_batches=1)
     trainer.validate(SFTModule(enable_mtp=True), DataLoader(dataset, batch_size=1, collate_fn=collate_packed))
-    return float(trainer.callback_metrics["val_lm_loss"])
+    return float(trainer.callback_metrics["val_lm_loss"]), float(trainer.callback_metrics["val_mtp_acceptance"])
 
 
 def _four_rank_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, str]) -> dict:
@@ -207,7 +207,7 @@ def test_tp2_x_cp2_fits_and_cp4_forward_equal_cp1(checkpoints, tmp_path):
     results = run_distributed(_four_rank_fits, tmp_path, str(tmp_path), checkpoints, world_size=4)[0]
     for packed in (False, True):
         _compare_fits(results["joint", packed, 1], results["joint", packed, 2], ("lm_loss", "mtp_loss"))
-    assert results["validate", 4] == pytest.approx(results["validate", 1], abs=1e-5)
+    assert results["validate", 4] == pytest.approx(results["validate", 1], abs=1e-5)  # loss and MTP acceptance
 
 
 def _packed_microbatch(cu_seqlens: list[int], length: int) -> dict[str, torch.Tensor]:
