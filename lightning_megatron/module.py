@@ -16,7 +16,7 @@ import torch
 
 from lightning_megatron.bridges import ModelOptions
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
-from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, model_inputs
+from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, model_inputs, whole_rows
 from lightning_megatron.metrics import MTPAcceptanceAccuracy
 
 __all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
@@ -164,7 +164,9 @@ class SFTModule(MegatronLightningModule):
 
     def _loss_func_counting_acceptance(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
         mtp_ids, main_ids = self._captured_logits
-        self.val_mtp_acceptance.update(mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
+        rows = whole_rows(microbatch, mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
+        if rows is not None:  # t + 2 is the next-but-one token of the whole row, not of this CP rank's chunks
+            self.val_mtp_acceptance.update(*rows)
         return self.loss_func(microbatch, output)
 
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
