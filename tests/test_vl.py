@@ -279,3 +279,9 @@ def test_freeze_vision_tower_leaves_only_the_projection_and_language_model_train
              else ("vision_model.patch_embed", "vision_model.pos_embed", "vision_model.decoder.layers"))
     assert frozen and all(name.startswith(tower) for name in frozen)
     assert all(p.requires_grad for name, p in model.named_parameters() if name.startswith("language_model."))
+
+
+def test_qwen25_vl_trains_through_lightning_at_cp1(process_group, vl_checkpoints, vl_data, tmp_path):
+    result = _fit(tmp_path, vl_checkpoints["qwen2_5_vl"], vl_data, 1)
+    assert len(result["losses"]) == 5 and result["losses"][-1] < result["losses"][0]
+    assert all(norm > 0 for norm in result["grad_norms"])
