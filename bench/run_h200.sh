@@ -7,6 +7,8 @@
 #   P1+P2  bench/lightning_overhead.py  plain Megatron-Core loop vs Lightning joint vs Lightning MTP-only
 #   P3     bench/hf_io.py               each bridge's HF load/save vs raw safetensors I/O
 #   P4     bench/attention.py           plain HF transformers Qwen3 (and Megatron-Core without MTP, SDPA)
+#   P5     bench/packing.py             packed vs padded vs full rows; CP all-gather volume from a gloo run
+#   VL     bench/vl.py                  Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
 # Each writes its JSON (exact command, GPU, library versions, date inside) into $OUT and its log beside it;
 # bench/report.py then writes the markdown table to $OUT/table.md and prints it. A failed benchmark prints the
 # end of its log; the others still run, and the exit status is 1.
@@ -41,5 +43,7 @@ step lightning_overhead python3 -m bench.lightning_overhead --checkpoint "$CHECK
     --out "$OUT/lightning_overhead.json"
 step hf_io python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/hf_io.json"
 step attention python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/attention.json"
+step packing python3 -m bench.packing --out "$OUT/packing.json"
+step vl python3 -m bench.vl --out "$OUT/vl.json"
 python3 -m bench.report "$OUT"/*.json >"$OUT/table.md" && cat "$OUT/table.md" || failed=1
 exit $failed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,15 @@ class MegatronCLI(LightningCLI):
             ensure_tiny_checkpoint(Path(hf_checkpoint))
 
 
-def ensure_tiny_checkpoint(path: Path) -> Path:
-    """The tiny Qwen3+MTP checkpoint at `path`, made here on first use (by local rank 0; other ranks wait)."""
+def ensure_tiny_checkpoint(path: Path, make: Callable[[Path], Path] | None = None) -> Path:
+    """The tiny checkpoint at `path` (Qwen3+MTP unless `make` writes another), made here on first use (by local
+    rank 0; other ranks wait)."""
     from lightning_megatron.testing import make_tiny_checkpoint
 
     if (path / "config.json").is_file():
         return path
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        return make_tiny_checkpoint(path, "qwen3", mtp=True)
+        return make(path) if make is not None else make_tiny_checkpoint(path, "qwen3", mtp=True)
     deadline = time.monotonic() + TINY_CHECKPOINT_WAIT_S
     while not (path / "config.json").is_file():
         if time.monotonic() > deadline:

@@ -12,46 +12,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.bridges import ModelOptions
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
+from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, model_inputs, whole_rows
 from lightning_megatron.metrics import MTPAcceptanceAccuracy
 
-Microbatch = dict[str, torch.Tensor]
-LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-
-
-class MegatronLightningModule(pl.LightningModule):
-    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
-
-    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
-    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters.
-    """
-
-    model: torch.nn.ModuleList
-
-    def model_options(self) -> ModelOptions:
-        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
-        return ModelOptions()
-
-    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
-        raise NotImplementedError
-
-    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
-        raise NotImplementedError
-
-    @property
-    def megatron_strategy(self) -> Any:
-        from lightning_megatron.strategy import MegatronStrategy
-
-        strategy = self.trainer.strategy
-        if not isinstance(strategy, MegatronStrategy):
-            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
-        return strategy
+__all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
 
 
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
@@ -133,6 +101,9 @@ class SFTModule(MegatronLightningModule):
             if self.megatron_strategy.pipeline_model_parallel_size > 1:
                 raise ValueError("predict generates with pipeline_model_parallel_size: 1 only; use tensor "
                                  "parallelism (tensor_model_parallel_size) to split a model that does not fit")
+            if self.megatron_strategy.context_parallel_size > 1:
+                raise ValueError("predict generates with context_parallel_size: 1 only (each new token needs the "
+                                 "whole sequence); use tensor_model_parallel_size to split a model that does not fit")
             hf_checkpoint = self.megatron_strategy.hf_checkpoint
             self.generation_eos_token_ids = eos_token_ids(hf_checkpoint, AutoTokenizer.from_pretrained(hf_checkpoint))
         if self.enable_mtp and not self.enable_mtp_training:
@@ -143,13 +114,7 @@ class SFTModule(MegatronLightningModule):
                     parameter.requires_grad_(False)
 
     def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        return model(
-            input_ids=microbatch["input_ids"],
-            position_ids=microbatch["position_ids"],
-            attention_mask=None,
-            labels=microbatch["labels"],
-            loss_mask=microbatch["loss_mask"],
-        )
+        return model(**model_inputs(microbatch))
 
     def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
         return masked_token_loss(microbatch, output)
@@ -199,7 +164,9 @@ class SFTModule(MegatronLightningModule):
 
     def _loss_func_counting_acceptance(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
         mtp_ids, main_ids = self._captured_logits
-        self.val_mtp_acceptance.update(mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
+        rows = whole_rows(microbatch, mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
+        if rows is not None:  # t + 2 is the next-but-one token of the whole row, not of this CP rank's chunks
+            self.val_mtp_acceptance.update(*rows)
         return self.loss_func(microbatch, output)
 
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:

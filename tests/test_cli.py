@@ -16,6 +16,7 @@ import yaml
 
 from lightning_megatron.cli import MegatronCLI
 from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.vl_cli import VLMegatronCLI
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -40,13 +41,21 @@ class _ParseAndInstantiate(MegatronCLI):
         return None
 
 
+class _ParseAndInstantiateVL(VLMegatronCLI):
+    """The same for `lightning-megatron-vl` (the configs named vl_*.yaml)."""
+
+    def instantiate_trainer(self, **kwargs):
+        return None
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[str(path.relative_to(ROOT / "configs")) for path in CONFIGS])
 def test_every_config_parses_and_instantiates(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_megatron.callbacks import MTPOnlyCallback
     from lightning_megatron.strategy import MegatronStrategy
 
     monkeypatch.chdir(ROOT)
-    cli = _ParseAndInstantiate(args=["--config", str(config), "--make_tiny_checkpoint", "false"], run=False)
+    cli_class = _ParseAndInstantiateVL if config.name.startswith("vl_") else _ParseAndInstantiate
+    cli = cli_class(args=["--config", str(config), "--make_tiny_checkpoint", "false"], run=False)
     strategy = cli.config_init.trainer.strategy
     assert isinstance(strategy, MegatronStrategy)
     callbacks = cli.config_init.trainer.callbacks or []

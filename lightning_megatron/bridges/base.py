@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
 from lightning_megatron.checkpoint import move_into_place
+from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.mtp import check_mtp_training_options
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
@@ -177,6 +178,9 @@ class Bridge(ABC):
             )
         if options.mtp and options.mtp_loss_scaling_factor > 0:
             check_mtp_training_options(options.mtp_loss_scaling_factor, self.checkpoint_mtp_layers)
+        if vl_model_type(self.hf_config) is not None:
+            check_vl_options(self.hf_config, bridge_name=self.name, attention_backend=options.attention_backend,
+                             context_parallel_size=parallel_sizes()["context_parallel_size"])
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
         """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded."""

@@ -11,6 +11,7 @@ import torch
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, ModelOptions, apply_parallel_state
+from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.mtp import check_mtp_training_versions
 
 
@@ -55,6 +56,7 @@ class MegatronBridge(Bridge):
         # The MTP block spec is built from this layer spec, so the MTP layer gets the same attention.
         layer_spec = provider.transformer_layer_spec
         provider.transformer_layer_spec = with_core_attention(layer_spec, options.attention_backend)
+        prepare_vl_provider(provider, self.hf_config, options.attention_backend)
         provider.finalize()
         chunks = provider.provide_distributed_model(
             wrap_with_ddp=False, mixed_precision_wrapper=None, use_cpu_initialization=not torch.cuda.is_available()

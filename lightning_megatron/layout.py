@@ -1,0 +1,227 @@
+"""The microbatch contract that the strategy, the module, the data pipeline and the attention core all read.
+
+A leaf: nothing here imports the rest of `lightning_megatron`, so every room can import it without a circle.
+
+A microbatch is a dict of tensors in one of three layouts, told apart by its keys:
+- padded rows: `input_ids`, `labels`, `loss_mask`, `position_ids`, each `[b, s]`; causal attention per row.
+- packed THD: the same keys with `b == 1`, plus `cu_seqlens` (int32 `[n + 1]`, from 0 to `s`: where each sequence
+  starts) and `max_seqlen`; optionally `cu_seqlens_padded` when each sequence sits in a larger slot (the tokens of a
+  slot past its sequence then see only themselves and give zeros). A token attends to the earlier tokens of its own
+  sequence only.
+- "may attend" structure (trees): `subtree_end`, integer `[b, s]` in DFS pre-order: key `k` is visible to query `q`
+  iff `k <= q < subtree_end[k]` (exclusive end). A causal row is `subtree_end = s` everywhere, a packed row is the
+  end of each token's sequence, a pad that attends only to itself has its own index + 1.
+
+`cu_seqlens`, `cu_seqlens_padded` and `max_seqlen` always describe the whole row, also after the context-parallel
+split (Megatron-Core's `PackedSeqParams` convention: rotary embeddings, MTP's `roll_tensor` and the attention core
+divide by the CP size themselves). `subtree_end` travels to the core attention as Megatron's `attention_mask` (an
+integer tensor, so activation recompute can save it); a bool `attention_mask` keeps its meaning (True = masked).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+
+if TYPE_CHECKING:
+    from lightning_megatron.bridges import ModelOptions
+
+Microbatch = dict[str, torch.Tensor]
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+# Per-token [b, s] entries: the context-parallel split cuts these along s.
+SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
+CU_SEQLENS = "cu_seqlens"
+CU_SEQLENS_PADDED = "cu_seqlens_padded"
+MAX_SEQLEN = "max_seqlen"
+SUBTREE_END = "subtree_end"
+
+
+class MegatronLightningModule(pl.LightningModule):
+    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
+
+    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
+    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters. `forward_step` and
+    `loss_func` receive the microbatch as this rank holds it (cut for context parallelism by the strategy).
+    """
+
+    model: torch.nn.ModuleList
+
+    def model_options(self) -> ModelOptions:
+        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
+        from lightning_megatron.bridges import ModelOptions
+
+        return ModelOptions()
+
+    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
+        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
+        raise NotImplementedError
+
+    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
+        raise NotImplementedError
+
+    @property
+    def megatron_strategy(self) -> Any:
+        strategy = self.trainer.strategy
+        if getattr(strategy, "strategy_name", None) != "megatron":
+            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
+        return strategy
+
+
+def check_microbatch(microbatch: Microbatch, context_parallel_size: int = 1) -> None:
+    """Raise, naming the field and the fix, on a microbatch the attention core and the CP split cannot serve."""
+    input_ids = microbatch.get("input_ids")
+    if input_ids is None or input_ids.dim() != 2:
+        raise ValueError("input_ids: every microbatch needs a [micro_batch_size, seq_length] input_ids tensor")
+    rows, seq_length = input_ids.shape
+    for key in (*SEQUENCE_KEYS, SUBTREE_END):
+        if key in microbatch and microbatch[key].shape != input_ids.shape:
+            raise ValueError(f"{key}: shape {tuple(microbatch[key].shape)} differs from input_ids "
+                             f"{tuple(input_ids.shape)}; every per-token entry must be [b, s]")
+    alignment = 2 * context_parallel_size
+    packed = CU_SEQLENS in microbatch
+    if packed:
+        if rows != 1:
+            raise ValueError(f"cu_seqlens: a packed microbatch is one row, got {rows}; use micro_batch_size: 1")
+        for key in (CU_SEQLENS, CU_SEQLENS_PADDED):
+            if key in microbatch:
+                _check_boundaries(key, microbatch[key], seq_length, exact_end=key == CU_SEQLENS_PADDED
+                                  or CU_SEQLENS_PADDED not in microbatch)
+        slots = microbatch.get(CU_SEQLENS_PADDED, microbatch[CU_SEQLENS])
+        if CU_SEQLENS_PADDED in microbatch and len(slots) != len(microbatch[CU_SEQLENS]):
+            raise ValueError("cu_seqlens_padded: needs as many entries as cu_seqlens (one slot per sequence)")
+        if context_parallel_size > 1:
+            lengths = (slots[1:] - slots[:-1]).tolist()
+            bad = [length for length in lengths if length % alignment]
+            if bad:
+                raise ValueError(
+                    f"cu_seqlens: sequence lengths {bad} are not multiples of 2 x context_parallel_size = {alignment};"
+                    f" pad every packed sequence to a multiple of {alignment} (SFTDataModule does when it knows "
+                    "context_parallel_size)"
+                )
+    elif context_parallel_size > 1 and seq_length % alignment:
+        raise ValueError(f"seq_length: {seq_length} is not a multiple of 2 x context_parallel_size = {alignment}; "
+                         f"pad the rows to a multiple of {alignment}")
+    if SUBTREE_END in microbatch:
+        if packed:
+            raise ValueError("subtree_end: a tree row carries its structure in subtree_end alone; drop cu_seqlens")
+        if context_parallel_size > 1:
+            raise ValueError("subtree_end: tree rows need context_parallel_size: 1")
+        subtree_end = microbatch[SUBTREE_END]
+        if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
+            raise ValueError(f"subtree_end: must be an integer tensor, got {subtree_end.dtype}")
+        index = torch.arange(seq_length, device=subtree_end.device)
+        if bool(((subtree_end <= index) | (subtree_end > seq_length)).any()):
+            raise ValueError("subtree_end: every entry must satisfy own index < subtree_end <= seq_length "
+                             "(a token always sees itself)")
+
+
+def _check_boundaries(key: str, boundaries: torch.Tensor, seq_length: int, *, exact_end: bool) -> None:
+    values = boundaries.tolist()
+    if boundaries.dim() != 1 or len(values) < 2 or values[0] != 0:
+        raise ValueError(f"{key}: must be a 1-D tensor starting at 0, got {values}")
+    if any(end < start for start, end in zip(values[:-1], values[1:])):
+        raise ValueError(f"{key}: must not decrease, got {values}")
+    if exact_end and values[-1] != seq_length:
+        raise ValueError(f"{key}: ends at {values[-1]} but the row has {seq_length} tokens; the last boundary must "
+                         "be the row length (add a padding segment for the tokens left over)")
+    if values[-1] > seq_length:
+        raise ValueError(f"{key}: ends at {values[-1]}, past the row's {seq_length} tokens")
+
+
+def packed_row_bounds(cu_seqlens: torch.Tensor, seq_length: int, cu_seqlens_padded: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position of a packed row of `seq_length` tokens: the start and (exclusive) end of its sequence, and
+    whether it belongs to one. A position in a slot past its sequence (`cu_seqlens_padded`), or past the last
+    boundary, belongs to none: its start and end enclose only itself."""
+    position = torch.arange(seq_length, device=cu_seqlens.device)
+    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).to(position.device).long()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(position.device).long()
+    sequence = torch.bucketize(position, starts[1:], right=True).clamp(max=len(lengths) - 1)
+    start = starts[:-1][sequence]
+    end = start + lengths[sequence]
+    member = (position >= start) & (position < end)
+    return torch.where(member, start, position), torch.where(member, end, position + 1), member
+
+
+def subtree_end_of_packed_row(cu_seqlens: torch.Tensor, seq_length: int,
+                              cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+    """The `subtree_end` `[s]` equal to a packed row: each token sees its own sequence's earlier tokens; a token of
+    no sequence sees only itself."""
+    return packed_row_bounds(cu_seqlens, seq_length, cu_seqlens_padded)[1]
+
+
+def context_parallel_positions(boundaries: list[int], cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Positions (in the whole row) that context-parallel rank `cp_rank` holds, in its local order: Megatron's
+    load-balanced layout cuts each sequence (each segment of `boundaries`) into `2 * cp_size` equal chunks and
+    gives rank `r` chunk `r` then chunk `2 * cp_size - 1 - r`."""
+    pieces = []
+    for start, end in zip(boundaries[:-1], boundaries[1:]):
+        length = end - start
+        if length % (2 * cp_size) != 0:
+            raise ValueError(
+                f"a sequence of {length} tokens (positions {start}..{end}) cannot be cut into 2 x "
+                f"context_parallel_size = {2 * cp_size} equal chunks; pad every sequence to a multiple of "
+                f"{2 * cp_size} (SFTDataModule does when context_parallel_size > 1)"
+            )
+        chunk = length // (2 * cp_size)
+        for chunk_index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            pieces.append(torch.arange(start + chunk_index * chunk, start + (chunk_index + 1) * chunk))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def whole_rows(microbatch: Microbatch, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """This context-parallel rank's `[b, s / cp]` per-token `tensors` (not autograd), put back into whole `[b, s]`
+    rows in the row's own order by an all-gather over the CP group. On CP ranks other than 0 it returns None, so
+    that a metric counts every token once; without CP the tensors come back unchanged."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size == 1:
+        return tensors
+    group = parallel_state.get_context_parallel_group()
+    length = tensors[0].shape[1] * cp_size
+    slots = microbatch.get(CU_SEQLENS_PADDED, microbatch.get(CU_SEQLENS))
+    boundaries = [0, length] if slots is None else [int(b) for b in slots]
+    order = torch.cat([context_parallel_positions(boundaries, rank, cp_size) for rank in range(cp_size)])
+    rows = []
+    for tensor in tensors:
+        pieces = [torch.empty_like(tensor) for _ in range(cp_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        row = torch.empty(tensor.shape[0], length, dtype=tensor.dtype, device=tensor.device)
+        row[:, order.to(tensor.device)] = torch.cat(pieces, dim=1)
+        rows.append(row)
+    return tuple(rows) if parallel_state.get_context_parallel_rank() == 0 else None
+
+
+def model_inputs(microbatch: Microbatch) -> dict[str, Any]:
+    """The keyword arguments of a Megatron-Core `GPTModel` call for a microbatch in any layout: `packed_seq_params`
+    (global `cu_seqlens`) for a packed row, `attention_mask = subtree_end` for a tree row, neither for padded rows."""
+    inputs: dict[str, Any] = {
+        "input_ids": microbatch["input_ids"],
+        "position_ids": microbatch["position_ids"],
+        "attention_mask": microbatch.get(SUBTREE_END),
+        "labels": microbatch["labels"],
+        "loss_mask": microbatch["loss_mask"],
+    }
+    if CU_SEQLENS in microbatch:
+        inputs["packed_seq_params"] = packed_seq_params(microbatch)
+    return inputs
+
+
+def packed_seq_params(microbatch: Microbatch) -> Any:
+    """Megatron-Core's THD `PackedSeqParams` of a packed microbatch (whole-row boundaries, int32)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = microbatch[CU_SEQLENS].to(torch.int32)
+    padded = microbatch.get(CU_SEQLENS_PADDED)
+    padded = None if padded is None else padded.to(torch.int32)
+    slots = cu_seqlens if padded is None else padded
+    max_seqlen = int((slots[1:] - slots[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen,
+                           max_seqlen_kv=max_seqlen)
