@@ -12,46 +12,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.bridges import ModelOptions
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
+from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch
 from lightning_megatron.metrics import MTPAcceptanceAccuracy
 
-Microbatch = dict[str, torch.Tensor]
-LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-
-
-class MegatronLightningModule(pl.LightningModule):
-    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
-
-    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
-    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters.
-    """
-
-    model: torch.nn.ModuleList
-
-    def model_options(self) -> ModelOptions:
-        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
-        return ModelOptions()
-
-    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
-        raise NotImplementedError
-
-    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
-        raise NotImplementedError
-
-    @property
-    def megatron_strategy(self) -> Any:
-        from lightning_megatron.strategy import MegatronStrategy
-
-        strategy = self.trainer.strategy
-        if not isinstance(strategy, MegatronStrategy):
-            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
-        return strategy
+__all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
 
 
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:

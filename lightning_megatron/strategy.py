@@ -38,7 +38,7 @@ from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron.attention import AttentionBackend
 from lightning_megatron.bridges import BridgeType, create_bridge
 from lightning_megatron.bridges.base import parallel_sizes
-from lightning_megatron.module import LossOutput, MegatronLightningModule, Microbatch
+from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]

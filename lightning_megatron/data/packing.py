@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.tokenize import TokenizedExample
-
-SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
+from lightning_megatron.layout import SEQUENCE_KEYS
 
 
 def sequence_alignment(context_parallel_size: int) -> int:

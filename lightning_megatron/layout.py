@@ -1,0 +1,144 @@
+"""The microbatch contract that the strategy, the module, the data pipeline and the attention core all read.
+
+A leaf: nothing here imports the rest of `lightning_megatron`, so every room can import it without a circle.
+
+A microbatch is a dict of tensors in one of three layouts, told apart by its keys:
+- padded rows: `input_ids`, `labels`, `loss_mask`, `position_ids`, each `[b, s]`; causal attention per row.
+- packed THD: the same keys with `b == 1`, plus `cu_seqlens` (int32 `[n + 1]`, from 0 to `s`: where each sequence
+  starts) and `max_seqlen`; optionally `cu_seqlens_padded` when each sequence sits in a larger slot (the tokens of a
+  slot past its sequence then see only themselves and give zeros). A token attends to the earlier tokens of its own
+  sequence only.
+- "may attend" structure (trees): `subtree_end`, integer `[b, s]` in DFS pre-order: key `k` is visible to query `q`
+  iff `k <= q < subtree_end[k]` (exclusive end). A causal row is `subtree_end = s` everywhere, a packed row is the
+  end of each token's sequence, a pad that attends only to itself has its own index + 1.
+
+`cu_seqlens`, `cu_seqlens_padded` and `max_seqlen` always describe the whole row, also after the context-parallel
+split (Megatron-Core's `PackedSeqParams` convention: rotary embeddings, MTP's `roll_tensor` and the attention core
+divide by the CP size themselves). `subtree_end` travels to the core attention as Megatron's `attention_mask` (an
+integer tensor, so activation recompute can save it); a bool `attention_mask` keeps its meaning (True = masked).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+
+if TYPE_CHECKING:
+    from lightning_megatron.bridges import ModelOptions
+
+Microbatch = dict[str, torch.Tensor]
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+# Per-token [b, s] entries: the context-parallel split cuts these along s.
+SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
+CU_SEQLENS = "cu_seqlens"
+CU_SEQLENS_PADDED = "cu_seqlens_padded"
+MAX_SEQLEN = "max_seqlen"
+SUBTREE_END = "subtree_end"
+
+
+class MegatronLightningModule(pl.LightningModule):
+    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
+
+    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
+    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters. `forward_step` and
+    `loss_func` receive the microbatch as this rank holds it (cut for context parallelism by the strategy).
+    """
+
+    model: torch.nn.ModuleList
+
+    def model_options(self) -> ModelOptions:
+        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
+        from lightning_megatron.bridges import ModelOptions
+
+        return ModelOptions()
+
+    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
+        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
+        raise NotImplementedError
+
+    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
+        raise NotImplementedError
+
+    @property
+    def megatron_strategy(self) -> Any:
+        strategy = self.trainer.strategy
+        if getattr(strategy, "strategy_name", None) != "megatron":
+            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
+        return strategy
+
+
+def check_microbatch(microbatch: Microbatch, context_parallel_size: int = 1) -> None:
+    """Raise, naming the field and the fix, on a microbatch the attention core and the CP split cannot serve."""
+    input_ids = microbatch.get("input_ids")
+    if input_ids is None or input_ids.dim() != 2:
+        raise ValueError("input_ids: every microbatch needs a [micro_batch_size, seq_length] input_ids tensor")
+    rows, seq_length = input_ids.shape
+    for key in (*SEQUENCE_KEYS, SUBTREE_END):
+        if key in microbatch and microbatch[key].shape != input_ids.shape:
+            raise ValueError(f"{key}: shape {tuple(microbatch[key].shape)} differs from input_ids "
+                             f"{tuple(input_ids.shape)}; every per-token entry must be [b, s]")
+    alignment = 2 * context_parallel_size
+    packed = CU_SEQLENS in microbatch
+    if packed:
+        if rows != 1:
+            raise ValueError(f"cu_seqlens: a packed microbatch is one row, got {rows}; use micro_batch_size: 1")
+        for key in (CU_SEQLENS, CU_SEQLENS_PADDED):
+            if key in microbatch:
+                _check_boundaries(key, microbatch[key], seq_length, exact_end=key == CU_SEQLENS_PADDED
+                                  or CU_SEQLENS_PADDED not in microbatch)
+        slots = microbatch.get(CU_SEQLENS_PADDED, microbatch[CU_SEQLENS])
+        if CU_SEQLENS_PADDED in microbatch and len(slots) != len(microbatch[CU_SEQLENS]):
+            raise ValueError("cu_seqlens_padded: needs as many entries as cu_seqlens (one slot per sequence)")
+        if context_parallel_size > 1:
+            lengths = (slots[1:] - slots[:-1]).tolist()
+            bad = [length for length in lengths if length % alignment]
+            if bad:
+                raise ValueError(
+                    f"cu_seqlens: sequence lengths {bad} are not multiples of 2 x context_parallel_size = {alignment};"
+                    f" pad every packed sequence to a multiple of {alignment} (SFTDataModule does when it knows "
+                    "context_parallel_size)"
+                )
+    elif context_parallel_size > 1 and seq_length % alignment:
+        raise ValueError(f"seq_length: {seq_length} is not a multiple of 2 x context_parallel_size = {alignment}; "
+                         f"pad the rows to a multiple of {alignment}")
+    if SUBTREE_END in microbatch:
+        if packed:
+            raise ValueError("subtree_end: a tree row carries its structure in subtree_end alone; drop cu_seqlens")
+        if context_parallel_size > 1:
+            raise ValueError("subtree_end: tree rows need context_parallel_size: 1")
+        subtree_end = microbatch[SUBTREE_END]
+        if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
+            raise ValueError(f"subtree_end: must be an integer tensor, got {subtree_end.dtype}")
+        index = torch.arange(seq_length, device=subtree_end.device)
+        if bool(((subtree_end <= index) | (subtree_end > seq_length)).any()):
+            raise ValueError("subtree_end: every entry must satisfy own index < subtree_end <= seq_length "
+                             "(a token always sees itself)")
+
+
+def _check_boundaries(key: str, boundaries: torch.Tensor, seq_length: int, *, exact_end: bool) -> None:
+    values = boundaries.tolist()
+    if boundaries.dim() != 1 or len(values) < 2 or values[0] != 0:
+        raise ValueError(f"{key}: must be a 1-D tensor starting at 0, got {values}")
+    if any(end < start for start, end in zip(values[:-1], values[1:])):
+        raise ValueError(f"{key}: must not decrease, got {values}")
+    if exact_end and values[-1] != seq_length:
+        raise ValueError(f"{key}: ends at {values[-1]} but the row has {seq_length} tokens; the last boundary must "
+                         "be the row length (add a padding segment for the tokens left over)")
+    if values[-1] > seq_length:
+        raise ValueError(f"{key}: ends at {values[-1]}, past the row's {seq_length} tokens")
+
+
+def subtree_end_of_packed_row(cu_seqlens: torch.Tensor, seq_length: int,
+                              cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+    """The `subtree_end` `[s]` equal to a packed row: each token sees its own sequence's earlier tokens; a token of
+    a slot past its sequence (`cu_seqlens_padded`), or past the last boundary, sees only itself."""
+    position = torch.arange(seq_length, device=cu_seqlens.device)
+    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).long()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sequence = torch.bucketize(position, starts[1:], right=True).clamp(max=len(lengths) - 1)
+    end = starts[:-1][sequence] + lengths[sequence]
+    return torch.where(position < end, end, position + 1)
