@@ -193,3 +193,17 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
             "bench.report"} <= set(modules)
     assert all((ROOT / (module.replace(".", "/") + ".py")).is_file() for module in modules)
     assert subprocess.run(["bash", "-n", str(ROOT / "bench/run_h200.sh")]).returncode == 0
+
+
+@pytest.mark.slow
+def test_tree_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.tree", "--tiny")
+    assert result["benchmark"] == "tree" and result["settings"]["order"] == ["flat", "tree", "tree", "flat"]
+    batch = result["batch"]
+    assert batch["tree_tokens"] < batch["original_tokens"] and batch["tree_rows"] <= batch["flat_rows"]
+    for figures in result["runs"].values():
+        assert figures["step_s"] > 0 and figures["original_tokens_per_s"] > 0 and figures["peak_memory_gib"] is None
+    assert result["tree_over_flat"]["original_tokens_per_s"] > 0
+    # fp32 on the CPU: the tree, the flat rows in either order and one padded row per sequence compute the same loss
+    assert result["loss"]["tree_minus_flat_max_abs"] < 1e-5 and result["loss"]["flat_noise_max_abs"] < 1e-5
+    assert result["recompiles_after_warmup"] == 0

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_megatron.data.packing import first_fit
 from lightning_megatron.data.tokenize import TokenizedExample
+from lightning_megatron.layout import SUBTREE_END
 
 _END = -1  # the "next token" of a sequence's last token: it has no label
 
@@ -160,7 +161,7 @@ def build_tree_rows(examples: Sequence[TokenizedExample], seq_length: int, pad_i
             row["labels"][span] = torch.tensor([pad_id if label == _END else label for label in labels])
             row["loss_mask"][span] = torch.tensor(weights, dtype=torch.float32)
             row["position_ids"][span] = torch.tensor(depths)
-            row["subtree_end"][span] = torch.tensor(ends) + start
+            row[SUBTREE_END][span] = torch.tensor(ends) + start
             for member in trie.members:
                 positions = torch.tensor(trie.path_rows(all_keys[member], row_of)) + start
                 paths[member] = (row_index, positions)
@@ -178,7 +179,7 @@ def _empty_tree_row(seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
         "labels": torch.full((seq_length,), pad_id, dtype=torch.int64),
         "loss_mask": torch.zeros(seq_length, dtype=torch.float32),
         "position_ids": torch.zeros(seq_length, dtype=torch.int64),
-        "subtree_end": torch.arange(1, seq_length + 1, dtype=torch.int64),
+        SUBTREE_END: torch.arange(1, seq_length + 1, dtype=torch.int64),
     }
 
 
