@@ -4,12 +4,17 @@ case against today's packing, and the datamodule's tree mode with its guards."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from lightning_megatron.data import SFTDataModule, TokenizedExample
 from lightning_megatron.data.packing import first_fit, pack_examples
@@ -183,3 +188,22 @@ def test_datamodule_tree_mode_merges_the_responses_to_each_prompt(checkpoint: Pa
 def test_datamodule_refuses_what_tree_rows_cannot_do(checkpoint: Path, settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _datamodule(checkpoint, **settings).setup("fit")
+
+
+@pytest.mark.slow
+def test_the_tree_config_fits_and_prints_the_tree_token_ratio(tmp_path: Path) -> None:
+    config = yaml.safe_load((ROOT / "configs/tiny/tree_sft.yaml").read_text())
+    config["trainer"].update(max_steps=2, default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
+    config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
+    config["data"]["train_path"] = str(ROOT / config["data"]["train_path"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(path)],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    printed = re.search(r"tree_token_ratio=([0-9.]+)", completed.stdout + completed.stderr)
+    assert printed is not None and 0 < float(printed.group(1)) < 1
+    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert {"tree_token_ratio", "lm_loss"} <= set(metrics[0].split(","))
