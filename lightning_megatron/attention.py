@@ -1,10 +1,24 @@
 """Core attention on PyTorch's fused kernels, for Megatron-Core's local (no Transformer Engine) layer specs.
 
 Megatron-Core's local `DotProductAttention` materialises the full [b, heads, sq, sk] score matrix and softmax,
-and cannot run packed (THD) sequences. `SDPAttention` has the same constructor and forward, so TP, PP and the MTP
-layer use it unchanged, and computes the same attention with `torch.nn.functional.scaled_dot_product_attention`,
-whose flash, memory-efficient and cuDNN kernels never hold the scores. `with_core_attention` puts it (or the local
-attention) into a layer, block or MTP block spec.
+and runs neither packed (THD) sequences nor context parallelism. `SDPAttention` has the same constructor and
+forward, so TP, PP and the MTP layer use it unchanged, and serves every layout of `lightning_megatron.layout`:
+
+- padded rows (no structure, CP=1): `scaled_dot_product_attention` with `is_causal` or the explicit bool mask; its
+  flash / memory-efficient / cuDNN kernels never hold the scores.
+- packed THD (`packed_seq_params`), a "may attend" structure (an integer `attention_mask` = `subtree_end`, trees),
+  and context parallelism (CP > 1): one layout, "key k is visible to query q iff lower[k] <= q < end[k]" in whole-
+  row positions, built once per microbatch and reused by every layer (cached on the microbatch's tensors). With
+  CP > 1 each rank all-gathers K and V over the CP group (autograd-aware: the backward reduce-scatters their
+  gradients) and masks with its queries' positions in Megatron's load-balanced chunk layout.
+  On CUDA the layout becomes a flex_attention `BlockMask` (built once per microbatch, compiled kernel compiled once
+  per shape): block-sparse, so fully masked blocks (other sequences, other branches) cost nothing and no
+  seq x seq tensor is ever made; one kernel serves packed, tree and CP rows alike, which varlen SDPA / nested
+  tensors cannot (no trees, no CP offsets). `bench/packing.py` (P5) measures it against full unpadded rows.
+  On the CPU (flex has no CPU backward) and with attention dropout (flex has none), the same layout becomes a dense
+  bool mask for SDPA: exact, O(s^2) memory.
+
+`with_core_attention` puts it (or the local attention) into a layer, block or MTP block spec.
 """
 
 from __future__ import annotations
@@ -14,11 +28,13 @@ import dataclasses
 import functools
 import importlib.util
 import math
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -28,6 +44,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
+
+from lightning_megatron.layout import context_parallel_positions, packed_row_bounds
 
 AttentionBackend = Literal["auto", "sdpa", "local"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "sdpa", "local")
@@ -56,12 +74,6 @@ class SDPAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size={config.context_parallel_size}: SDPAttention, like Megatron-Core's local "
-                "DotProductAttention, has no context parallelism; set context_parallel_size: 1, or install "
-                "Transformer Engine and set attention_backend: auto"
-            )
         if config.softmax_type != "vanilla":
             raise ValueError(
                 f"softmax_type={config.softmax_type!r}: scaled_dot_product_attention has no softmax offset; "
@@ -71,9 +83,10 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        self.cp_group = getattr(pg_collection, "cp", None)
         tp_size = pg_collection.tp.size()
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
@@ -101,8 +114,12 @@ class SDPAttention(MegatronModule):
             raise ValueError("attention_bias: SDPAttention, like DotProductAttention, takes none; use Transformer "
                              "Engine's attention (attention_backend: auto with Transformer Engine installed)")
         mask_type = attn_mask_type or self.attn_mask_type
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        structure = attention_mask if _is_structure(attention_mask) else None
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, mask_type, packed_seq_params)
+        if structure is not None or (cp_size > 1 and query.size(0) > 1):
+            return self._structured_forward(query, key, value, mask_type, structure)
         # [s, b, heads, d] -> [b, heads, s, d]
         context = self._attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), attention_mask, mask_type)
         # [b, heads, sq, d] -> [sq, b, heads * d]
@@ -155,33 +172,209 @@ class SDPAttention(MegatronModule):
         mask_type: AttnMaskType,
         packed: PackedSeqParams,
     ) -> torch.Tensor:
-        """THD: each sequence of the pack attends only to itself, one SDPA call per sequence (exact, and every
-        kernel, dropout included, stays available). Tokens between padded sequences get zeros."""
+        """THD: each sequence of the pack attends only to itself; a token in no sequence (the slot padding of
+        `cu_seqlens_padded`) gets zeros. Tensors are [t, heads, d] (this CP rank's tokens), output [t, heads * d]."""
         if packed.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={packed.qkv_format!r}: SDPAttention packs only 'thd'")
         # Megatron's Attention squeezes the dummy batch dimension of THD tensors: [t, heads, d].
         query, key, value = (t.squeeze(1) if t.dim() == 4 else t for t in (query, key, value))
-        q_spans = _sequence_spans(packed.cu_seqlens_q, packed.cu_seqlens_q_padded)
-        kv_spans = _sequence_spans(packed.cu_seqlens_kv, packed.cu_seqlens_kv_padded)
-        pieces, position = [], 0
-        for (q_start, q_length), (kv_start, kv_length) in zip(q_spans, kv_spans, strict=True):
-            if q_start > position:
-                pieces.append(query.new_zeros(q_start - position, query.size(1), value.size(2)))
-            # [len, heads, d] -> [1, heads, len, d]
-            q = query[q_start : q_start + q_length].transpose(0, 1).unsqueeze(0)
-            k, v = (t[kv_start : kv_start + kv_length].transpose(0, 1).unsqueeze(0) for t in (key, value))
-            pieces.append(self._attend(q, k, v, None, mask_type)[0].transpose(0, 1))
-            position = q_start + q_length
-        if query.size(0) > position:
-            pieces.append(query.new_zeros(query.size(0) - position, query.size(1), value.size(2)))
-        return torch.cat(pieces).reshape(query.size(0), -1)
+        layout = self._layout((packed.cu_seqlens_q, packed.cu_seqlens_q_padded), query.size(0), query.device,
+                              lambda length: _packed_bounds(packed, length), mask_type)
+        # [t, heads, d] -> [1, heads, t, d]; K and V of the whole row under CP
+        q = query.transpose(0, 1).unsqueeze(0)
+        k, v = (self._gather_context_parallel(t).transpose(0, 1).unsqueeze(0) for t in (key, value))
+        return self._attend_layout(q, k, v, layout)[0].transpose(0, 1).reshape(query.size(0), -1)
+
+    def _structured_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask_type: AttnMaskType,
+        subtree_end: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[s, b, heads, d] rows with a `subtree_end` structure, or causal / unmasked rows cut for CP > 1."""
+        if subtree_end is not None:
+            subtree_end = subtree_end.reshape(subtree_end.size(0), -1)
+            cp_size = self.cp_group.size() if self.cp_group is not None else 1
+            if cp_size > 1 or subtree_end.size(1) != query.size(0):
+                raise ValueError(f"attention_mask (subtree_end) of shape {tuple(subtree_end.shape)} does not fit "
+                                 f"{query.size(0)} queries; tree rows need context_parallel_size: 1")
+            layout = self._layout((subtree_end,), query.size(0), query.device,
+                                  lambda length: _tree_bounds(subtree_end), AttnMaskType.causal)
+        else:
+            layout = self._layout((), query.size(0), query.device, _row_bounds, mask_type)
+        q = query.permute(1, 2, 0, 3)
+        k, v = (self._gather_context_parallel(t).permute(1, 2, 0, 3) for t in (key, value))
+        context = self._attend_layout(q, k, v, layout)
+        return context.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
+
+    def _gather_context_parallel(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All ranks' tokens along dim 0 (rank order); the backward sums the gradients and keeps this rank's."""
+        if self.cp_group is None or self.cp_group.size() == 1:
+            return tensor
+        return gather_from_sequence_parallel_region(tensor, tensor_parallel_output_grad=True, group=self.cp_group)
+
+    def _layout(self, keys: tuple, local_length: int, device: torch.device,
+                bounds: Callable[[int], tuple[torch.Tensor, ...]], mask_type: AttnMaskType) -> _Layout:
+        """The microbatch's visibility on this CP rank; one per microbatch, shared by every layer."""
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        cp_rank = self.cp_group.rank() if cp_size > 1 else 0
+        causal = mask_type in _CAUSAL_TYPES
+        signature = (local_length, cp_rank, cp_size, causal, self.window_size, device)
+        cached = _LAYOUT_CACHE.get(keys, signature)
+        if cached is not None:
+            return cached
+        length = local_length * cp_size
+        lower, end, member = (t.to(device) for t in bounds(length))  # each [b or 1, length], whole-row positions
+        if cp_size > 1:
+            boundaries = _cp_boundaries(keys, length)
+            rank_positions = [context_parallel_positions(boundaries, rank, cp_size).to(device)
+                              for rank in range(cp_size)]
+            query_position, key_position = rank_positions[cp_rank], torch.cat(rank_positions)
+        else:
+            query_position = key_position = torch.arange(length, device=device)
+        key_end = end[:, key_position]
+        key_lower = key_position.expand_as(key_end) if causal else lower[:, key_position]
+        layout = _Layout(query_position=query_position.expand(end.size(0), -1), key_position=key_position.expand(
+            end.size(0), -1), key_lower=key_lower, key_end=key_end,
+            query_member=None if bool(member.all()) else member[:, query_position], window=self.window_size)
+        _LAYOUT_CACHE.put(keys, signature, layout)
+        return layout
+
+    def _attend_layout(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: _Layout
+                       ) -> torch.Tensor:
+        """[b, heads, s, d] attention under `layout`: flex_attention on CUDA, SDPA with the dense mask elsewhere."""
+        dropout_p = self.attention_dropout_p if self.training else 0.0
+        enable_gqa = key.size(1) != query.size(1)
+        if query.is_cuda and dropout_p == 0.0:
+            context = _compiled_flex_attention()(query, key, value, block_mask=layout.block_mask(query.size(0)),
+                                                 scale=self.softmax_scale, enable_gqa=enable_gqa)
+        else:
+            with self._dropout_rng(dropout_p):
+                context = F.scaled_dot_product_attention(query, key, value, attn_mask=layout.dense_mask(),
+                                                         dropout_p=dropout_p, scale=self.softmax_scale,
+                                                         enable_gqa=enable_gqa)
+        if layout.query_member is not None:
+            context = context * layout.query_member[:, None, :, None].to(context.dtype)
+        return context
 
 
-def _sequence_spans(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> list[tuple[int, int]]:
-    """(start, length) of each packed sequence; with padding, sequence i starts at cu_seqlens_padded[i]."""
-    bounds = cu_seqlens.tolist()
-    starts = bounds[:-1] if cu_seqlens_padded is None else cu_seqlens_padded.tolist()[:-1]
-    return [(start, end - begin) for start, begin, end in zip(starts, bounds[:-1], bounds[1:], strict=True)]
+@dataclasses.dataclass
+class _Layout:
+    """Whole-row positions of this rank's queries and of all keys; key k is visible to query q iff
+    key_lower[k] <= q < key_end[k] (and q - k <= the left window). All [b or 1, s]."""
+
+    query_position: torch.Tensor
+    key_position: torch.Tensor
+    key_lower: torch.Tensor
+    key_end: torch.Tensor
+    query_member: torch.Tensor | None
+    window: tuple[int, int] | None
+    _dense: torch.Tensor | None = None
+    _block_masks: dict = dataclasses.field(default_factory=dict)
+
+    def dense_mask(self) -> torch.Tensor:
+        """[b or 1, 1, sq, sk] bool, True = attend (SDPA's meaning)."""
+        if self._dense is None:
+            q = self.query_position[:, :, None]
+            visible = (self.key_lower[:, None, :] <= q) & (q < self.key_end[:, None, :])
+            if self.window is not None:
+                visible &= q - self.key_position[:, None, :] <= self.window[0]
+            self._dense = visible[:, None]
+        return self._dense
+
+    def block_mask(self, batch: int) -> Any:
+        """flex_attention's BlockMask of this layout for `batch` rows (built once, reused by every layer)."""
+        if batch not in self._block_masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            query_position, key_position, key_lower, key_end = (
+                t.expand(batch, -1) for t in (self.query_position, self.key_position, self.key_lower, self.key_end)
+            )
+            window = self.window
+
+            def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                position = query_position[b, q]
+                allowed = (key_lower[b, kv] <= position) & (position < key_end[b, kv])
+                if window is not None:
+                    allowed = allowed & (position - key_position[b, kv] <= window[0])
+                return allowed
+
+            self._block_masks[batch] = create_block_mask(visible, batch, None, query_position.size(1),
+                                                         key_position.size(1), device=query_position.device)
+        return self._block_masks[batch]
+
+
+class _LayoutCache:
+    """The last microbatch's layout, keyed by the tensors it was built from (kept alive here, so that an equal
+    data pointer means the same tensor) and by what else shapes it."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[tuple, tuple, _Layout] | None = None
+
+    def get(self, keys: tuple, signature: tuple) -> _Layout | None:
+        if self._entry is None:
+            return None
+        cached_keys, cached_signature, layout = self._entry
+        if cached_signature != signature or len(cached_keys) != len(keys):
+            return None
+        return layout if all(_same_tensor(a, b) for a, b in zip(cached_keys, keys)) else None
+
+    def put(self, keys: tuple, signature: tuple, layout: _Layout) -> None:
+        self._entry = (keys, signature, layout)
+
+
+def _same_tensor(cached: Any, given: Any) -> bool:
+    if cached is given:
+        return True
+    if not isinstance(cached, torch.Tensor) or not isinstance(given, torch.Tensor):
+        return False
+    return (cached.data_ptr() == given.data_ptr() and cached.shape == given.shape and cached.dtype == given.dtype
+            and cached.device == given.device and cached._version == given._version)
+
+
+_LAYOUT_CACHE = _LayoutCache()
+
+
+def _is_structure(attention_mask: torch.Tensor | None) -> bool:
+    """An integer attention_mask is a `subtree_end` structure; a bool (or float) one is a mask."""
+    return attention_mask is not None and not attention_mask.dtype.is_floating_point and \
+        attention_mask.dtype != torch.bool
+
+
+def _packed_bounds(packed: PackedSeqParams, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(t[None] for t in packed_row_bounds(packed.cu_seqlens_q, length, packed.cu_seqlens_q_padded))
+
+
+def _tree_bounds(subtree_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    end = subtree_end.long()
+    position = torch.arange(end.size(1), device=end.device).expand_as(end)
+    return position, end, torch.ones_like(end, dtype=torch.bool)
+
+
+def _row_bounds(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence filling the row (causal rows cut for CP)."""
+    return (torch.zeros(1, length, dtype=torch.long), torch.full((1, length), length, dtype=torch.long),
+            torch.ones(1, length, dtype=torch.bool))
+
+
+def _cp_boundaries(keys: tuple, length: int) -> list[int]:
+    """The segments Megatron's CP layout cuts: the packed slots, or the whole row."""
+    if not keys:
+        return [0, length]
+    cu_seqlens, padded = keys
+    boundaries = [int(b) for b in (cu_seqlens if padded is None else padded)]
+    return boundaries if boundaries[-1] == length else [*boundaries, length]
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """flex_attention compiled once per process; the BlockMask is an input, so microbatches of the same shape
+    reuse the compiled kernel."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:

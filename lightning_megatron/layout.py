@@ -132,13 +132,71 @@ def _check_boundaries(key: str, boundaries: torch.Tensor, seq_length: int, *, ex
         raise ValueError(f"{key}: ends at {values[-1]}, past the row's {seq_length} tokens")
 
 
+def packed_row_bounds(cu_seqlens: torch.Tensor, seq_length: int, cu_seqlens_padded: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position of a packed row of `seq_length` tokens: the start and (exclusive) end of its sequence, and
+    whether it belongs to one. A position in a slot past its sequence (`cu_seqlens_padded`), or past the last
+    boundary, belongs to none: its start and end enclose only itself."""
+    position = torch.arange(seq_length, device=cu_seqlens.device)
+    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).to(position.device).long()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(position.device).long()
+    sequence = torch.bucketize(position, starts[1:], right=True).clamp(max=len(lengths) - 1)
+    start = starts[:-1][sequence]
+    end = start + lengths[sequence]
+    member = (position >= start) & (position < end)
+    return torch.where(member, start, position), torch.where(member, end, position + 1), member
+
+
 def subtree_end_of_packed_row(cu_seqlens: torch.Tensor, seq_length: int,
                               cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
     """The `subtree_end` `[s]` equal to a packed row: each token sees its own sequence's earlier tokens; a token of
-    a slot past its sequence (`cu_seqlens_padded`), or past the last boundary, sees only itself."""
-    position = torch.arange(seq_length, device=cu_seqlens.device)
-    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).long()
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    sequence = torch.bucketize(position, starts[1:], right=True).clamp(max=len(lengths) - 1)
-    end = starts[:-1][sequence] + lengths[sequence]
-    return torch.where(position < end, end, position + 1)
+    no sequence sees only itself."""
+    return packed_row_bounds(cu_seqlens, seq_length, cu_seqlens_padded)[1]
+
+
+def context_parallel_positions(boundaries: list[int], cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Positions (in the whole row) that context-parallel rank `cp_rank` holds, in its local order: Megatron's
+    load-balanced layout cuts each sequence (each segment of `boundaries`) into `2 * cp_size` equal chunks and
+    gives rank `r` chunk `r` then chunk `2 * cp_size - 1 - r`."""
+    pieces = []
+    for start, end in zip(boundaries[:-1], boundaries[1:]):
+        length = end - start
+        if length % (2 * cp_size) != 0:
+            raise ValueError(
+                f"a sequence of {length} tokens (positions {start}..{end}) cannot be cut into 2 x "
+                f"context_parallel_size = {2 * cp_size} equal chunks; pad every sequence to a multiple of "
+                f"{2 * cp_size} (SFTDataModule does when context_parallel_size > 1)"
+            )
+        chunk = length // (2 * cp_size)
+        for chunk_index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            pieces.append(torch.arange(start + chunk_index * chunk, start + (chunk_index + 1) * chunk))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def model_inputs(microbatch: Microbatch) -> dict[str, Any]:
+    """The keyword arguments of a Megatron-Core `GPTModel` call for a microbatch in any layout: `packed_seq_params`
+    (global `cu_seqlens`) for a packed row, `attention_mask = subtree_end` for a tree row, neither for padded rows."""
+    inputs: dict[str, Any] = {
+        "input_ids": microbatch["input_ids"],
+        "position_ids": microbatch["position_ids"],
+        "attention_mask": microbatch.get(SUBTREE_END),
+        "labels": microbatch["labels"],
+        "loss_mask": microbatch["loss_mask"],
+    }
+    if CU_SEQLENS in microbatch:
+        inputs["packed_seq_params"] = packed_seq_params(microbatch)
+    return inputs
+
+
+def packed_seq_params(microbatch: Microbatch) -> Any:
+    """Megatron-Core's THD `PackedSeqParams` of a packed microbatch (whole-row boundaries, int32)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = microbatch[CU_SEQLENS].to(torch.int32)
+    padded = microbatch.get(CU_SEQLENS_PADDED)
+    padded = None if padded is None else padded.to(torch.int32)
+    slots = cu_seqlens if padded is None else padded
+    max_seqlen = int((slots[1:] - slots[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen,
+                           max_seqlen_kv=max_seqlen)

@@ -16,7 +16,7 @@ import torch
 
 from lightning_megatron.bridges import ModelOptions
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
-from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch
+from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, model_inputs
 from lightning_megatron.metrics import MTPAcceptanceAccuracy
 
 __all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
@@ -111,13 +111,7 @@ class SFTModule(MegatronLightningModule):
                     parameter.requires_grad_(False)
 
     def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        return model(
-            input_ids=microbatch["input_ids"],
-            position_ids=microbatch["position_ids"],
-            attention_mask=None,
-            labels=microbatch["labels"],
-            loss_mask=microbatch["loss_mask"],
-        )
+        return model(**model_inputs(microbatch))
 
     def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
         return masked_token_loss(microbatch, output)

@@ -78,7 +78,7 @@ def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device) -> d
     """Megatron-Core's process-global MTP tracker (summed over microbatches until cleaned), as per-step metrics.
 
     `mtp_loss`: mean over microbatches of each microbatch's masked MTP cross-entropy (unscaled), averaged over
-    data-parallel x context-parallel ranks; `mtp_accuracy`: teacher-forced argmax accuracy of the MTP head.
+    data-parallel ranks; `mtp_accuracy`: teacher-forced argmax accuracy of the MTP head.
     The tracker lives on the last pipeline stage; every stage returns the same values.
     """
     import torch.distributed as dist
@@ -92,10 +92,10 @@ def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device) -> d
         values[1] = tracker["correct_values"].sum().to(device, torch.float64)
         values[2] = tracker["total_values"].sum().to(device, torch.float64)
     MTPLossLoggingHelper.clean_metrics_in_tracker()
-    data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dist.all_reduce(values, group=data_parallel)
+    dist.all_reduce(values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    loss = values[0] / (num_microbatches * dist.get_world_size(data_parallel))
+    # each CP rank logged its share of a microbatch's loss (the shares add up; `_compat.context_parallel`)
+    loss = values[0] / (num_microbatches * parallel_state.get_data_parallel_world_size())
     return {"mtp_loss": loss.float(), "mtp_accuracy": (values[1] / values[2].clamp(min=1)).float()}

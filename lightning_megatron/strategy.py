@@ -38,7 +38,8 @@ from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron.attention import AttentionBackend
 from lightning_megatron.bridges import BridgeType, create_bridge
 from lightning_megatron.bridges.base import parallel_sizes
-from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch
+from lightning_megatron.data.context_parallel import split_for_context_parallel
+from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, check_microbatch
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
@@ -224,12 +225,13 @@ class MegatronStrategy(ParallelStrategy):
         if self.world_size % model_parallel:
             raise ValueError(
                 f"world size {self.world_size} is not a multiple of tensor x pipeline x context parallel sizes "
-                f"({self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
-                f"{self.context_parallel_size}); change devices/num_nodes or the parallel sizes"
+                f"(tensor_model_parallel_size {self.tensor_model_parallel_size} x pipeline_model_parallel_size "
+                f"{self.pipeline_model_parallel_size} x context_parallel_size {self.context_parallel_size}); change "
+                "devices/num_nodes or the parallel sizes"
             )
-        if self.context_parallel_size > 1 and not _transformer_engine_available():
-            raise ValueError("context_parallel_size > 1 needs Transformer Engine attention, which is not installed; "
-                             "set context_parallel_size: 1")
+        if self.context_parallel_size > 1 and self.attention_backend == "local":
+            raise ValueError("context_parallel_size > 1 needs attention_backend: sdpa or auto (Megatron-Core's local "
+                             "DotProductAttention has no context parallelism)")
         sizes = {
             "tensor_model_parallel_size": self.tensor_model_parallel_size,
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
@@ -379,8 +381,12 @@ class MegatronStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad()
 
+        cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        for microbatch in microbatches:  # bad layouts fail here, before any forward pass of the step
+            check_microbatch(microbatch, cp_size)
+
         def megatron_forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple:
-            microbatch = next(data_iterator)
+            microbatch = split_for_context_parallel(next(data_iterator), cp_rank, cp_size)
             return forward_step(model, microbatch), partial(loss_func, microbatch)
 
         iterators: Any = [iter(microbatches) for _ in self.model_chunks]
@@ -595,12 +601,6 @@ def _metric_names_from_last_stage(names: list[str], parallel_state: Any) -> list
     dist.broadcast_object_list(container, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                group=parallel_state.get_pipeline_model_parallel_group())
     return container[0]
-
-
-def _transformer_engine_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _check_positive(**values: int) -> None:

@@ -24,8 +24,12 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from lightning_megatron.attention import SDPAttention, core_attention_class, with_core_attention
 from lightning_megatron.bridges import BridgeError, ModelOptions, create_bridge
+from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
+from lightning_megatron.data.tokenize import TokenizedExample
+from lightning_megatron.layout import model_inputs
 from lightning_megatron.testing import hf_mtp_reference_logits, make_tiny_checkpoint
 from tests._distributed import run_distributed
+from torch.utils.data import default_collate
 from tests._megatron import SEQ, VOCAB, token_batch
 
 HEADS, HEAD_DIM, BATCH, LENGTH = 4, 8, 2, 16
@@ -184,8 +188,6 @@ def test_packed_thd_equals_attention_sequence_by_sequence(model_parallel, sdpa_t
 
 
 def test_refuses_what_it_cannot_compute(model_parallel):
-    with pytest.raises(ValueError, match="context_parallel_size=2.*set context_parallel_size: 1"):
-        _attention(SDPAttention, _config(context_parallel_size=2), AttnMaskType.causal)
     with pytest.raises(ValueError, match="softmax_type='off-by-one'.*attention_backend: local"):
         _attention(SDPAttention, _config(softmax_type="off-by-one"), AttnMaskType.causal)
     with pytest.raises(ValueError, match="attention_backend: 'flash' is not one of 'auto', 'sdpa', 'local'"):
@@ -213,18 +215,85 @@ def test_spec_swap_reaches_every_layer_and_the_mtp_layer_and_copies(model_parall
         is DotProductAttention
 
 
-def test_packed_gpt_model_equals_each_sequence_alone(model_parallel):
-    """The whole local-spec GPT (RoPE included) on a THD pack, which the local attention cannot run at all."""
-    config = _config(num_layers=2, num_query_groups=2)
-    model = GPTModel(config, with_core_attention(get_gpt_layer_local_spec(), "sdpa"), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, position_embedding_type="rope").eval()
-    lengths = [9, 7]
-    tokens = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+# A forest in DFS pre-order: a prompt 0-2 branching into 3-4 (which branches into 5 and 6-7) and 8-10; a second
+# tree 11-12; pads 13-15 that see only themselves.
+_TREE_PARENTS = [None, 0, 1, 2, 3, 4, 4, 6, 2, 8, 9, None, 11, None, None, None]
+_TREE_SUBTREE_END = [11, 11, 11, 8, 8, 6, 8, 8, 11, 11, 11, 13, 13, 14, 15, 16]
+_TREE_PATHS = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 6, 7], [0, 1, 2, 8, 9, 10], [11, 12]]
+
+
+def _ancestor_mask(parents: list[int | None]) -> torch.Tensor:
+    """[s, s] bool, True = masked: a token sees itself and its ancestors, found by walking parent pointers."""
+    visible = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for query in range(len(parents)):
+        node = query
+        while node is not None:
+            visible[query, node] = True
+            node = parents[node]
+    return ~visible
+
+
+def test_tree_structure_equals_ancestor_mask_and_each_path_alone(model_parallel):
+    """subtree_end (integer attention_mask) in row 0, a plain causal row (subtree_end = s) in row 1, GQA."""
+    config = _config(num_query_groups=2)
+    qkv = _qkv(2)
+    subtree_end = torch.tensor([_TREE_SUBTREE_END, [LENGTH] * LENGTH])
+    sdpa = _attention(SDPAttention, config, AttnMaskType.causal)
+    local = _attention(DotProductAttention, config, AttnMaskType.padding)
+    reference_mask = torch.stack([_ancestor_mask(_TREE_PARENTS), _CAUSAL])[:, None]
+    actual = _output_and_grads(sdpa, qkv, subtree_end)
+    _assert_close(actual, _output_and_grads(local, qkv, reference_mask))
+
+    causal = _attention(DotProductAttention, config, AttnMaskType.causal)
     with torch.no_grad():
-        packed = model(tokens, positions, None, packed_seq_params=_packed_params([0, 9, 16]))
-        alone = [model(t, torch.arange(t.size(1))[None], None) for t in tokens.split(lengths, dim=1)]
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
+        for path in _TREE_PATHS:
+            alone = causal(*(t[path, :1] for t in qkv), None)[:, 0]
+            torch.testing.assert_close(actual[0][path, 0], alone, rtol=0, atol=1e-5)
+        pads = actual[0][13:, 0]
+        torch.testing.assert_close(pads.view(3, HEADS, HEAD_DIM),
+                                   qkv[2][13:, 0].repeat_interleave(HEADS // 2, dim=1), rtol=0, atol=1e-6)
+
+
+def _tiny_mtp_gpt() -> GPTModel:
+    config = _config(num_layers=2, num_query_groups=2, mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+    spec = with_core_attention(get_gpt_layer_local_spec(), "sdpa")
+    torch.manual_seed(0)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=4 * SEQ, position_embedding_type="rope",
+                    mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+
+
+def _per_token_loss_and_grads(model: GPTModel, microbatch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token main loss [b, s] and the gradient of the masked main loss plus the (injected) MTP loss."""
+    model.zero_grad(set_to_none=True)
+    per_token = model(**model_inputs(microbatch))
+    (per_token * microbatch["loss_mask"]).sum().backward()
+    return per_token.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("lengths", "alignment"), [([9, 1, 6, 5], 1), ([9, 1, 6, 5], 4), ([32], 1)],
+                         ids=["packed", "per_sequence_padding", "one_sequence"])
+def test_packed_thd_model_equals_one_sequence_per_row(model_parallel, lengths, alignment):
+    """The whole local-spec GPT with its MTP layer (RoPE, THD attention, MTP rolls) on a pack made by the data
+    pipeline, against the same sequences one per padded row: per-token outputs, per-sequence losses, every gradient."""
+    generator = torch.Generator().manual_seed(len(lengths) + alignment)
+    examples = [TokenizedExample(f"s:{i}", torch.randint(0, VOCAB, (n,), generator=generator),
+                                 torch.rand(n, generator=generator) < 0.7) for i, n in enumerate(lengths)]
+    row = 32
+    packed = collate_packed([pack_examples(examples, row, pad_id=0, alignment=alignment)])
+    rows = default_collate([pad_example(example, row, pad_id=0) for example in examples])
+    model = _tiny_mtp_gpt()
+    packed_loss, packed_grads = _per_token_loss_and_grads(model, packed)
+    rows_loss, rows_grads = _per_token_loss_and_grads(model, rows)
+
+    starts = packed["cu_seqlens"][:-1].tolist()
+    for index, (start, n) in enumerate(zip(starts, lengths)):
+        torch.testing.assert_close(packed_loss[0, start:start + n], rows_loss[index, :n], rtol=0, atol=1e-5)
+        sequence_loss = (packed_loss[0, start:start + n] * packed["loss_mask"][0, start:start + n]).sum()
+        torch.testing.assert_close(sequence_loss, (rows_loss[index] * rows["loss_mask"][index]).sum(),
+                                   rtol=0, atol=1e-5)
+    assert any(name.startswith("mtp.") for name in packed_grads)
+    for name, grad in rows_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-5, msg=name)
 
 
 def _tiny_gpt_loss(backend: str) -> tuple[float, dict[str, torch.Tensor], set[type]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from lightning_megatron._compat import cpu, no_te
+from lightning_megatron._compat import context_parallel, cpu, no_te
 from lightning_megatron._compat._adjustment import Adjustment
 
 
@@ -19,7 +19,7 @@ def prepare_megatron_core() -> list[str]:
 
     The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too).
     """
-    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS)
+    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 
