@@ -5,7 +5,6 @@ rows equal today's THD packing. The model-side guards name their fix."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +194,6 @@ def _strategy_case(rank: int, world_size: int, tmp: str, checkpoint: str) -> dic
     from lightning_megatron.strategy import MegatronStrategy
 
     reports, alone = {}, {}
-    started = time.perf_counter()
     cases = [("branched", branched_examples()), ("chain", chain_examples())]
     for bridge in ("mbridge", "megatron-bridge"):
         for name, parallel in PARALLEL.items():
@@ -221,7 +219,6 @@ def _strategy_case(rank: int, world_size: int, tmp: str, checkpoint: str) -> dic
                     report["sequence_parallel_lm_loss"] = abs(float(alone["tp2_sp"]["lm_loss"]
                                                                     - alone["tp2"]["lm_loss"]))
                 reports[f"{bridge}/{name}/{data_name}"] = report
-                print(f"CASE {bridge}/{name}/{data_name} done at {time.perf_counter() - started:.1f}s", flush=True)
     return reports
 
 
