@@ -207,3 +207,17 @@ def test_the_tree_config_fits_and_prints_the_tree_token_ratio(tmp_path: Path) ->
     assert printed is not None and 0 < float(printed.group(1)) < 1
     metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     assert {"tree_token_ratio", "lm_loss"} <= set(metrics[0].split(","))
+
+
+def test_mtp_training_with_tree_rows_is_refused_before_the_first_step(process_group, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_megatron import MegatronStrategy, SFTModule
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3_mtp", "qwen3", mtp=True)
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", precision="fp32")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    data = SFTDataModule(train_path=str(ROOT / "configs/data/tiny_tree_sft.jsonl"), seq_length=256, packing="tree")
+    with pytest.raises(ValueError, match="packing='tree' cannot train the MTP head"):
+        trainer.fit(SFTModule(enable_mtp=True), data)
