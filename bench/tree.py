@@ -38,11 +38,20 @@ from typing import Any
 
 import torch
 
-from bench.common import allocated_gib, emit, environment, fresh_memory, make_checkpoint, parse_with_tiny, peak_memory_gib
+from bench.common import (
+    allocated_gib,
+    emit,
+    environment,
+    fresh_memory,
+    make_checkpoint,
+    parse_with_tiny,
+    peak_memory_gib,
+)
 from lightning_megatron.data.packing import first_fit, pack_examples, pad_example
 from lightning_megatron.data.tokenize import TokenizedExample
 from lightning_megatron.data.tree import build_tree_rows
 from lightning_megatron.layout import SEQUENCE_KEYS, SUBTREE_END
+from lightning_megatron.module import SFTModule
 
 ORDER = ("flat", "tree", "tree", "flat")
 
@@ -101,13 +110,10 @@ def build_model(checkpoint: Path, bf16: bool) -> list[torch.nn.Module]:
     return model
 
 
-def step(model: list[torch.nn.Module], microbatches: list[dict[str, torch.Tensor]]) -> float:
-    """Forward and backward of every microbatch; returns the token-weighted loss."""
+def step(model: list[torch.nn.Module], module: SFTModule, microbatches: list[dict[str, torch.Tensor]]) -> float:
+    """Forward and backward of every microbatch, through `SFTModule`'s forward step and loss (as a fit runs them);
+    returns the token-weighted loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from lightning_megatron.module import SFTModule
-
-    module = SFTModule()
 
     def forward_step(data_iterator: Any, chunk: torch.nn.Module) -> tuple:
         microbatch = next(data_iterator)
@@ -131,8 +137,8 @@ def compiled_frames() -> int:
     return int(counters["frames"]["ok"])
 
 
-def timed_run(model: list[torch.nn.Module], microbatches: list[dict[str, torch.Tensor]], warmup: int,
-              steps: int) -> dict[str, Any]:
+def timed_run(model: list[torch.nn.Module], module: SFTModule, microbatches: list[dict[str, torch.Tensor]],
+              warmup: int, steps: int) -> dict[str, Any]:
     fresh_memory()
     allocated_at_start = allocated_gib()
     times, losses, frames_after_warmup = [], [], None
@@ -142,7 +148,7 @@ def timed_run(model: list[torch.nn.Module], microbatches: list[dict[str, torch.T
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        losses.append(step(model, microbatches))
+        losses.append(step(model, module, microbatches))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -183,11 +189,11 @@ def main() -> None:
     }
     microbatches = {name: [as_microbatch(row, device) for row in rows] for name, rows in layouts.items()}
 
-    model = build_model(checkpoint, bf16)
+    model, module = build_model(checkpoint, bf16), SFTModule()
     runs: dict[str, list[dict[str, Any]]] = {"flat": [], "tree": []}
     for name in ORDER:
-        runs[name].append(timed_run(model, microbatches[name], args.warmup, args.steps))
-    reference_losses = {name: step(model, microbatches[name]) for name in ("flat_reversed", "padded")}
+        runs[name].append(timed_run(model, module, microbatches[name], args.warmup, args.steps))
+    reference_losses = {name: step(model, module, microbatches[name]) for name in ("flat_reversed", "padded")}
 
     original_tokens = tree.original_tokens
     figures = {}
@@ -216,7 +222,8 @@ def main() -> None:
                   "tree_rows": len(layouts["tree"])},
         "runs": figures,
         "tree_over_flat": {
-            "original_tokens_per_s": figures["tree"]["original_tokens_per_s"] / figures["flat"]["original_tokens_per_s"],
+            "original_tokens_per_s": (figures["tree"]["original_tokens_per_s"]
+                                      / figures["flat"]["original_tokens_per_s"]),
             "step_time": figures["tree"]["step_s"] / figures["flat"]["step_s"],
             "peak_memory": (figures["tree"]["peak_memory_gib"] / figures["flat"]["peak_memory_gib"]
                             if figures["flat"]["peak_memory_gib"] else None),

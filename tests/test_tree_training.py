@@ -76,18 +76,20 @@ def _rope_gpt(**config_overrides: Any) -> GPTModel:
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope").eval()
 
 
-def _logits(model: GPTModel, microbatch: dict[str, torch.Tensor], tree: bool) -> torch.Tensor:
+def _logits(model: GPTModel, row: dict[str, torch.Tensor], tree: bool) -> torch.Tensor:
+    device = model.embedding.word_embeddings.weight.device
+    microbatch = {key: value.to(device) for key, value in _microbatch(row).items()}
     return model(input_ids=microbatch["input_ids"], position_ids=microbatch["position_ids"],
-                 attention_mask=microbatch["subtree_end"] if tree else None)[0]
+                 attention_mask=microbatch["subtree_end"] if tree else None)[0].cpu()
 
 
 def _max_path_difference(model: GPTModel, examples: list[TokenizedExample]) -> float:
     """Largest |logit| difference between each sequence's tree rows and the sequence run alone."""
     packing = build_tree_rows(examples, SEQ, PAD)
-    tree_logits = [_logits(model, _microbatch(row), tree=True) for row in packing.rows]
+    tree_logits = [_logits(model, row, tree=True) for row in packing.rows]
     difference = 0.0
     for example, (row, path) in zip(examples, packing.paths):
-        alone = _logits(model, _microbatch(pad_example(example, SEQ, PAD)), tree=False)[: len(example)]
+        alone = _logits(model, pad_example(example, SEQ, PAD), tree=False)[: len(example)]
         difference = max(difference, float((tree_logits[row][path] - alone).abs().max()))
     return difference
 
@@ -104,6 +106,22 @@ def test_tree_rows_equal_each_sequence_alone_only_with_depth_rotary(model_parall
         assert _max_path_difference(model, branched_examples()) == without_fix  # nothing else changed
     assert with_fix < 1e-5
     assert without_fix > 1e-3  # RoPE at flat indices: the negative control fails the equality
+
+
+@pytest.mark.gpu
+def test_flex_tree_attention_on_cuda_equals_each_sequence_alone_and_compiles_once(model_parallel) -> None:
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = _rope_gpt().cuda()
+    install_depth_rotary([model])
+    with torch.no_grad():
+        assert _max_path_difference(model, branched_examples()) < 1e-5  # fp32, flex_attention with the block mask
+        compiled = counters["frames"]["ok"]
+        for examples in (chain_examples(), branched_examples()[::-1]):  # other trees, same row length
+            for row in build_tree_rows(examples, SEQ, PAD).rows:
+                _logits(model, row, tree=True)
+    assert counters["frames"]["ok"] == compiled  # no recompilation across microbatches
 
 
 def test_the_model_refuses_tree_rows_it_cannot_run_exactly(model_parallel) -> None:
