@@ -134,13 +134,6 @@ def _install_sequence_parallel_torch_norm(patches: Patches) -> None:
 
 MEGATRON_CORE_ADJUSTMENTS = (
     Adjustment(
-        "megatron_core.sequence_parallel_torch_norm",
-        "megatron/core/transformer/torch_norm.py:50 asserts `not config.sequence_parallel` (the norm used without "
-        "Apex/TE), so sequence_parallel: true cannot build a model",
-        _torch_norm_refuses_sequence_parallel,
-        _install_sequence_parallel_torch_norm,
-    ),
-    Adjustment(
         "megatron_core.distributed_optimizer_state_dict_before_first_step",
         "megatron/core/optimizer/distrib_optimizer.py:837-839 asserts one `step` among an empty optimizer state "
         "(no Apex/TE), so a checkpoint cannot be loaded into a fresh distributed optimizer",
@@ -160,6 +153,13 @@ MEGATRON_CORE_ADJUSTMENTS = (
         "parameter's Adam state on load (no Apex/TE), so each step adds the number of parameters to it",
         _no_apex_or_transformer_engine_optimizer,
         _install_distinct_step_tensors,
+    ),
+    Adjustment(
+        "megatron_core.sequence_parallel_torch_norm",
+        "megatron/core/transformer/torch_norm.py:50 asserts `not config.sequence_parallel` (the norm used without "
+        "Apex/TE), so sequence_parallel: true cannot build a model",
+        _torch_norm_refuses_sequence_parallel,
+        _install_sequence_parallel_torch_norm,
     ),
 )
 
