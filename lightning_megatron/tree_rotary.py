@@ -11,7 +11,7 @@ for every bridge.
 
 The same hook refuses, before the first tree microbatch runs, what tree rows cannot do: more than one row per
 microbatch (the rotary table is shared by the batch), weights that are not integer counts (the loss normaliser
-counts original tokens), and MTP training (Megatron-Core's MTP rolls inputs and labels along the flat row, which
+counts original tokens), and an MTP head (Megatron-Core's MTP rolls inputs and labels along the flat row, which
 takes the wrong child at every branch point).
 """
 
@@ -91,8 +91,7 @@ def check_tree_forward(model: torch.nn.Module, values: dict[str, Any]) -> None:
         raise ValueError("loss_mask: tree rows weigh each label by the number of original sequences training it, an "
                          "integer; the loss normaliser counts original tokens, so non-integer weights are refused "
                          "(build the rows with lightning_megatron.data.tree.build_tree_rows)")
-    config = model.config
-    if getattr(config, "mtp_num_layers", None) and getattr(config, "mtp_loss_scaling_factor", 0.0) > 0:
-        raise ValueError("enable_mtp_training: tree packing cannot train the MTP head (Megatron-Core's MTP rolls "
-                         "inputs and labels along the flat row, taking the wrong child at branch points); set "
-                         "model.enable_mtp_training: false, or data.packing: true")
+    if getattr(model, "mtp_process", False):
+        raise ValueError("enable_mtp: tree rows cannot go through the MTP head (Megatron-Core's MTP rolls inputs and "
+                         "labels along the flat row, taking the wrong child at branch points and mixing subtrees); "
+                         "set model.enable_mtp: false, or data.packing: true")

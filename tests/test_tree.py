@@ -209,7 +209,7 @@ def test_the_tree_config_fits_and_prints_the_tree_token_ratio(tmp_path: Path) ->
     assert {"tree_token_ratio", "lm_loss"} <= set(metrics[0].split(","))
 
 
-def test_mtp_training_with_tree_rows_is_refused_before_the_first_step(process_group, tmp_path: Path) -> None:
+def test_an_mtp_head_with_tree_rows_is_refused_before_the_first_step(process_group, tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
     from lightning_megatron import MegatronStrategy, SFTModule
@@ -219,5 +219,5 @@ def test_mtp_training_with_tree_rows_is_refused_before_the_first_step(process_gr
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
     data = SFTDataModule(train_path=str(ROOT / "configs/data/tiny_tree_sft.jsonl"), seq_length=256, packing="tree")
-    with pytest.raises(ValueError, match="packing='tree' cannot train the MTP head"):
+    with pytest.raises(ValueError, match="packing='tree' cannot run the MTP head"):
         trainer.fit(SFTModule(enable_mtp=True), data)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer import TransformerConfig
 from torch.utils.data import DataLoader
 
@@ -68,12 +68,14 @@ def layouts(examples: list[TokenizedExample], with_packed: bool) -> dict[str, li
 # --- a rope GPT, in this process ------------------------------------------------------------------------------
 
 
-def _rope_gpt(**config_overrides: Any) -> GPTModel:
+def _rope_gpt(mtp_layers: int = 0) -> GPTModel:
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               **config_overrides)
+                               mtp_num_layers=mtp_layers or None)
     spec = with_core_attention(get_gpt_layer_local_spec(), "sdpa")
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope").eval()
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if mtp_layers else None
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                    mtp_block_spec=mtp_spec).eval()
 
 
 def _logits(model: GPTModel, row: dict[str, torch.Tensor], tree: bool) -> torch.Tensor:
@@ -134,9 +136,9 @@ def test_the_model_refuses_tree_rows_it_cannot_run_exactly(model_parallel) -> No
     two_rows = {key: value.expand(2, -1) for key, value in inputs.items()}
     with pytest.raises(ValueError, match="micro_batch_size: tree rows run one per microbatch"):
         model(**two_rows)
-    mtp_model = _rope_gpt(mtp_num_layers=1, mtp_loss_scaling_factor=0.1)
+    mtp_model = _rope_gpt(mtp_layers=1)
     install_depth_rotary([mtp_model])
-    with pytest.raises(ValueError, match="enable_mtp_training: tree packing cannot train the MTP head"):
+    with pytest.raises(ValueError, match="enable_mtp: tree rows cannot go through the MTP head"):
         mtp_model(**inputs, labels=row["labels"], loss_mask=row["loss_mask"])
 
 

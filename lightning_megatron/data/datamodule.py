@@ -35,7 +35,7 @@ class SFTDataModule(pl.LightningDataModule):
     to a multiple of ``2 * context_parallel_size``, so that :func:`split_for_context_parallel` can cut it.
     ``packing="tree"`` merges sequences that share a token prefix (several responses to one prompt) into tries laid
     out in one row (``data/tree.py``), so shared tokens are computed once; it logs ``tree_token_ratio`` (tree tokens
-    over original tokens) and needs ``micro_batch_size=1`` and ``context_parallel_size=1``.
+    over original tokens) and needs ``micro_batch_size=1``, ``context_parallel_size=1`` and no MTP head.
 
     ``hf_checkpoint``, ``micro_batch_size`` and ``context_parallel_size`` default to the trainer's strategy's
     attributes of the same names (``context_parallel_size`` to 1 without one). Data-parallel sharding is left
@@ -181,7 +181,7 @@ class SFTDataModule(pl.LightningDataModule):
 
     def _check_layout(self) -> None:
         if self.packing == "tree":
-            _check_tree_layout(self.micro_batch_size, self.context_parallel_size, self._trains_mtp())
+            _check_tree_layout(self.micro_batch_size, self.context_parallel_size, self._runs_mtp_head())
         alignment = sequence_alignment(self.context_parallel_size)
         if self.seq_length % alignment != 0:
             raise ValueError(
@@ -196,9 +196,9 @@ class SFTDataModule(pl.LightningDataModule):
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
 
-    def _trains_mtp(self) -> bool:
+    def _runs_mtp_head(self) -> bool:
         module = self.trainer.lightning_module if self.trainer is not None else None
-        return bool(getattr(module, "enable_mtp_training", False))
+        return bool(getattr(module, "enable_mtp", False))
 
     def _report_tree_token_ratio(self, split: str, path: str, dataset: TreeSFTDataset) -> None:
         """Print the ratio and log it to the trainer's logger (``tree_token_ratio``, ``val_tree_token_ratio``)."""
@@ -221,7 +221,7 @@ class SFTDataModule(pl.LightningDataModule):
             )
 
 
-def _check_tree_layout(micro_batch_size: int, context_parallel_size: int, trains_mtp: bool) -> None:
+def _check_tree_layout(micro_batch_size: int, context_parallel_size: int, with_mtp_head: bool) -> None:
     """What tree rows cannot do yet, refused before any data is read."""
     if micro_batch_size != 1:
         raise ValueError(
@@ -234,9 +234,8 @@ def _check_tree_layout(micro_batch_size: int, context_parallel_size: int, trains
             "into context-parallel chunks (an ancestor may lie on another rank); set context_parallel_size: 1 "
             "or use packing: true"
         )
-    if trains_mtp:
+    if with_mtp_head:
         raise ValueError(
-            "packing='tree' cannot train the MTP head: Megatron-Core's MTP rolls input ids and labels along the flat "
-            "row, which takes the wrong child at branch points; set enable_mtp_training: false (the head is kept "
-            "frozen) or use packing: true"
+            "packing='tree' cannot run the MTP head: Megatron-Core's MTP rolls input ids and labels along the flat "
+            "row, which takes the wrong child at branch points; set model.enable_mtp: false or use packing: true"
         )
