@@ -41,6 +41,16 @@ TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, voc
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
+    add_shape_options(parser)
+    parser.add_argument("--seq", type=int, default=2048)
+    add_step_options(parser)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--variants", nargs="+", default=["hf", "sdpa", "local"], choices=["hf", "sdpa", "local"])
+    return parse_with_tiny(parser, TINY)
+
+
+def add_shape_options(parser: argparse.ArgumentParser) -> None:
+    """`--tiny` and the model shape (default Qwen3-0.6B's) of a benchmark built by `gpt_model`."""
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized shape (explicit flags still win)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=28)
@@ -49,22 +59,17 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=3072)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--seq", type=int, default=2048)
-    add_step_options(parser)
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--variants", nargs="+", default=["hf", "sdpa", "local"], choices=["hf", "sdpa", "local"])
-    return parse_with_tiny(parser, TINY)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.currentdevice()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _random_microbatches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     microbatches = []
     for _ in range(args.microbatches):
-        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).to(_device())
+        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator).to(device())
         microbatches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
     return microbatches
 
@@ -93,33 +98,40 @@ def _measure(step: Callable[[], float], args: argparse.Namespace) -> dict[str, A
             "peak_memory_gib": peak_memory_gib(), "last_loss": loss}
 
 
-def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+def gpt_model(args: argparse.Namespace, backend: str, **config_overrides: Any) -> tuple[Any, torch.nn.Module]:
+    """A Qwen3-like Megatron-Core GPT (local spec, `backend` core attention) of `args`' shape on `device()`, with
+    the same random weights on every call."""
+    from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
 
     from lightning_megatron.attention import with_core_attention
 
-    bf16 = args.dtype == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.kv_groups, kv_channels=args.head_dim, ffn_hidden_size=args.ffn,
         normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
+        bf16=args.dtype == "bf16", params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(), **config_overrides,
     )
     spec = with_core_attention(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), backend)
-    fresh_memory()
     torch.manual_seed(0)  # the same weights for each core attention: their losses agree
     tensor_parallel.model_parallel_cuda_manual_seed(0, force_reset_rng=True)
     model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq, position_embedding_type="rope",
-                     rotary_base=1_000_000, share_embeddings_and_output_weights=True).to(_device())
+                     rotary_base=1_000_000, share_embeddings_and_output_weights=True).to(device())
+    return config, model
+
+
+def trainable(config: Any, model: torch.nn.Module, bf16: bool) -> tuple[torch.nn.Module, Any]:
+    """`model` wrapped as a plain Megatron-Core loop trains it (Float16Module in bf16, DDP with the distributed
+    optimizer) and its Adam optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
     if bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
@@ -129,8 +141,17 @@ def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-5, bf16=bf16, use_distributed_optimizer=True, clip_grad=1.0), [model]
     )
+    return model, optimizer
+
+
+def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fresh_memory()
+    model, optimizer = trainable(*gpt_model(args, backend), bf16=args.dtype == "bf16")
     microbatches = _random_microbatches(args)
-    positions = torch.arange(args.seq, device=_device()).expand(args.micro_batch, args.seq)
+    positions = torch.arange(args.seq, device=device()).expand(args.micro_batch, args.seq)
 
     def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = per_token_loss.float().mean()
@@ -171,10 +192,10 @@ def hf_step(args: argparse.Namespace) -> dict[str, Any]:
     config._attn_implementation = "sdpa"
     fresh_memory()
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).to(_device()).train()
+    model = transformers.Qwen3ForCausalLM(config).to(device()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
     microbatches = _random_microbatches(args)
-    autocast = functools.partial(torch.autocast, _device().type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    autocast = functools.partial(torch.autocast, device().type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     def step() -> float:
         losses = []

@@ -59,7 +59,10 @@ class SDPAttention(MegatronModule):
     Inputs are [s, b, heads, head_dim] per TP rank ([t, heads, head_dim] for packed THD sequences), the output is
     [s, b, heads * head_dim] ([t, heads * head_dim]). An explicit `attention_mask` (bool, True = masked) is used as
     given, as the local attention does; with `padding_causal` the causal mask is added to it, as Transformer Engine
-    does. A query row that masks every key gets zeros (the local attention averages all values there).
+    does. A query row that masks every key gets zeros (the local attention averages all values there). An integer
+    `attention_mask` [b, s] is a `subtree_end` structure, and `packed_seq_params` (THD) a packed row, as
+    `lightning_megatron.layout` defines them; with CP > 1 the inputs are this rank's tokens in Megatron's
+    load-balanced layout and the layouts' positions are the whole row's.
     """
 
     def __init__(
@@ -100,6 +103,10 @@ class SDPAttention(MegatronModule):
         )
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
+    @property
+    def cp_size(self) -> int:
+        return self.cp_group.size() if self.cp_group is not None else 1
+
     def forward(
         self,
         query: torch.Tensor,
@@ -114,11 +121,10 @@ class SDPAttention(MegatronModule):
             raise ValueError("attention_bias: SDPAttention, like DotProductAttention, takes none; use Transformer "
                              "Engine's attention (attention_backend: auto with Transformer Engine installed)")
         mask_type = attn_mask_type or self.attn_mask_type
-        cp_size = self.cp_group.size() if self.cp_group is not None else 1
         structure = attention_mask if _is_structure(attention_mask) else None
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, mask_type, packed_seq_params)
-        if structure is not None or (cp_size > 1 and query.size(0) > 1):
+        if structure is not None or (self.cp_size > 1 and query.size(0) > 1):
             return self._structured_forward(query, key, value, mask_type, structure)
         # [s, b, heads, d] -> [b, heads, s, d]
         context = self._attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), attention_mask, mask_type)
@@ -196,8 +202,7 @@ class SDPAttention(MegatronModule):
         """[s, b, heads, d] rows with a `subtree_end` structure, or causal / unmasked rows cut for CP > 1."""
         if subtree_end is not None:
             subtree_end = subtree_end.reshape(subtree_end.size(0), -1)
-            cp_size = self.cp_group.size() if self.cp_group is not None else 1
-            if cp_size > 1 or subtree_end.size(1) != query.size(0):
+            if self.cp_size > 1 or subtree_end.size(1) != query.size(0):
                 raise ValueError(f"attention_mask (subtree_end) of shape {tuple(subtree_end.shape)} does not fit "
                                  f"{query.size(0)} queries; tree rows need context_parallel_size: 1")
             layout = self._layout((subtree_end,), query.size(0), query.device,
@@ -211,14 +216,14 @@ class SDPAttention(MegatronModule):
 
     def _gather_context_parallel(self, tensor: torch.Tensor) -> torch.Tensor:
         """All ranks' tokens along dim 0 (rank order); the backward sums the gradients and keeps this rank's."""
-        if self.cp_group is None or self.cp_group.size() == 1:
+        if self.cp_size == 1:
             return tensor
         return gather_from_sequence_parallel_region(tensor, tensor_parallel_output_grad=True, group=self.cp_group)
 
     def _layout(self, keys: tuple, local_length: int, device: torch.device,
                 bounds: Callable[[int], tuple[torch.Tensor, ...]], mask_type: AttnMaskType) -> _Layout:
         """The microbatch's visibility on this CP rank; one per microbatch, shared by every layer."""
-        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        cp_size = self.cp_size
         cp_rank = self.cp_group.rank() if cp_size > 1 else 0
         causal = mask_type in _CAUSAL_TYPES
         signature = (local_length, cp_rank, cp_size, causal, self.window_size, device)

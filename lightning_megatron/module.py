@@ -101,6 +101,9 @@ class SFTModule(MegatronLightningModule):
             if self.megatron_strategy.pipeline_model_parallel_size > 1:
                 raise ValueError("predict generates with pipeline_model_parallel_size: 1 only; use tensor "
                                  "parallelism (tensor_model_parallel_size) to split a model that does not fit")
+            if self.megatron_strategy.context_parallel_size > 1:
+                raise ValueError("predict generates with context_parallel_size: 1 only (each new token needs the "
+                                 "whole sequence); use tensor_model_parallel_size to split a model that does not fit")
             hf_checkpoint = self.megatron_strategy.hf_checkpoint
             self.generation_eos_token_ids = eos_token_ids(hf_checkpoint, AutoTokenizer.from_pretrained(hf_checkpoint))
         if self.enable_mtp and not self.enable_mtp_training:

@@ -95,6 +95,9 @@ class MegatronStrategy(ParallelStrategy):
             if pipeline_model_parallel_size == 1:
                 raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1; "
                                  "leave it unset (null) without pipeline parallelism")
+        if context_parallel_size > 1 and attention_backend == "local":
+            raise ValueError("context_parallel_size > 1 needs attention_backend: sdpa or auto (Megatron-Core's local "
+                             "DotProductAttention has no context parallelism)")
         if sequence_parallel and tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel: true needs tensor_model_parallel_size > 1")
         if global_batch_size is not None:
@@ -229,9 +232,6 @@ class MegatronStrategy(ParallelStrategy):
                 f"{self.pipeline_model_parallel_size} x context_parallel_size {self.context_parallel_size}); change "
                 "devices/num_nodes or the parallel sizes"
             )
-        if self.context_parallel_size > 1 and self.attention_backend == "local":
-            raise ValueError("context_parallel_size > 1 needs attention_backend: sdpa or auto (Megatron-Core's local "
-                             "DotProductAttention has no context parallelism)")
         sizes = {
             "tensor_model_parallel_size": self.tensor_model_parallel_size,
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,

@@ -54,7 +54,7 @@ def _qkv(groups: int, shape: tuple[int, ...] = (LENGTH, BATCH), seed: int = 0) -
 def _output_and_grads(attention, qkv, mask, **kwargs) -> list[torch.Tensor]:
     """The output and d(sum(output * fixed weights))/d(q, k, v)."""
     output = attention(*qkv, mask, **kwargs)
-    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(1)).to(output.device)
     grads = torch.autograd.grad((output * weights).sum(), qkv)
     return [output.detach(), *grads]
 
@@ -393,3 +393,38 @@ def test_megatron_bridge_mtp_layer_uses_sdpa_and_matches_hf(model_parallel, chec
 def test_unknown_attention_backend_is_refused_before_building(checkpoints):
     with pytest.raises(BridgeError, match="attention_backend: 'flash' is not one of 'auto', 'sdpa', 'local'"):
         create_bridge("mbridge", checkpoints["qwen3"]).validate(ModelOptions(attention_backend="flash"))
+
+
+def _gpu_layouts(length: int) -> list[dict]:
+    """Microbatches of one shape with different layouts: packed (with slot padding) and a tree."""
+    subtree_end = torch.arange(1, length + 1)  # the last 8 tokens: pads that see only themselves
+    tree = length - 8
+    subtree_end[: length // 4] = tree  # a prompt shared by two branches
+    subtree_end[length // 4: length // 2] = length // 2
+    subtree_end[length // 2: tree] = tree
+    return [{"packed_seq_params": _packed_params([0, 100, 130, 200], [0, 128, 160, length])},
+            {"packed_seq_params": _packed_params([0, 17, 96, length])},
+            {"attention_mask": subtree_end[None]},
+            {"attention_mask": torch.full((1, length), length)}]
+
+
+@pytest.mark.gpu
+def test_cuda_flex_path_equals_the_exact_cpu_path_and_compiles_once(model_parallel):
+    """fp32: flex_attention with the layout's BlockMask (CUDA) against SDPA with its dense mask (the CPU path),
+    outputs and gradients; four microbatches of one shape and different layouts compile the kernel once."""
+    length, head_dim = 256, 64
+    sdpa = _attention(SDPAttention, _config(num_query_groups=2, kv_channels=head_dim), AttnMaskType.causal)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        for index, layout_inputs in enumerate(_gpu_layouts(length)):
+            packed = layout_inputs.get("packed_seq_params")
+            shape = (length,) if packed else (length, 1)
+            generator = torch.Generator().manual_seed(index)
+            qkv = [torch.randn(*shape, n, head_dim, generator=generator).requires_grad_() for n in (HEADS, 2, 2)]
+            mask = layout_inputs.get("attention_mask")
+            exact = _output_and_grads(sdpa, qkv, mask, packed_seq_params=packed)
+            cuda_qkv = [t.detach().cuda().requires_grad_() for t in qkv]
+            cuda_mask = None if mask is None else mask.cuda()
+            fused = _output_and_grads(sdpa, cuda_qkv, cuda_mask, packed_seq_params=packed)
+            _assert_close([t.cpu() for t in fused], exact)
+            if index == 0:  # from here on a recompilation fails the test
+                torch._dynamo.config.error_on_recompile = True

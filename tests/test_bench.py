@@ -196,6 +196,25 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
 
 
 @pytest.mark.slow
+def test_packing_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.packing", "--tiny")
+    layouts = result["layouts"]
+    assert set(layouts) == {"packed", "padded", "full"}
+    assert layouts["packed"]["real_tokens_per_step"] == layouts["padded"]["real_tokens_per_step"]
+    assert layouts["packed"]["rows"] < layouts["padded"]["rows"] == result["sequences"]
+    # the same sequences, labels and masks, packed or padded: the same training steps
+    assert layouts["packed"]["last_loss"] == pytest.approx(layouts["padded"]["last_loss"], abs=1e-4)
+    assert all(layout["step_s"] > 0 and layout["peak_memory_gib"] is None for layout in layouts.values())
+    summary = result["summary"]
+    assert 0 < summary["packed_padding_fraction"] < summary["padded_padding_fraction"] < 1
+    gloo = result["context_parallel"]["gloo_cp2"]
+    assert gloo["matches_formula"] and gloo["layers"] == 2  # one all-gather per decoder layer
+    scaling = result["context_parallel"]["per_row_of_seq_tokens_at_benchmark_shape"]
+    assert [scaling[size]["forward_all_gather_bytes_per_layer_per_rank"] for size in ("2", "4")] == [
+        2 * (cp - 1) / cp * 128 * 2 * 16 * 4 for cp in (2, 4)]
+
+
+@pytest.mark.slow
 def test_tree_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.tree", "--tiny")
     assert result["benchmark"] == "tree" and result["settings"]["order"] == ["flat", "tree", "tree", "flat"]

@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from lightning_megatron._compat import cpu, no_te, prepare_megatron_core
+from lightning_megatron._compat import context_parallel, cpu, no_te, prepare_megatron_core
 from tests._megatron import token_batch, tiny_gpt
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adjustments apply only without CUDA")
@@ -34,7 +34,8 @@ def _backward(ddp) -> None:
 @cpu_only
 def test_all_apply_once_and_are_idempotent(process_group):
     stack_depth = len(torch.overrides._get_current_function_mode_stack())
-    expected = [*ADJUSTMENTS, *(adjustment.name for adjustment in no_te.MEGATRON_CORE_ADJUSTMENTS)]
+    expected = [*ADJUSTMENTS, *(adjustment.name for adjustment in (*no_te.MEGATRON_CORE_ADJUSTMENTS,
+                                                                    *context_parallel.ADJUSTMENTS))]
     assert prepare_megatron_core() == expected
     assert prepare_megatron_core() == expected
     assert len(torch.overrides._get_current_function_mode_stack()) == stack_depth
@@ -62,6 +63,20 @@ def test_cuda_tensors_and_type_names(model_parallel):
         assert torch.zeros(1).type() == "torch.FloatTensor"  # distrib_optimizer.py:466 would reject this
     assert get_default_causal_mask(4).device.type == "cpu"
     assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+
+
+@cpu_only
+def test_cuda_tensors_pinned_for_the_context_parallel_rotary_slice(model_parallel):
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    cp_group = SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # the function reads nothing else of the group
+    with ADJUSTMENTS["cpu.cuda_tensors"].suspended():
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            get_pos_emb_on_this_cp_rank(torch.arange(8.0)[:, None], 0, cp_group)
+    # rank 1 of 2 holds chunks 1 and 2 of 4
+    assert get_pos_emb_on_this_cp_rank(torch.arange(8.0)[:, None], 0, cp_group).flatten().tolist() == [2, 3, 4, 5]
 
 
 @cpu_only

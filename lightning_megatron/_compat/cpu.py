@@ -45,6 +45,8 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # pinning needs a CUDA driver; a staging copy for .cuda() is pointless here
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
@@ -124,7 +126,8 @@ ADJUSTMENTS = (
     Adjustment(
         "cpu.cuda_tensors",
         'device="cuda" and .cuda(), e.g. transformer/utils.py:39 (default causal mask), '
-        "pipeline_parallel/schedules.py:749, optimizer/optimizer.py:1249, models/common/language_module.py:307; "
+        "pipeline_parallel/schedules.py:749, optimizer/optimizer.py:1249, models/common/language_module.py:307, "
+        "models/common/embeddings/rope_utils.py:62 (pin_memory=True, CP rotary slice); "
         "tensor.type() == 'torch.cuda.FloatTensor' checks in optimizer/distrib_optimizer.py:466, optimizer/clip_grads.py:174",
         _no_cuda,
         _install_cuda_tensors_on_cpu,

@@ -30,9 +30,9 @@ class SFTDataModule(pl.LightningDataModule):
     malformed row stops the run before training starts, named by ``path:line``.
 
     Micro-batches are padded rows ``[micro_batch_size, seq_length]``, or with ``packing=True`` one row of
-    ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; use it
-    where the attention takes packed sequences. With ``context_parallel_size > 1`` every packed sequence is padded
-    to a multiple of ``2 * context_parallel_size``, so that :func:`split_for_context_parallel` can cut it.
+    ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; each
+    attends to itself only (``lightning_megatron.layout``). With ``context_parallel_size > 1`` every packed sequence
+    is padded to a multiple of ``2 * context_parallel_size``, so that :func:`split_for_context_parallel` can cut it.
     ``packing="tree"`` merges sequences that share a token prefix (several responses to one prompt) into tries laid
     out in one row (``data/tree.py``), so shared tokens are computed once; it logs ``tree_token_ratio`` (tree tokens
     over original tokens) and needs ``micro_batch_size=1``, ``context_parallel_size=1`` and no MTP head.

@@ -1,0 +1,230 @@
+"""P5: packed THD rows against the same sequences padded, and against full unpadded rows; CP communication volume.
+
+One Megatron-Core training step (local layer spec with `SDPAttention`, Float16Module + DDP + distributed optimizer,
+forward-backward over the microbatches, optimizer step) of the Qwen3-0.6B shape, side by side in one process, for
+three layouts of rows of `--seq` tokens (one row per microbatch):
+- `packed`: SFT-like sequences (lengths uniform in [`--min-length`, `--max-length`]) first-fit packed (THD,
+  `cu_seqlens`; flex_attention's block mask on CUDA);
+- `padded`: the same sequences, one per row, padded to `--seq` (what `SFTDataModule(packing=False)` feeds);
+- `full`: unpadded `--seq`-token rows (causal SDPA), as many as the real tokens fill.
+Reported per layout: real (non-pad) tokens/s, step time, peak memory; and the ratios packed / full and
+packed / padded next to the padding fraction (the targets: packed >= 0.95x full, and packed beats padded by at least
+the padding fraction, packed / padded >= 1 + padding fraction; removing all padding would give 1 / (1 - fraction)).
+
+Context parallelism needs two GPUs; instead a two-process gloo run on the CPU (a small model, `--cp-*` options)
+records the bytes each rank all-gathers (K and V of every layer, forward; the backward reduce-scatters as many),
+checks them against the formula `2 * (cp - 1) / cp * tokens * kv_groups * head_dim * bytes` per layer and step,
+and the formula gives the figures for the benchmarked shape at CP 2, 4 and 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.attention import add_shape_options, device, gpt_model, trainable
+from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
+from lightning_megatron.demo import init_single_process
+
+TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=128, min_length=8,
+            max_length=64, sequences=12, steps=2, warmup=1, dtype="fp32")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_shape_options(parser)
+    parser.add_argument("--seq", type=int, default=4096, help="row length of every layout")
+    parser.add_argument("--min-length", type=int, default=128)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--sequences", type=int, default=48, help="SFT sequences per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--cp-seq", type=int, default=256, help="row length of the gloo CP run")
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8], help="CP sizes of the scaling table")
+    return parse_with_tiny(parser, TINY)
+
+
+def sft_sequences(args: argparse.Namespace) -> list[torch.Tensor]:
+    """Random token sequences with SFT-like lengths, the same on every run."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=generator)
+    return [torch.randint(0, args.vocab, (int(n),), generator=generator) for n in lengths]
+
+
+def layouts(args: argparse.Namespace, sequences: list[torch.Tensor]) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The microbatches (one row each) of every layout, built by the data pipeline's own packing and padding."""
+    from lightning_megatron.data.packing import collate_packed, first_fit, pack_examples, pad_example
+    from lightning_megatron.data.tokenize import TokenizedExample
+
+    examples = [TokenizedExample("bench", ids, torch.ones_like(ids, dtype=torch.bool)) for ids in sequences]
+    packed = [collate_packed([pack_examples([examples[i] for i in members], args.seq, pad_id=0)])
+              for members in first_fit([len(e) for e in examples], args.seq)]
+    padded = [{key: value[None] for key, value in pad_example(example, args.seq, pad_id=0).items()}
+              for example in examples]
+    real_tokens = sum(len(e) for e in examples)
+    stream = torch.cat(sequences)
+    full_rows = max(1, round(real_tokens / args.seq))
+    stream = stream.repeat(-(-full_rows * args.seq // stream.numel()))[: full_rows * args.seq + 1]
+    full = []
+    for row in range(full_rows):
+        tokens = stream[row * args.seq: (row + 1) * args.seq + 1]
+        full.append({"input_ids": tokens[None, :-1], "labels": tokens[None, 1:],
+                     "loss_mask": torch.ones(1, args.seq), "position_ids": torch.arange(args.seq)[None]})
+    return {"packed": packed, "padded": padded, "full": full}
+
+
+def train_steps(args: argparse.Namespace, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Median step time of Megatron training steps over `microbatches` (one global batch), and peak memory."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from lightning_megatron.layout import model_inputs
+    from lightning_megatron.module import masked_token_loss
+
+    fresh_memory()
+    model, optimizer = trainable(*gpt_model(args, "sdpa", calculate_per_token_loss=True,
+                                            cross_entropy_loss_fusion=False), bf16=args.dtype == "bf16")
+    target = device()
+    on_device = [{key: value.to(target) for key, value in microbatch.items()} for microbatch in microbatches]
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
+        microbatch = next(data_iterator)
+        return model(**model_inputs(microbatch)), lambda output: masked_token_loss(microbatch, output)
+
+    forward_backward = get_forward_backward_func()
+    times, loss = [], float("nan")
+    for index in range(args.warmup + args.steps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(on_device), model=[model],
+                                  num_microbatches=len(on_device), seq_length=args.seq, micro_batch_size=1,
+                                  forward_only=False)
+        optimizer.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - started)
+        loss = float(sum(m["lm_loss"][0] for m in losses) / sum(m["lm_loss"][1] for m in losses))
+    result = {"step_s": statistics.median(times), "peak_memory_gib": peak_memory_gib(), "last_loss": loss}
+    del model, optimizer
+    fresh_memory()
+    return result
+
+
+def cp_bytes_formula(tokens: int, cp: int, kv_groups: int, head_dim: int, element_bytes: int) -> float:
+    """Bytes one rank receives in the forward all-gather of K and V, per layer, for `tokens` tokens in the row."""
+    return 2 * (cp - 1) / cp * tokens * kv_groups * head_dim * element_bytes
+
+
+def _cp_worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """One rank of the gloo CP run: a packed row through a small GPT, forward and backward, recording what the
+    attention all-gathers."""
+    from megatron.core import parallel_state
+
+    from lightning_megatron._compat import prepare_megatron_core
+    from lightning_megatron.attention import SDPAttention
+    from lightning_megatron.data.context_parallel import split_for_context_parallel
+    from lightning_megatron.layout import model_inputs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")  # gloo on the CPU
+    torch.set_num_threads(1)
+    prepare_megatron_core()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    small = argparse.Namespace(**{**vars(args), **{key: value for key, value in TINY.items() if key != "seq"},
+                                  "seq": args.cp_seq, "dtype": "fp32"})
+    small.min_length, small.max_length = 2 * world_size, args.cp_seq // 2
+    _, model = gpt_model(small, "sdpa")
+    gathered: list[int] = []
+    for module in model.modules():
+        if isinstance(module, SDPAttention):
+            module.register_forward_pre_hook(lambda _module, inputs: gathered.append(
+                (world_size - 1) * (inputs[1].numel() + inputs[2].numel()) * inputs[1].element_size()))
+    generator = torch.Generator().manual_seed(0)
+    unit = 2 * world_size  # each sequence a multiple of 2 x CP, three of them within 3/4 of the row
+    lengths = [unit * int(n) for n in torch.randint(1, args.cp_seq // (4 * unit) + 1, (3,), generator=generator)]
+    lengths.append(args.cp_seq - sum(lengths))
+    tokens = torch.randint(0, small.vocab, (1, args.cp_seq + 1), generator=generator)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, args.cp_seq),
+                  "position_ids": position_ids, "cu_seqlens": cu_seqlens}
+    local = split_for_context_parallel(microbatch, parallel_state.get_context_parallel_rank(), world_size)
+    model(**model_inputs(local)).sum().backward()
+    if rank == 0:
+        torch.save({"bytes_per_layer": gathered[0], "layers": len(gathered), "tokens": args.cp_seq,
+                    "kv_groups": small.kv_groups, "head_dim": small.head_dim}, out)
+    dist.destroy_process_group()
+
+
+def cp_communication(args: argparse.Namespace) -> dict[str, Any]:
+    """The gloo CP=2 run's all-gather volume against the formula, and the formula at the benchmarked shape."""
+    from lightning_megatron.demo import _free_port
+
+    cp = 2
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "cp.pt")
+        mp.start_processes(_cp_worker, args=(cp, _free_port(), args, out), nprocs=cp, start_method="spawn",
+                           join=True)
+        measured = torch.load(out)
+    formula = cp_bytes_formula(measured["tokens"], cp, measured["kv_groups"], measured["head_dim"], 4)
+    element_bytes = 2 if args.dtype == "bf16" else 4
+    scaling = {
+        str(size): {
+            "forward_all_gather_bytes_per_layer_per_rank": cp_bytes_formula(args.seq, size, args.kv_groups,
+                                                                            args.head_dim, element_bytes),
+            "forward_and_backward_bytes_per_step_per_rank": 2 * args.layers * cp_bytes_formula(
+                args.seq, size, args.kv_groups, args.head_dim, element_bytes),
+        }
+        for size in args.cp_sizes
+    }
+    return {"gloo_cp2": {**measured, "measured_bytes_per_layer_per_rank": measured["bytes_per_layer"],
+                         "formula_bytes_per_layer_per_rank": formula,
+                         "matches_formula": measured["bytes_per_layer"] == formula},
+            "per_row_of_seq_tokens_at_benchmark_shape": scaling}
+
+
+def main() -> None:
+    args = _parse_args()
+    sequences = sft_sequences(args)
+    real_tokens = sum(int(s.numel()) for s in sequences)
+    rows = layouts(args, sequences)
+    init_single_process()
+    results: dict[str, Any] = {}
+    for name, microbatches in rows.items():
+        run = train_steps(args, microbatches)
+        tokens = real_tokens if name != "full" else len(microbatches) * args.seq
+        results[name] = {**run, "rows": len(microbatches), "real_tokens_per_step": tokens,
+                         "real_tokens_per_s": tokens / run["step_s"]}
+    padding_fraction = 1 - real_tokens / (len(rows["padded"]) * args.seq)
+    packed_padding_fraction = 1 - real_tokens / (len(rows["packed"]) * args.seq)
+    speed = {name: result["real_tokens_per_s"] for name, result in results.items()}
+    summary = {
+        "packed_over_full_tokens_per_s": speed["packed"] / speed["full"],
+        "packed_over_padded_tokens_per_s": speed["packed"] / speed["padded"],
+        "padded_padding_fraction": padding_fraction,
+        "packed_padding_fraction": packed_padding_fraction,
+        "target_packed_over_full": 0.95,
+        "target_packed_over_padded": 1 + padding_fraction,
+        "ideal_packed_over_padded": 1 / (1 - padding_fraction),
+    }
+    emit({**environment(), "benchmark": "P5 packing", "shape": {key: getattr(args, key) for key in (
+        "hidden", "layers", "heads", "kv_groups", "head_dim", "ffn", "vocab", "seq", "dtype")},
+        "sequences": args.sequences, "lengths": [args.min_length, args.max_length], "layouts": results,
+        "summary": summary, "context_parallel": cp_communication(args)}, args.out)
+
+
+if __name__ == "__main__":
+    main()
