@@ -44,7 +44,7 @@ def _keys(example: TokenizedExample) -> list[tuple[int, int]]:
 
 
 class _Trie:
-    """One lookahead-1 trie (possibly a forest of roots) and the examples inserted into it, in order."""
+    """One lookahead-1 trie (its sequences share their first two tokens) and the examples inserted into it, in order."""
 
     def __init__(self) -> None:
         self.root = _Node(token=_END, label=_END)
@@ -73,8 +73,8 @@ class _Trie:
             node = child
         self.members.append(index)
 
-    def layout(self) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
-        """DFS pre-order ``(ids, labels, weights, depths, subtree_ends)`` and the rows of each member's path.
+    def layout(self) -> tuple[list[int], list[int], list[int], list[int], list[int], dict[int, int]]:
+        """DFS pre-order ``(ids, labels, weights, depths, subtree_ends)`` and the row of each node (by ``id``).
 
         Iterative, because a path can be longer than Python's recursion limit.
         """
