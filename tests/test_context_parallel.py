@@ -123,14 +123,21 @@ def _compare_fits(reference: dict, ours: dict, keys: tuple[str, ...]) -> None:
             torch.testing.assert_close(ours["export"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
+def _joint_fits(workdir: Path, hf_checkpoint: str, alignment: int, **strategy_kwargs: Any) -> dict:
+    """Joint (MTP) fits at CP 1 and 2, padded and packed: `{("joint", packed, cp): result}`."""
+    results = {}
+    for packed in (False, True):
+        dataset = SequencesDataset(packed, alignment=alignment, rows=2 * STEPS)
+        for cp in (1, 2):
+            results["joint", packed, cp] = _fit(workdir / f"joint{packed}{cp}", hf_checkpoint, dataset,
+                                                context_parallel_size=cp, **strategy_kwargs)
+    return results
+
+
 def _two_rank_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, str]) -> dict:
     workdir = Path(tmp) / f"rank{rank}"
-    results: dict[Any, Any] = {}
-    for packed in (False, True):
-        dataset = SequencesDataset(packed, alignment=4, rows=2 * STEPS)
-        for cp in (1, 2):
-            results["joint", packed, cp] = _fit(workdir / f"joint{packed}{cp}", checkpoints["mtp"], dataset,
-                                                context_parallel_size=cp)
+    results: dict[Any, Any] = _joint_fits(workdir, checkpoints["mtp"], alignment=4)
+    dataset = SequencesDataset(True, alignment=4, rows=2 * STEPS)
     # without the MTP token-count adjustment each CP rank normalises by its own tokens: the MTP loss is off
     # (kept off while the fit's own prepare_megatron_core runs)
     with MTP_TOKEN_COUNTS.suspended(), mock.patch.object(MTP_TOKEN_COUNTS, "needed", lambda: False):
@@ -187,12 +194,7 @@ def _validate(workdir: Path, hf_checkpoint: str, dataset: Dataset, **strategy_kw
 
 def _four_rank_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, str]) -> dict:
     workdir = Path(tmp) / f"rank{rank}"
-    results: dict[Any, Any] = {}
-    for packed in (False, True):
-        dataset = SequencesDataset(packed, alignment=8, rows=2 * STEPS)
-        for cp in (1, 2):
-            results[packed, cp] = _fit(workdir / f"tp2cp{cp}{packed}", checkpoints["mtp"], dataset,
-                                       tensor_model_parallel_size=2, context_parallel_size=cp)
+    results: dict[Any, Any] = _joint_fits(workdir, checkpoints["mtp"], alignment=8, tensor_model_parallel_size=2)
     rows = SequencesDataset(True, alignment=8, rows=4, seed=2)
     for cp in (1, 4):
         results["validate", cp] = _validate(workdir / f"validate{cp}", checkpoints["mtp"], rows,
@@ -204,7 +206,7 @@ def _four_rank_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str,
 def test_tp2_x_cp2_fits_and_cp4_forward_equal_cp1(checkpoints, tmp_path):
     results = run_distributed(_four_rank_fits, tmp_path, str(tmp_path), checkpoints, world_size=4)[0]
     for packed in (False, True):
-        _compare_fits(results[packed, 1], results[packed, 2], ("lm_loss", "mtp_loss"))
+        _compare_fits(results["joint", packed, 1], results["joint", packed, 2], ("lm_loss", "mtp_loss"))
     assert results["validate", 4] == pytest.approx(results["validate", 1], abs=1e-5)
 
 
