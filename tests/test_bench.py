@@ -226,3 +226,5 @@ def test_tree_benchmark_runs_tiny(tmp_path):
     # fp32 on the CPU: the tree, the flat rows in either order and one padded row per sequence compute the same loss
     assert result["loss"]["tree_minus_flat_max_abs"] < 1e-5 and result["loss"]["flat_noise_max_abs"] < 1e-5
     assert result["recompiles_after_warmup"] == 0
+    table = report.render([("tree.json", result)])
+    assert "**Tree packing vs flat packing (P6)**" in table and "(>= 3x)" in table
