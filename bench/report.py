@@ -1,7 +1,8 @@
 """Markdown tables from the benchmarks' JSON, for the README: `python -m bench.report [FILES OR FOLDERS]`.
 
-Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `hf_io.py` (P3) and
-`attention.py` (P4, and the older attention results without MFU); other JSON files are skipped with a note.
+Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `hf_io.py` (P3),
+`attention.py` (P4, and the older attention results without MFU) and `tree.py` (P6); other JSON files are skipped
+with a note.
 Prints a training-step table, a table of the ratios against their targets, an HF load/save table and the source
 of every figure (command, device, versions, date).
 """
@@ -154,6 +155,28 @@ def hf_io_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
+def tree_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    """P6: tree packing against flat packing of the same GRPO-like batch (`tree.py`)."""
+    rows = []
+    for name, data in results:
+        if kind(data) != "tree":
+            continue
+        batch, runs, ratio, loss = data["batch"], data["runs"], data["tree_over_flat"], data["loss"]
+        rows.append(_row([
+            f"{batch['sequences']} sequences, {batch['original_tokens']} tokens",
+            f"{batch['tree_token_ratio']:.3f}", _tokens(runs["flat"]["original_tokens_per_s"]),
+            _tokens(runs["tree"]["original_tokens_per_s"]), _times(ratio["original_tokens_per_s"]) + " (>= 3x)",
+            _times(ratio["step_time"]), _times(ratio["peak_memory"]),
+            f"{loss['tree_minus_flat_max_abs']:.2e} vs {loss['flat_noise_max_abs']:.2e}",
+            str(data["recompiles_after_warmup"]), f"[{sources[name]}]",
+        ]))
+    if not rows:
+        return []
+    return ["| batch | tree tokens / original | flat original tokens/s | tree original tokens/s | tree / flat "
+            "(target) | step time tree / flat | peak memory tree / flat | loss: tree - flat vs flat noise "
+            "| recompiles after warm-up | source |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
 def _source_line(number: int, name: str, data: dict[str, Any]) -> str:
     versions = ", ".join(f"{package} {version}" for package, version in (data.get("versions") or {}).items()
                          if version is not None)
@@ -168,7 +191,8 @@ def render(results: list[Result]) -> str:
     sections = []
     for title, table in (("Training step", training_table(known, sources)),
                          ("Targets", targets_table(known, sources)),
-                         ("HF checkpoint load and save", hf_io_table(known, sources))):
+                         ("HF checkpoint load and save", hf_io_table(known, sources)),
+                         ("Tree packing vs flat packing (P6)", tree_table(known, sources))):
         if table:
             sections.append("\n".join([f"**{title}**", "", *table]))
     sources_section = [_source_line(sources[name], name, data) for name, data in known]

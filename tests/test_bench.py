@@ -223,3 +223,19 @@ def test_vl_benchmark_runs_tiny(tmp_path):
     for figures in (padded, packed):
         assert figures["step_s"] > 0 and figures["real_tokens_per_s"] > 0 and figures["peak_memory_gib"] is None
         assert all(math.isfinite(loss) for loss in figures["losses"])
+
+
+@pytest.mark.slow
+def test_tree_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.tree", "--tiny")
+    assert result["benchmark"] == "tree" and result["settings"]["order"] == ["flat", "tree", "tree", "flat"]
+    batch = result["batch"]
+    assert batch["tree_tokens"] < batch["original_tokens"] and batch["tree_rows"] <= batch["flat_rows"]
+    for figures in result["runs"].values():
+        assert figures["step_s"] > 0 and figures["original_tokens_per_s"] > 0 and figures["peak_memory_gib"] is None
+    assert result["tree_over_flat"]["original_tokens_per_s"] > 0
+    # fp32 on the CPU: the tree, the flat rows in either order and one padded row per sequence compute the same loss
+    assert result["loss"]["tree_minus_flat_max_abs"] < 1e-5 and result["loss"]["flat_noise_max_abs"] < 1e-5
+    assert result["recompiles_after_warmup"] == 0
+    table = report.render([("tree.json", result)])
+    assert "**Tree packing vs flat packing (P6)**" in table and "(>= 3x)" in table

@@ -26,6 +26,7 @@ from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
 from lightning_megatron.checkpoint import move_into_place
 from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.mtp import check_mtp_training_options
+from lightning_megatron.tree_rotary import install_depth_rotary
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
 
@@ -183,10 +184,13 @@ class Bridge(ABC):
                              context_parallel_size=parallel_sizes()["context_parallel_size"])
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
-        """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded."""
+        """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded,
+        with rotary embeddings that follow the depth of tree-packed rows (`tree_rotary`)."""
         self.validate(options)
         self.options = options
-        return self._build(options, load_weights=load_weights)
+        chunks = self._build(options, load_weights=load_weights)
+        install_depth_rotary(chunks)  # tree-packed rows: rotary embeddings at each token's depth
+        return chunks
 
     @abstractmethod
     def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]: ...

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.jsonl import Example, read_jsonl
@@ -19,6 +19,7 @@ from lightning_megatron.data.packing import (
     sequence_alignment,
 )
 from lightning_megatron.data.tokenize import Overlong, tokenize_examples, tokenize_prompts
+from lightning_megatron.data.tree import TreeSFTDataset, collate_tree
 
 
 class SFTDataModule(pl.LightningDataModule):
@@ -32,6 +33,9 @@ class SFTDataModule(pl.LightningDataModule):
     ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; each
     attends to itself only (``lightning_megatron.layout``). With ``context_parallel_size > 1`` every packed sequence
     is padded to a multiple of ``2 * context_parallel_size``, so that :func:`split_for_context_parallel` can cut it.
+    ``packing="tree"`` merges sequences that share a token prefix (several responses to one prompt) into tries laid
+    out in one row (``data/tree.py``), so shared tokens are computed once; it logs ``tree_token_ratio`` (tree tokens
+    over original tokens) and needs ``micro_batch_size=1``, ``context_parallel_size=1`` and no MTP head.
 
     ``hf_checkpoint``, ``micro_batch_size`` and ``context_parallel_size`` default to the trainer's strategy's
     attributes of the same names (``context_parallel_size`` to 1 without one). Data-parallel sharding is left
@@ -46,7 +50,7 @@ class SFTDataModule(pl.LightningDataModule):
         predict_path: str | None = None,
         hf_checkpoint: str | None = None,
         seq_length: int = 2048,
-        packing: bool = False,
+        packing: bool | Literal["tree"] = False,
         micro_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
@@ -54,6 +58,8 @@ class SFTDataModule(pl.LightningDataModule):
         context_parallel_size: int | None = None,
     ) -> None:
         super().__init__()
+        if packing not in (False, True, "tree"):
+            raise ValueError(f"packing must be false, true or 'tree', got {packing!r}")
         if seq_length < 2:
             raise ValueError(f"seq_length must be at least 2 (a token and its label), got {seq_length}")
         if overlong not in ("truncate", "drop", "error"):
@@ -71,6 +77,7 @@ class SFTDataModule(pl.LightningDataModule):
         self.tokenizer: Any = None
         self.datasets: dict[str, Dataset] = {}
         self.predict_examples: list[Example] = []  # the rows behind the predict dataset's indices
+        self.tree_token_ratio: dict[str, float] = {}  # per split, with packing="tree"
 
     def setup(self, stage: str) -> None:
         """Resolve the settings the strategy owns, then read, validate and tokenize the stage's files."""
@@ -132,6 +139,10 @@ class SFTDataModule(pl.LightningDataModule):
         self._warn_dropped(path, dropped, len(examples))
         if not examples:
             raise ValueError(f"{path}: no row is left to train on after overlong='drop'; raise seq_length")
+        if self.packing == "tree":
+            dataset = TreeSFTDataset(examples, self.seq_length, self.pad_id)
+            self._report_tree_token_ratio(split, path, dataset)
+            return dataset
         if self.packing:
             alignment = sequence_alignment(self.context_parallel_size)
             return PackedSFTDataset(examples, self.seq_length, self.pad_id, alignment)
@@ -145,7 +156,7 @@ class SFTDataModule(pl.LightningDataModule):
         if split == "predict":
             collate_fn = prompt_collate(self.pad_id)
         else:
-            collate_fn = collate_packed if self.packing else None
+            collate_fn = collate_tree if self.packing == "tree" else collate_packed if self.packing else None
         return DataLoader(
             dataset,
             batch_size=self.micro_batch_size,
@@ -169,6 +180,8 @@ class SFTDataModule(pl.LightningDataModule):
         raise ValueError(f"{name} is not set and no trainer strategy provides it: pass SFTDataModule({name}=...)")
 
     def _check_layout(self) -> None:
+        if self.packing == "tree":
+            _check_tree_layout(self.micro_batch_size, self.context_parallel_size, self._runs_mtp_head())
         alignment = sequence_alignment(self.context_parallel_size)
         if self.seq_length % alignment != 0:
             raise ValueError(
@@ -183,9 +196,46 @@ class SFTDataModule(pl.LightningDataModule):
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
 
+    def _runs_mtp_head(self) -> bool:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return bool(getattr(module, "enable_mtp", False))
+
+    def _report_tree_token_ratio(self, split: str, path: str, dataset: TreeSFTDataset) -> None:
+        """Print the ratio and log it to the trainer's logger (``tree_token_ratio``, ``val_tree_token_ratio``)."""
+        packing = dataset.packing
+        self.tree_token_ratio[split] = packing.tree_token_ratio
+        rank_zero_info(
+            f"{path}: tree packing puts {packing.original_tokens} tokens of {len(packing.paths)} sequences into "
+            f"{packing.tree_tokens} tree tokens in {len(dataset)} rows: tree_token_ratio={packing.tree_token_ratio:.4f}"
+        )
+        logger = self.trainer.logger if self.trainer is not None else None
+        if logger is not None:
+            name = "tree_token_ratio" if split == "train" else f"{split}_tree_token_ratio"
+            logger.log_metrics({name: packing.tree_token_ratio}, step=0)
+
     def _warn_dropped(self, path: str, dropped: int, kept: int) -> None:
         if dropped:
             rank_zero_warn(
                 f"{path}: dropped {dropped} of {dropped + kept} rows that do not fit seq_length={self.seq_length} "
                 "or have no response token to train on (overlong='drop')"
             )
+
+
+def _check_tree_layout(micro_batch_size: int, context_parallel_size: int, with_mtp_head: bool) -> None:
+    """What tree rows cannot do yet, refused before any data is read."""
+    if micro_batch_size != 1:
+        raise ValueError(
+            f"packing='tree' needs micro_batch_size=1, got {micro_batch_size}: a tree micro-batch is one row of "
+            "seq_length tree tokens; raise seq_length to put more sequences in it"
+        )
+    if context_parallel_size != 1:
+        raise ValueError(
+            f"packing='tree' needs context_parallel_size=1, got {context_parallel_size}: a tree row cannot be cut "
+            "into context-parallel chunks (an ancestor may lie on another rank); set context_parallel_size: 1 "
+            "or use packing: true"
+        )
+    if with_mtp_head:
+        raise ValueError(
+            "packing='tree' cannot run the MTP head: Megatron-Core's MTP rolls input ids and labels along the flat "
+            "row, which takes the wrong child at branch points; set model.enable_mtp: false or use packing: true"
+        )
