@@ -277,8 +277,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--response-tokens", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=6656, help="tokens per row, both layouts")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out at the start of each run")
     parser.add_argument("--permutations", type=int, default=6,
                         help="seeded permutations of the sequences packed as extra flat layouts for the noise band")
     parser.add_argument("--fp32-prompts", type=int, default=1,
