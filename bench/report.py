@@ -155,6 +155,31 @@ def hf_io_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
+def _tree_loss_cells(loss: dict[str, Any]) -> list[str]:
+    """The batch loss against the flat layouts' band, the per-sequence losses against the furthest flat layout,
+    and the fp32 per-sequence difference (`tree.py`'s loss check)."""
+    per_sequence, fp32 = loss["per_sequence"], loss.get("fp32")
+
+    def verdict(within: bool) -> str:
+        return "within" if within else "outside"
+
+    furthest_flat = max(per_sequence["flat_layout_minus_others_mean_max_abs"].values())
+    if fp32 is None:
+        fp32_cell = "n/a"
+    elif "error" in fp32:
+        fp32_cell = f"failed: {fp32['error'][:80]}"
+    else:
+        fp32_cell = (f"{fp32['per_sequence']['tree_minus_flat_mean_max_abs']:.1e} "
+                     f"({fp32['per_sequence']['sequences']} sequences)")
+    return [
+        f"{loss['tree_minus_flat_mean']:+.1e} vs {loss['flat_band']:.1e} ({loss['flat_layouts']} layouts): "
+        + verdict(loss["tree_within_flat_noise"]),
+        f"{per_sequence['tree_minus_flat_mean_max_abs']:.1e} vs {furthest_flat:.1e}: "
+        + verdict(per_sequence["tree_within_flat_noise"]),
+        fp32_cell,
+    ]
+
+
 def tree_table(results: list[Result], sources: dict[str, int]) -> list[str]:
     """P6: tree packing against flat packing of the same GRPO-like batch (`tree.py`)."""
     rows = []
@@ -166,15 +191,15 @@ def tree_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             f"{batch['sequences']} sequences, {batch['original_tokens']} tokens",
             f"{batch['tree_token_ratio']:.3f}", _tokens(runs["flat"]["original_tokens_per_s"]),
             _tokens(runs["tree"]["original_tokens_per_s"]), _times(ratio["original_tokens_per_s"]) + " (>= 3x)",
-            _times(ratio["step_time"]), _times(ratio["peak_memory"]),
-            f"{loss['tree_minus_flat_max_abs']:.2e} vs {loss['flat_noise_max_abs']:.2e}",
+            _times(ratio["step_time"]), _times(ratio["peak_memory"]), *_tree_loss_cells(loss),
             str(data["recompiles_after_warmup"]), f"[{sources[name]}]",
         ]))
     if not rows:
         return []
     return ["| batch | tree tokens / original | flat original tokens/s | tree original tokens/s | tree / flat "
-            "(target) | step time tree / flat | peak memory tree / flat | loss: tree - flat vs flat noise "
-            "| recompiles after warm-up | source |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+            "(target) | step time tree / flat | peak memory tree / flat | batch loss: tree - flat mean vs flat "
+            "band | per-sequence loss: tree max abs diff vs furthest flat layout's | fp32 per-sequence max abs diff "
+            "| recompiles after warm-up | source |", "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _source_line(number: int, name: str, data: dict[str, Any]) -> str:

@@ -234,8 +234,19 @@ def test_tree_benchmark_runs_tiny(tmp_path):
     for figures in result["runs"].values():
         assert figures["step_s"] > 0 and figures["original_tokens_per_s"] > 0 and figures["peak_memory_gib"] is None
     assert result["tree_over_flat"]["original_tokens_per_s"] > 0
-    # fp32 on the CPU: the tree, the flat rows in either order and one padded row per sequence compute the same loss
-    assert result["loss"]["tree_minus_flat_max_abs"] < 1e-5 and result["loss"]["flat_noise_max_abs"] < 1e-5
+    # fp32 on the CPU: every flat layout (file order, permutations, padded) and the tree compute the same batch and
+    # per-sequence losses; each layout's per-sequence losses, weighted by trained tokens, give its batch loss
+    loss = result["loss"]
+    assert loss["flat_layouts"] == result["settings"]["permutations"] + 2
+    assert loss["per_sequence"]["sequences"] == batch["sequences"]
+    for check in (loss, loss["fp32"]):
+        per_sequence = check["per_sequence"]
+        assert abs(check["tree_minus_flat_mean"]) < 1e-5 and check["flat_band"] < 1e-5
+        assert per_sequence["tree_minus_flat_mean_max_abs"] < 1e-5 and per_sequence["flat_band_max"] < 1e-5
+        weights = per_sequence["trained_tokens"]
+        for name, losses in per_sequence["losses"].items():
+            weighted = math.fsum(loss * weight for loss, weight in zip(losses, weights)) / sum(weights)
+            assert abs(weighted - check["batch"][name]) < 1e-5, name
     assert result["recompiles_after_warmup"] == 0
     table = report.render([("tree.json", result)])
     assert "**Tree packing vs flat packing (P6)**" in table and "(>= 3x)" in table
