@@ -7,7 +7,8 @@ A microbatch is a dict of tensors in one of three layouts, told apart by its key
 - packed THD: the same keys with `b == 1`, plus `cu_seqlens` (int32 `[n + 1]`, from 0 to `s`: where each sequence
   starts) and `max_seqlen`; optionally `cu_seqlens_padded` when each sequence sits in a larger slot (the tokens of a
   slot past its sequence then see only themselves and give zeros). A token attends to the earlier tokens of its own
-  sequence only.
+  sequence only. Megatron-Core's MTP roll reads `cu_seqlens` alone, so MTP training wants the padding inside each
+  sequence's segment (as `SFTDataModule` packs) rather than `cu_seqlens_padded`.
 - "may attend" structure (trees): `subtree_end`, integer `[b, s]` in DFS pre-order: key `k` is visible to query `q`
   iff `k <= q < subtree_end[k]` (exclusive end). A causal row is `subtree_end = s` everywhere, a packed row is the
   end of each token's sequence, a pad that attends only to itself has its own index + 1.
