@@ -62,7 +62,7 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
 
 
 def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.currentdevice()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _random_microbatches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
