@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# Issue 8's four benchmarks on one GPU in one command (about 5 minutes on an H200), from the repository root:
+# The benchmarks on one GPU, from the repository root:
 #
-#   OUT=/path/to/results bash bench/run_h200.sh
+#   OUT=/path/to/results bash bench/run_h200.sh                    # every step (longer than one 10-minute call)
+#   OUT=/path/to/results STEPS="packing tree vl" bash bench/run_h200.sh   # only these steps
 #
-# Makes the Qwen3-0.6B-shaped checkpoint with one MTP layer under /tmp (CHECKPOINT overrides where), then runs
-#   P1+P2  bench/lightning_overhead.py  plain Megatron-Core loop vs Lightning joint vs Lightning MTP-only
-#   P3     bench/hf_io.py               each bridge's HF load/save vs raw safetensors I/O
-#   P4     bench/attention.py           plain HF transformers Qwen3 (and Megatron-Core without MTP, SDPA)
-#   P5     bench/packing.py             packed vs padded vs full rows; CP all-gather volume from a gloo run
-#   VL     bench/vl.py                  Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
-# Each writes its JSON (exact command, GPU, library versions, date inside) into $OUT and its log beside it;
-# bench/report.py then writes the markdown table to $OUT/table.md and prints it. A failed benchmark prints the
-# end of its log; the others still run, and the exit status is 1.
-# Packages come from PYTHONPATH=/tmp/site:. (the wheels installed with pip --target /tmp/site).
+# Steps (each writes $OUT/<step>.json with the exact command, GPU, library versions and date inside, and its log):
+#   lightning_overhead  P1+P2 plain Megatron-Core loop vs Lightning joint vs Lightning MTP-only (0.6B checkpoint)
+#   hf_io               P3    each bridge's HF load/save vs raw safetensors I/O (0.6B checkpoint)
+#   attention           P4    plain HF transformers Qwen3 (and Megatron-Core without MTP, SDPA)
+#   packing             P5    packed vs padded vs full rows; CP all-gather volume from a gloo run
+#   tree                P6    tree packing vs flat packing of a GRPO-like batch
+#   mtp_memory          P2    MTP-only memory and step time vs joint and vs the plain MTP-only loop, 0.6B and 8B
+#   hf_io_8b            P3    HF load/save at the Qwen3-8B shape (untied, one MTP layer)
+#   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape
+#   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
+#   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
+# The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
+# bench/report.py then writes the markdown tables to $OUT/table.md. A failed step prints the end of its log; the
+# others still run, and the exit status is 1. Packages come from PYTHONPATH=/tmp/site:. (wheels installed with
+# pip --target /tmp/site).
 set -uo pipefail
 : "${OUT:?set OUT to the folder the JSON results go to}"
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-export BENCH_DRIVER="OUT=$OUT bash bench/run_h200.sh"
+STEPS="${STEPS:-lightning_overhead hf_io attention packing tree mtp_memory hf_io_8b weight_sync moe vl}"
+export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 CHECKPOINT="${CHECKPOINT:-/tmp/qwen3-0.6b-mtp}"
+CHECKPOINT_8B="${CHECKPOINT_8B:-/tmp/qwen3-8b-mtp}"
 failed=0
 
 step() {
@@ -37,13 +45,19 @@ step() {
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.csv" 2>&1 || true
-step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT"
-[ "$failed" = 0 ] || exit 1
-step lightning_overhead python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" \
-    --out "$OUT/lightning_overhead.json"
-step hf_io python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/hf_io.json"
-step attention python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/attention.json"
-step packing python3 -m bench.packing --out "$OUT/packing.json"
-step vl python3 -m bench.vl --out "$OUT/vl.json"
+case " $STEPS " in
+    *" lightning_overhead "*|*" hf_io "*) step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT" ;;
+esac
+for name in $STEPS; do
+    case $name in
+        lightning_overhead) step "$name" python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" --out "$OUT/$name.json" ;;
+        hf_io) step "$name" python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/$name.json" ;;
+        attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
+        packing|tree|mtp_memory|moe|vl) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        hf_io_8b) step "$name" python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
+        weight_sync) step "$name" python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
+        *) echo "unknown step $name"; failed=1 ;;
+    esac
+done
 python3 -m bench.report "$OUT"/*.json >"$OUT/table.md" && cat "$OUT/table.md" || failed=1
 exit $failed
