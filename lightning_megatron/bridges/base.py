@@ -292,11 +292,8 @@ def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> Non
         write(staging)
     except BaseException as caught:
         error = caught
-    if collective:
-        _agree_on_failure(error)
     try:
-        if error is not None:
-            raise error
+        agree_on_failure(error, collective=collective)
         if leader:
             move_into_place(staging, path)
     except BaseException:
@@ -305,12 +302,19 @@ def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> Non
         raise
 
 
-def _agree_on_failure(error: BaseException | None) -> None:
-    """Every rank learns whether one of them failed; the ones that did not raise too (no rank is left waiting)."""
-    failed = torch.tensor([error is not None], dtype=torch.int32)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=_cpu_group())
-    if failed.item() and error is None:
-        raise RuntimeError("another rank failed while writing; see its traceback")
+def agree_on_failure(error: BaseException | None, *, collective: bool = True,
+                     error_type: type[Exception] = RuntimeError) -> None:
+    """Raise on every rank when any rank failed: its own error where it failed, `error_type` elsewhere.
+
+    For work that every rank does in lockstep (a save, a weight sync): no rank is left waiting for one that gave up.
+    """
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=_cpu_group())
+        if failed.item() and error is None:
+            raise error_type("another rank failed; see its traceback")
+    if error is not None:
+        raise error
 
 
 _CPU_GROUP: Any = None
