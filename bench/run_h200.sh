@@ -6,6 +6,8 @@
 # Makes the Qwen3-0.6B-shaped checkpoint with one MTP layer under /tmp (CHECKPOINT overrides where), then runs
 #   P1+P2  bench/lightning_overhead.py  plain Megatron-Core loop vs Lightning joint vs Lightning MTP-only
 #   P3     bench/hf_io.py               each bridge's HF load/save vs raw safetensors I/O
+#   P3     bench/hf_io.py --qwen3-8b    the same at the Qwen3-8B shape (untied, one MTP layer; made once in /tmp)
+#   P7     bench/weight_sync.py         WeightSync disk / colocated vs raw safetensors I/O, step-time overhead
 #   P4     bench/attention.py           plain HF transformers Qwen3 (and Megatron-Core without MTP, SDPA)
 # Each writes its JSON (exact command, GPU, library versions, date inside) into $OUT and its log beside it;
 # bench/report.py then writes the markdown table to $OUT/table.md and prints it. A failed benchmark prints the
@@ -40,6 +42,8 @@ step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT"
 step lightning_overhead python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" \
     --out "$OUT/lightning_overhead.json"
 step hf_io python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/hf_io.json"
+step hf_io_8b python3 -m bench.hf_io --qwen3-8b /tmp/qwen3-8b-mtp --repeats 2 --out "$OUT/hf_io_8b.json"
+step weight_sync python3 -m bench.weight_sync --checkpoint /tmp/qwen3-8b-mtp --out "$OUT/weight_sync.json"
 step attention python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/attention.json"
 python3 -m bench.report "$OUT"/*.json >"$OUT/table.md" && cat "$OUT/table.md" || failed=1
 exit $failed

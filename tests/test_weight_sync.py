@@ -341,3 +341,26 @@ def test_latest_names_a_complete_folder_after_kill_9_and_versions_increase_acros
     assert all(result["unequal"] == [] for result in resumed["compared"])
     assert read_latest(root) == root / "v00000004"
     assert sorted(path.name for path in root.iterdir()) == ["latest", "v00000002", "v00000003", "v00000004"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["colocated", "collective"])
+def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tmp_path, mode):
+    if mode == "collective" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs the engine on a second GPU")
+    checkpoint = checkpoints["wide_mtp"]
+    bridge = create_bridge("megatron-bridge", checkpoint)
+    chunks = bridge.build(ModelOptions(mtp=True))
+    engine_device = "cuda:0" if mode == "colocated" else "cuda:1"
+    process, url = spawn_receiver(checkpoint, device=engine_device, timeout_s=60, log=tmp_path / "receiver.log")
+    sender_class: Any = ColocatedSender if mode == "colocated" else CollectiveSender
+    sender = sender_class(url, bucket_bytes=MIB, timeout_s=60, device=torch.device("cuda", 0))
+    try:
+        report = sender.sync(bridge.export_hf_tensors(chunks, on_host=False), bridge.hf_tensor_specs(), 1,
+                             is_sender=True)
+        assert len(report.requests) >= 3
+        assert _unequal_to_export(url, bridge.save_hf(chunks, tmp_path / "export")) == []
+    finally:
+        sender.close()
+        process.kill()
+        process.wait()

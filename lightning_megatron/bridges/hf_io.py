@@ -88,6 +88,7 @@ def write_safetensors(folder: Path, tensors: Mapping[str, torch.Tensor], shard_b
     """One `model.safetensors`, or shards of at most `shard_bytes` with an index, as HF writes them."""
     sizes = {name: tensor.nbytes for name, tensor in tensors.items()}
     shards = plan_shards(sizes, shard_bytes)
-    files = {file: {name: tensors[name] for name in shard} for file, shard in zip(shard_file_names(len(shards)), shards)}
+    names = shard_file_names(len(shards))
+    files = {file: {name: tensors[name] for name in shard} for file, shard in zip(names, shards)}
     write_shard_files(folder, files)
     write_index(folder, shards, sizes)

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_megatron.bridges.base import agree_on_failure
 from lightning_megatron.serving import disk
 from lightning_megatron.serving.protocol import WeightSyncError
-from lightning_megatron.serving.sender import BucketSender, ColocatedSender, CollectiveSender, SyncReport
+from lightning_megatron.serving.sender import BucketSender, CollectiveSender, ColocatedSender, SyncReport
 
 Mode = Literal["disk", "colocated", "collective"]
 MODES: tuple[Mode, ...] = ("disk", "colocated", "collective")
@@ -139,16 +139,14 @@ class WeightSync(pl.Callback):
     def _sync_to_disk(self, strategy: Any, version: int, is_global_zero: bool) -> SyncReport:
         assert self.root is not None
         started = time.perf_counter()
-        folder = strategy.export_hf(disk.version_folder(self.root, version))
+        folder = disk.version_folder(self.root, version)
         error: BaseException | None = None
-        if is_global_zero:
-            try:
-                disk.publish_latest(self.root, folder)
-                disk.prune(self.root, self.keep_last)
-                if self.engine_url is not None:
-                    disk.notify_engine(self.engine_url, self.engine, folder, version, self.timeout_s)
-            except (WeightSyncError, OSError) as caught:
-                error = caught
+        try:
+            disk.sync_to_disk(strategy.export_hf, self.root, version, keep_last=self.keep_last,
+                              is_leader=is_global_zero, engine_url=self.engine_url, engine=self.engine,
+                              timeout_s=self.timeout_s)
+        except (WeightSyncError, OSError) as caught:  # the leader's part: the export itself raises on every rank
+            error = caught
         agree_on_failure(error, error_type=WeightSyncError)
         report = SyncReport(version, bytes=sum(file.stat().st_size for file in folder.glob("*.safetensors")))
         report.seconds = time.perf_counter() - started

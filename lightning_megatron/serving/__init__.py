@@ -6,6 +6,6 @@
 from lightning_megatron.serving.disk import read_latest
 from lightning_megatron.serving.protocol import WeightSyncError
 from lightning_megatron.serving.receiver import WeightReceiver
-from lightning_megatron.serving.sender import ColocatedSender, CollectiveSender, SyncReport
+from lightning_megatron.serving.sender import CollectiveSender, ColocatedSender, SyncReport
 
-__all__ = ["ColocatedSender", "CollectiveSender", "SyncReport", "WeightReceiver", "WeightSyncError", "read_latest"]
+__all__ = ["CollectiveSender", "ColocatedSender", "SyncReport", "WeightReceiver", "WeightSyncError", "read_latest"]

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -77,6 +78,22 @@ def remove_partials(root: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob(".latest.*.partial") if root.is_dir() else ():
         leftover.unlink(missing_ok=True)
+
+
+def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep_last: int, is_leader: bool,
+                 engine_url: str | None = None, engine: Engine = "sglang", timeout_s: float = 300.0) -> Path:
+    """One disk sync: `save` writes the HF folder of `version` atomically (every rank calls it), then the leader
+    points `latest` at it, prunes old versions and tells the engine; returns the folder.
+
+    Errors of the leader's part are raised there only; the caller makes every rank agree on them.
+    """
+    folder = save(version_folder(root, version))
+    if is_leader:
+        publish_latest(root, folder)
+        prune(root, keep_last)
+        if engine_url is not None:
+            notify_engine(engine_url, engine, folder, version, timeout_s)
+    return folder
 
 
 def notify_engine(url: str, engine: Engine, folder: Path, version: int, timeout_s: float) -> None:

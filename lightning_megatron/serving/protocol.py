@@ -23,12 +23,12 @@ import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiprocessing.reduction import ForkingPickler
 
 from lightning_megatron.bridges.base import TensorSpec
 
