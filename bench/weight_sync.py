@@ -22,6 +22,8 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +54,18 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
     largest = max(spec.nbytes for spec in specs.values())
     bucket_bytes = int(bucket_mb * 1024**2)
 
+    # the engine loads its model in its own process while the disk figures are measured here
+    engine_start = ThreadPoolExecutor(1).submit(spawn_receiver, checkpoint, device=str(device), timeout_s=600,
+                                                log=workdir / "receiver.log")
     exported = dict(bridge.export_hf_tensors(chunks, on_host=False))
-    raw_write_s = _median(lambda: save_file(exported, str(workdir / "raw.safetensors")), repeats)
-    del exported
+    raw_write_s = _median(partial(save_file, exported, str(workdir / "raw.safetensors")), repeats)
+    del exported  # the raw write's copy of the model; the syncs below hold at most a bucket
     root = workdir / "versions"
     versions = iter(range(1, 1000))
     disk_sync_s = _median(lambda: disk.sync_to_disk(lambda path: bridge.save_hf(chunks, path), root, next(versions),
                                                     keep_last=2, is_leader=True), repeats)
 
-    process, url = spawn_receiver(checkpoint, device=str(device), timeout_s=600, log=workdir / "receiver.log")
+    process, url = engine_start.result()
     try:
         latest = disk.read_latest(root)
         engine_read_s = _median(lambda: post_json(f"{url}/update_weights_from_disk", {"model_path": str(latest)}, 600),
@@ -167,7 +172,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny checkpoint, everything on the CPU")
     parser.add_argument("--checkpoint", type=Path, default=Path(tempfile.gettempdir()) / "qwen3-8b-mtp",
                         help="the Qwen3-8B-shaped checkpoint (made there once when missing, then reused)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
     parser.add_argument("--bucket-mb", type=float, default=1024.0)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

@@ -116,20 +116,22 @@ class CompareAfterSync(pl.Callback):
                                  "unequal": _unequal_to_export(self.url, self._export), "greedy_equal": None})
 
 
-def _fit(workdir: Path, hf_checkpoint: Path, syncs: list[WeightSync], url: str, *, steps: int = 3, devices: int = 1,
-         extra_callbacks: tuple = (), ckpt_path: str | None = None, **strategy_kwargs: Any) -> dict[str, Any]:
+def _fit(workdir: Path, hf_checkpoint: Path, syncs: list[WeightSync], url: str | None, *, steps: int = 3,
+         devices: int = 1, extra_callbacks: tuple = (), ckpt_path: str | None = None,
+         **strategy_kwargs: Any) -> dict[str, Any]:
     options = dict(micro_batch_size=2, global_batch_size=4, precision="fp32") | strategy_kwargs
     mtp = options.get("bridge_type") == "megatron-bridge"
-    compare = CompareAfterSync(syncs, url, workdir)
+    compare = CompareAfterSync(syncs, url, workdir) if url is not None else pl.Callback()
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
                          devices=devices, max_steps=steps, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=workdir,
                          enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in extra_callbacks),
                          callbacks=[*syncs, compare, *extra_callbacks])
+    results = compare.results if isinstance(compare, CompareAfterSync) else []
     vocab = transformers.AutoConfig.from_pretrained(hf_checkpoint).vocab_size
     loader = DataLoader(RandomTokenDataset(SAMPLES, SEQ, vocab), batch_size=options["micro_batch_size"], drop_last=True)
     trainer.fit(SFTModule(enable_mtp=mtp, lr=1e-2), loader, ckpt_path=ckpt_path)
-    return {"compared": compare.results, "reports": [sync.reports for sync in syncs],
+    return {"compared": results, "reports": [sync.reports for sync in syncs],
             "versions": [sync.version for sync in syncs], "trainer": trainer}
 
 
@@ -178,30 +180,42 @@ def test_one_process_engine_holds_what_save_hf_writes_after_each_sync(process_gr
         assert sorted(path.name for path in root.iterdir()) == ["latest", "v00000002", "v00000003"]  # keep_last=2
 
 
-def _distributed_sync(rank: int, world_size: int, workdir: str, checkpoint: str, url: str, case: str) -> dict:
-    if case == "tp2":
-        syncs = [WeightSync("collective", every_n_steps=2, engine_url=url, bucket_mb=1, timeout_s=60)]
-        options = dict(tensor_model_parallel_size=2, bridge_type="megatron-bridge")
-    else:  # pp2: two callbacks, colocated then disk, on the same engine
-        syncs = [WeightSync("colocated", every_n_steps=2, engine_url=url, bucket_mb=1, timeout_s=60),
-                 WeightSync("disk", every_n_steps=2, root=f"{workdir}/versions", engine_url=url, timeout_s=60)]
-        options = dict(pipeline_model_parallel_size=2)
-    result = _fit(Path(workdir), Path(checkpoint), syncs, url, devices=world_size, **options)
-    return {"compared": result["compared"], "versions": result["versions"],
-            "requests": [[report.requests for report in reports] for reports in result["reports"]]}
+def _distributed_syncs(rank: int, world_size: int, workdir: str, checkpoints: dict[str, str],
+                       urls: dict[str, str]) -> dict:
+    """TP=2 (collective, MTP head, untied), then PP=2 (colocated and disk on one engine, tied) in the same ranks."""
+    results = {}
+    for case in ("tp2", "pp2"):
+        if case == "tp2":
+            url = urls["wide_mtp"]
+            syncs = [WeightSync("collective", every_n_steps=2, engine_url=url, bucket_mb=1, timeout_s=60)]
+            options = dict(tensor_model_parallel_size=2, bridge_type="megatron-bridge")
+            checkpoint = checkpoints["wide_mtp"]
+        else:
+            url = urls["tied"]
+            syncs = [WeightSync("colocated", every_n_steps=2, engine_url=url, bucket_mb=1, timeout_s=60),
+                     WeightSync("disk", every_n_steps=2, root=f"{workdir}/versions", engine_url=url, timeout_s=60)]
+            options = dict(pipeline_model_parallel_size=2)
+            checkpoint = checkpoints["tied"]
+        result = _fit(Path(workdir) / case, Path(checkpoint), syncs, url, devices=world_size, **options)
+        results[case] = {"compared": result["compared"], "versions": result["versions"],
+                         "sent": [[name for request in report.requests for name in request]
+                                  for reports in result["reports"] for report in reports]}
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "checkpoint"), [("tp2", "wide_mtp"), ("pp2", "tied")])
-def test_tensor_and_pipeline_parallel_ranks_sync_the_whole_model(checkpoints, receivers, tmp_path, case, checkpoint):
-    results = run_distributed(_distributed_sync, tmp_path, str(tmp_path), str(checkpoints[checkpoint]),
-                              receivers[checkpoint], case)
-    _assert_every_sync_matched(results[0]["compared"], [2, 3])
-    assert results[1]["compared"] == []  # rank 0 alone compares (and sends)
-    for result in results:
-        assert all(versions == 3 for versions in result["versions"])
-    if case == "pp2":
-        assert read_latest(tmp_path / "versions") == tmp_path / "versions" / "v00000003"
+def test_tensor_and_pipeline_parallel_ranks_sync_the_whole_model(checkpoints, receivers, tmp_path):
+    results = run_distributed(_distributed_syncs, tmp_path, str(tmp_path),
+                              {name: str(path) for name, path in checkpoints.items()}, receivers)
+    for case in ("tp2", "pp2"):
+        _assert_every_sync_matched(results[0][case]["compared"], [2, 3])
+        assert results[1][case]["compared"] == []  # rank 0 alone compares (and sends)
+        for result in results:
+            assert all(version == 3 for version in result[case]["versions"])
+        names = set(checkpoint_tensor_specs(checkpoints["wide_mtp" if case == "tp2" else "tied"]))
+        for sent in results[0][case]["sent"]:  # every tensor once (a tied embedding too), or nothing (disk)
+            assert len(sent) == len(set(sent)) and (not sent or set(sent) == names)
+    assert read_latest(tmp_path / "versions") == tmp_path / "versions" / "v00000003"
 
 
 def _in_process_receiver(checkpoint: Path, dtype: torch.dtype | None = None) -> WeightReceiver:
@@ -298,12 +312,12 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
         write_file(file, tensors)
 
     if __name__ == "__main__":
-        workdir, hf_checkpoint, url = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4])
+        workdir, hf_checkpoint = Path(sys.argv[1]), Path(sys.argv[2])
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
         hf_io.write_safetensors_file = dies_half_way_through_version_3
         saver = pl.callbacks.ModelCheckpoint(dirpath=workdir / "ckpts", every_n_train_steps=2, save_top_k=-1)
         sync = WeightSync("disk", every_n_steps=1, root=str(workdir / "versions"), keep_last=3)
-        _fit(workdir, hf_checkpoint, [sync], url, steps=4, extra_callbacks=(saver,))
+        _fit(workdir, hf_checkpoint, [sync], None, steps=4, extra_callbacks=(saver,))
 """)
 
 
@@ -314,7 +328,7 @@ def test_latest_names_a_complete_folder_after_kill_9_and_versions_increase_acros
     script.write_text(_KILLED_DURING_A_DISK_SYNC)
     with log.open("w") as output:
         run = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(checkpoints["tied"]),
-                                receivers["tied"], str(free_port())], cwd=ROOT, stdout=output,
+                                str(free_port())], cwd=ROOT, stdout=output,
                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                start_new_session=True)
         try:

@@ -213,6 +213,8 @@ class Bridge(ABC):
             if spec is not None and tuple(tensor.shape) != spec.shape:
                 raise BridgeError(f"the export gives {name} the shape {tuple(tensor.shape)}, but {self.hf_path} "
                                   f"has {spec.shape}")
+            if name in exported:  # a tied embedding, exported by the first and the last pipeline stage: once
+                continue
             exported.add(name)
             yield name, tensor.detach().to(spec.dtype if spec is not None else tensor.dtype)
         missing = sorted(set(specs) - exported)
@@ -311,8 +313,13 @@ def agree_on_failure(error: BaseException | None, *, collective: bool = True,
     if collective and dist.is_initialized() and dist.get_world_size() > 1:
         failed = torch.tensor([error is not None], dtype=torch.int32)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=_cpu_group())
-        if failed.item() and error is None:
-            raise error_type("another rank failed; see its traceback")
+        if failed.item():
+            messages: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=_cpu_group())
+            if error is None:
+                rank, message = next((rank, text) for rank, text in enumerate(messages) if text is not None)
+                raise error_type(f"rank {rank} failed: {message}")
     if error is not None:
         raise error
 

@@ -40,6 +40,7 @@ from lightning_megatron.serving.protocol import (
     broadcast,
     deserialize,
     destroy_process_group,
+    dtype_from_name,
     dtype_name,
     init_custom_process_group,
     open_handle,
@@ -146,16 +147,16 @@ class WeightReceiver:
         # one entry per engine TP rank; this engine has one
         payload = deserialize(request["serialized_named_tensors"][0])
         if request.get("load_format") == "flattened_bucket":
-            specs = [TensorSpec(entry["name"], tuple(entry["shape"]), getattr(torch, entry["dtype"]))
+            specs = [TensorSpec(entry["name"], tuple(entry["shape"]), dtype_from_name(entry["dtype"]))
                      for entry in payload["metadata"]]
             self._check(specs)
             self._load(unflatten(open_handle(payload["flattened_tensor"]), specs))
         else:
             named = [(name, open_handle(tensor)) for name, tensor in payload]
-            self._check([TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in named])
+            specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in named]
+            self._check(specs)
             self._load(named)
-        return self._updated(request, len(payload.get("metadata", payload)) if isinstance(payload, dict)
-                             else len(payload))
+        return self._updated(request, len(specs))
 
     def update_weights_from_disk(self, request: dict[str, Any]) -> dict[str, Any]:
         path = Path(request["model_path"])

@@ -60,11 +60,14 @@ class BucketSender(ABC):
         self.timeout_s = timeout_s
         self.device = device
         self._staging: Any = None
+        self._staging_size = bucket_bytes
 
     def sync(self, tensors: Iterable[tuple[str, torch.Tensor]], specs: Mapping[str, TensorSpec], version: int, *,
              is_sender: bool) -> SyncReport:
         """Send every tensor of `tensors` (all ranks call it with the export; `is_sender` on one of them)."""
         report = SyncReport(version)
+        # a model smaller than a bucket needs no more staging memory than itself
+        self._staging_size = min(self.bucket_bytes, sum(spec.nbytes for spec in specs.values()))
         started = time.perf_counter()
         failure: BaseException | None = None
         if is_sender:
@@ -122,7 +125,7 @@ class BucketSender(ABC):
 
     def _stage(self, tensor: torch.Tensor, offset: int) -> None:
         if self._staging is None:
-            self._staging = self._new_buffer(self.bucket_bytes)
+            self._staging = self._new_buffer(self._staging_size)
         staging = self._staging.tensor if isinstance(self._staging, SharedBuffer) else self._staging
         data = as_bytes(tensor)
         staging[offset:offset + data.numel()].copy_(data, non_blocking=True)
