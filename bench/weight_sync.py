@@ -18,6 +18,7 @@ checkpoint) in a second process on the same GPU. Medians over `--repeats` after 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -139,7 +140,7 @@ def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: i
                 self.times.append(now - self._last)
             self._last = now
 
-    vocab = 384 if not torch.cuda.is_available() else 32000
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
 
     def run(with_sync: bool) -> float:
         timer = StepTimes()

@@ -165,8 +165,9 @@ class WeightReceiver:
         missing = sorted(set(checkpoint_tensor_specs(self.checkpoint)) - {spec.name for spec in specs})
         if missing:
             raise WeightSyncError(f"{path} lacks {len(missing)} tensor(s) the engine serves, e.g. {missing[:5]}")
+        device = next(self.model.parameters()).device
         for file in safetensors_files(path):
-            with safe_open(file, framework="pt") as reader:
+            with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
                 self._load((name, reader.get_tensor(name)) for name in reader.keys())
         self.checkpoint = path
         return self._updated(request, len(specs))
