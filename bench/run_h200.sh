@@ -42,7 +42,7 @@ step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT"
 step lightning_overhead python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" \
     --out "$OUT/lightning_overhead.json"
 step hf_io python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/hf_io.json"
-step hf_io_8b python3 -m bench.hf_io --qwen3-8b /tmp/qwen3-8b-mtp --repeats 2 --out "$OUT/hf_io_8b.json"
+step hf_io_8b python3 -m bench.hf_io --qwen3-8b /tmp/qwen3-8b-mtp --repeats 1 --out "$OUT/hf_io_8b.json"
 step weight_sync python3 -m bench.weight_sync --checkpoint /tmp/qwen3-8b-mtp --out "$OUT/weight_sync.json"
 step attention python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/attention.json"
 python3 -m bench.report "$OUT"/*.json >"$OUT/table.md" && cat "$OUT/table.md" || failed=1
