@@ -26,11 +26,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +49,12 @@ QWEN3_0_6B: dict[str, Any] = dict(
     intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
 )
 """`make_tiny_checkpoint` arguments of the Qwen3-0.6B shape (the real model's max_position_embeddings too)."""
+
+QWEN3_8B: dict[str, Any] = dict(
+    num_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
+)
+"""The Qwen3-8B shape (untied embeddings in the real model)."""
 
 
 def add_step_options(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +83,51 @@ def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
     if tiny:
         return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True)
     return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True, dtype=torch.bfloat16, **QWEN3_0_6B)
+
+
+def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = False,
+                          dtype: torch.dtype = torch.bfloat16, **shape: Any) -> Path:
+    """A random-weight Qwen3 HF checkpoint of any size, made in seconds and reused when already there.
+
+    `make_tiny_checkpoint` draws every tensor on one CPU core (minutes at 8B); here the config and tokenizer come
+    from a one-layer checkpoint of the same shape family, and the weights are drawn on the GPU (when there is one)
+    shard by shard and written with the package's threaded safetensors writer.
+    """
+    import shutil
+
+    from lightning_megatron.bridges.hf_io import plan_shards, shard_file_names, write_index, write_shard_files
+    from lightning_megatron.testing import _Shape, _tensor_shapes, make_tiny_checkpoint
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    shape = {**QWEN3_0_6B, **shape}
+    staging = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    small = make_tiny_checkpoint(staging, "qwen3", mtp=mtp, tied=tied, dtype=dtype)  # config layout, tokenizer
+    config = json.loads((small / "config.json").read_text())
+    config.pop("layer_types", None)  # one entry per tiny layer; transformers >= 5.17 refuses a count that differs
+    config.update(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                  intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_layers"],
+                  num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+                  head_dim=shape["head_dim"], max_position_embeddings=shape["max_position_embeddings"])
+    (small / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (small / "model.safetensors").unlink()
+    shapes = _tensor_shapes("qwen3", mtp, tied, _Shape(**shape))
+    sizes = {name: math.prod(dims) * torch.empty((), dtype=dtype).element_size() for name, dims in shapes.items()}
+    shards = plan_shards(sizes)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator(device).manual_seed(0)
+    for file, shard in zip(shard_file_names(len(shards)), shards):
+        tensors = {}
+        for name in shard:
+            values = torch.randn(shapes[name], generator=generator, device=device, dtype=torch.float32)
+            values = 1.0 + 0.1 * values if name.endswith("norm.weight") else values / shapes[name][-1] ** 0.5
+            tensors[name] = values.to(dtype).cpu()
+        write_shard_files(small, {file: tensors})
+    write_index(small, shards, sizes)
+    staging.rename(path)
+    return path
 
 
 @dataclass(frozen=True)
@@ -145,6 +199,20 @@ def throughput(step_s: float, tokens_per_step: int, flops_per_step: float, peak:
         "model_tflop_per_s": flops_per_step / step_s / 1e12,
         "mfu": flops_per_step / step_s / peak if peak else None,
     }
+
+
+def median_seconds(action: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of `repeats` calls of `action`, each between two device synchronisations."""
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        action()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def fresh_memory() -> None:

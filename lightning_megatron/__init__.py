@@ -16,6 +16,7 @@ _EXPORTS = {
     "MegatronLightningModule": "lightning_megatron.layout",
     "SFTModule": "lightning_megatron.module",
     "MTPOnlyCallback": "lightning_megatron.callbacks",
+    "WeightSync": "lightning_megatron.callbacks",
     "SFTDataModule": "lightning_megatron.data",
 }
 

@@ -28,8 +28,8 @@ from lightning_megatron.bridges.base import (
     read_json,
     safetensors_files,
     write_atomically,
-    write_safetensors,
 )
+from lightning_megatron.bridges.hf_io import write_safetensors
 
 Init = Literal["random", "copy-last-layer"]
 INITS: tuple[Init, ...] = ("random", "copy-last-layer")

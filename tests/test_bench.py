@@ -250,3 +250,17 @@ def test_tree_benchmark_runs_tiny(tmp_path):
     assert result["recompiles_after_warmup"] == 0
     table = report.render([("tree.json", result)])
     assert "**Tree packing vs flat packing (P6)**" in table and "(>= 3x)" in table
+
+
+@pytest.mark.slow
+def test_weight_sync_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.weight_sync", "--tiny", "--repeats", "1", "--steps", "2", "--warmup", "1")
+    sync = result["sync"]
+    for figure in ("raw_write_s", "disk_sync_s", "engine_read_s", "colocated_sync_s", "collective_sync_s"):
+        assert sync[figure] > 0, figure
+    assert sync["disk_round_trip_s"] == sync["disk_sync_s"] + sync["engine_read_s"]
+    assert sync["colocated_extra_sender_memory_bytes"] is None  # GPU memory only
+    assert result["steps_between_syncs"]["order"] == ["without", "with", "with", "without"]
+    assert result["steps_between_syncs"]["step_time_ratio"] > 0
+    table = "\n".join(report.targets_table([("weight_sync.json", result)], {"weight_sync.json": 1}))
+    assert "P7 disk sync / raw write" in table and "P7 step time with WeightSync / without" in table

@@ -9,6 +9,7 @@ Bridges know nothing of Lightning.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -20,9 +21,15 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
+from lightning_megatron.bridges.hf_io import (
+    SAFETENSORS_DTYPES,
+    plan_shards,
+    shard_file_names,
+    write_index,
+    write_shard_files,
+)
 from lightning_megatron.checkpoint import move_into_place
 from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.mtp import check_mtp_training_options
@@ -32,7 +39,6 @@ BridgeType = Literal["mbridge", "megatron-bridge"]
 
 # The config keys under which model families declare their MTP layers.
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
-_SHARD_BYTES = 4 * 1024**3
 
 
 class BridgeError(ValueError):
@@ -122,18 +128,34 @@ def safetensors_files(hf_path: Path) -> list[Path]:
     return sorted(Path(hf_path).glob("*.safetensors"))
 
 
-def checkpoint_tensor_dtypes(hf_path: Path) -> dict[str, torch.dtype]:
-    """Name -> dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
-    dtypes = {}
+@dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor as a checkpoint (or an export, or a wire) carries it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def checkpoint_tensor_specs(hf_path: Path) -> dict[str, TensorSpec]:
+    """Name -> shape and dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
+    specs = {}
     for file in safetensors_files(hf_path):
         with safe_open(file, framework="pt") as reader:
             for name in reader.keys():
-                dtypes[name] = reader.get_slice(name).get_dtype()
-    return {name: _SAFETENSORS_DTYPES[dtype] for name, dtype in dtypes.items()}
+                tensor_slice = reader.get_slice(name)
+                specs[name] = TensorSpec(name, tuple(tensor_slice.get_shape()),
+                                         SAFETENSORS_DTYPES[tensor_slice.get_dtype()])
+    return specs
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+def checkpoint_tensor_dtypes(hf_path: Path) -> dict[str, torch.dtype]:
+    """Name -> dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
+    return {name: spec.dtype for name, spec in checkpoint_tensor_specs(hf_path).items()}
 
 
 class Bridge(ABC):
@@ -200,86 +222,154 @@ class Bridge(ABC):
         """Copy an HF checkpoint's tensors (default: this bridge's) into existing chunks."""
 
     @abstractmethod
-    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every HF tensor of the model, gathered across TP/PP; every rank must iterate it."""
+    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor of the model, gathered across TP/PP; every rank must iterate it.
+
+        `on_host=False` leaves the tensors on the model's device (for sending them on to an inference engine).
+        """
+
+    def hf_tensor_specs(self, dtype: torch.dtype | None = None) -> dict[str, TensorSpec]:
+        """The tensors an export of the built model carries: the source checkpoint's names (its MTP tensors only
+        when the model was built with MTP), shapes, and dtypes (the source's, or `dtype`)."""
+        return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
+                for name, spec in checkpoint_tensor_specs(self.hf_path).items()
+                if self.options.mtp or not self._is_hf_mtp_tensor(name)}
+
+    def export_hf_tensors(self, chunks: list[torch.nn.Module], *, dtype: torch.dtype | None = None,
+                          on_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """`export_hf_weights` checked against `hf_tensor_specs` and cast to its dtypes.
+
+        Every rank sees every name and shape, so on a mismatch or a missing tensor every rank raises together
+        (none is left waiting in a collective). A name the source checkpoint does not have keeps its own dtype.
+        """
+        specs = self.hf_tensor_specs(dtype)
+        exported: set[str] = set()
+        weights = self.export_hf_weights(chunks) if on_host else self.export_hf_weights(chunks, on_host=False)
+        for name, tensor in weights:
+            spec = specs.get(name)
+            if spec is not None and tuple(tensor.shape) != spec.shape:
+                raise BridgeError(f"the export gives {name} the shape {tuple(tensor.shape)}, but {self.hf_path} "
+                                  f"has {spec.shape}")
+            if name in exported:  # a tied embedding, exported by the first and the last pipeline stage: once
+                continue
+            exported.add(name)
+            yield name, tensor.detach().to(spec.dtype if spec is not None else tensor.dtype)
+        missing = sorted(set(specs) - exported)
+        if missing:
+            raise BridgeError(f"the export would omit {len(missing)} tensor(s) of {self.hf_path}, e.g. {missing[:5]}")
 
     def save_hf(self, chunks: list[torch.nn.Module], path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Write an HF checkpoint atomically; raises, leaving nothing behind, when a tensor would be missing.
 
         Tensors keep the dtype of the source checkpoint's tensor of the same name unless `dtype` is given.
-        All ranks must call it; global rank 0 writes.
+        All ranks must call it. The shards are split over the ranks (each keeps only its own shards' tensors on
+        the host) and each rank writes its shards with several threads; global rank 0 writes the index and the
+        other files and renames the folder into place.
         """
         path = Path(path)
-        source_dtypes = checkpoint_tensor_dtypes(self.hf_path)
-        writes = not dist.is_initialized() or dist.get_rank() == 0
-        exported_names: set[str] = set()
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        sizes = {name: spec.nbytes for name, spec in self.hf_tensor_specs(dtype).items()}
+        owner = {name: index % world_size for index, shard in enumerate(plan_shards(sizes)) for name in shard}
         tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in self.export_hf_weights(chunks):
-            exported_names.add(name)
-            if writes:
-                target_dtype = dtype or source_dtypes.get(name, tensor.dtype)
-                tensors[name] = tensor.detach().to("cpu", target_dtype).contiguous()
-        # Every rank sees every name, so every rank raises together (none is left waiting at the barrier).
-        expected = {name for name in source_dtypes if self.options.mtp or not self._is_hf_mtp_tensor(name)}
-        missing = sorted(expected - exported_names)
-        if missing:
-            raise BridgeError(
-                f"save_hf: the export would omit {len(missing)} tensor(s) of {self.hf_path}, e.g. {missing[:5]}; "
-                f"nothing was written to {path}"
-            )
-        if writes:
-            write_atomically(path, lambda folder: self._write_folder(folder, tensors))
-        if dist.is_initialized():
-            dist.barrier()
+        extra_sizes: dict[str, int] = {}
+        try:
+            for name, tensor in self.export_hf_tensors(chunks, dtype=dtype):
+                if name not in owner:
+                    extra_sizes[name] = tensor.nbytes
+                if owner.get(name, 0) == rank:
+                    tensors[name] = tensor.to("cpu").contiguous()
+        except BridgeError as error:
+            raise BridgeError(f"save_hf: {error}; nothing was written to {path}") from error
+        # a tensor the source lacks (none for the supported families) goes into the first shard, written by rank 0
+        shards = plan_shards(sizes)
+        shards[0] = sorted([*shards[0], *extra_sizes])
+        files = {file: {name: tensors[name] for name in shard}
+                 for index, (file, shard) in enumerate(zip(shard_file_names(len(shards)), shards))
+                 if index % world_size == rank}
+
+        def write(folder: Path) -> None:
+            write_shard_files(folder, files)
+            if rank == 0:
+                write_index(folder, shards, {**sizes, **extra_sizes})
+                self._write_folder(folder)
+
+        write_atomically(path, write, every_rank=True)
         return path
 
     def _is_hf_mtp_tensor(self, name: str) -> bool:
         return name.startswith(("mtp.", "model.mtp_layers.", "model.mtp.")) or ".mtp." in name
 
-    def _write_folder(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def _write_folder(self, folder: Path) -> None:
+        """Everything of an HF checkpoint folder but the weights: tokenizer, generation config, config."""
         for file in self.hf_path.iterdir():
             if file.is_file() and file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
                 shutil.copy2(file, folder / file.name)
         if not self.options.mtp and self.checkpoint_mtp_layers:
             config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_safetensors(folder, tensors)
 
 
-def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """One `model.safetensors`, or shards of at most 4 GiB with an index, as HF writes them."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name in sorted(tensors):
-        size = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and shard_bytes + size > _SHARD_BYTES:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensors[name]
-        shard_bytes += size
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata=metadata)
-        return
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file_name, metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, file_name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> None:
+    """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced.
 
-
-def write_atomically(path: Path, write: Any) -> None:
-    """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    `every_rank`: all ranks call it and `write` on the same folder (global rank 0 makes and renames it); when one
+    rank fails, every rank raises and nothing is left behind.
+    """
+    collective = every_rank and dist.is_initialized() and dist.get_world_size() > 1
+    leader = not collective or dist.get_rank() == 0
     staging = path.parent / f".{path.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    if leader:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    if collective:
+        container = [staging]
+        dist.broadcast_object_list(container, src=0, group=_cpu_group())
+        staging = container[0]
+    error: BaseException | None = None
     try:
         write(staging)
-        move_into_place(staging, path)
+    except BaseException as caught:
+        error = caught
+    try:
+        agree_on_failure(error, collective=collective)
+        if leader:
+            move_into_place(staging, path)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def agree_on_failure(error: BaseException | None, *, collective: bool = True,
+                     error_type: type[Exception] = RuntimeError) -> None:
+    """Raise on every rank when any rank failed: its own error where it failed, `error_type` elsewhere.
+
+    For work that every rank does in lockstep (a save, a weight sync): no rank is left waiting for one that gave up.
+    """
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=_cpu_group())
+        if failed.item():
+            messages: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=_cpu_group())
+            if error is None:
+                rank, message = next((rank, text) for rank, text in enumerate(messages) if text is not None)
+                raise error_type(f"rank {rank} failed: {message}")
+    if error is not None:
+        raise error
+
+
+_CPU_GROUP: Any = None
+
+
+def _cpu_group() -> Any:
+    """A gloo group over all ranks for the small host-side agreements of a save (the default group may be NCCL)."""
+    global _CPU_GROUP
+    if dist.get_backend() == "gloo":
+        return None
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo")
+    return _CPU_GROUP

@@ -50,6 +50,7 @@ class MBridge(Bridge):
     def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
         self._auto_bridge.load_weights(chunks, str(hf_path or self.hf_path))
 
-    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._auto_bridge.export_weights(chunks):
-            yield name, tensor
+            yield name, tensor.cpu() if on_host else tensor

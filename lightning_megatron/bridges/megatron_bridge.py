@@ -68,6 +68,7 @@ class MegatronBridge(Bridge):
     def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
         self.auto_bridge.load_hf_weights(chunks, None if hf_path is None else str(hf_path))
 
-    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.auto_bridge.export_hf_weights(chunks, cpu=True, show_progress=False):
+    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.auto_bridge.export_hf_weights(chunks, cpu=on_host, show_progress=False):
             yield name, tensor

@@ -4,5 +4,6 @@ from lightning_megatron.callbacks.continuations import ContinuationWriter
 from lightning_megatron.callbacks.export import HFExport
 from lightning_megatron.callbacks.monitoring import TokensPerSecond, TrainingCurves
 from lightning_megatron.callbacks.mtp_only import MTPOnlyCallback
+from lightning_megatron.callbacks.weight_sync import WeightSync
 
-__all__ = ["ContinuationWriter", "HFExport", "MTPOnlyCallback", "TokensPerSecond", "TrainingCurves"]
+__all__ = ["ContinuationWriter", "HFExport", "MTPOnlyCallback", "TokensPerSecond", "TrainingCurves", "WeightSync"]

@@ -1,0 +1,322 @@
+"""A stand-in inference engine: a `transformers` model in its own process, taking weight updates as SGLang does.
+
+`WeightReceiver` serves, on 127.0.0.1, the subset of SGLang's HTTP API a trainer uses to push weights:
+`/init_weights_update_group`, `/destroy_weights_update_group`, `/update_weights_from_distributed`,
+`/update_weights_from_tensor`, `/update_weights_from_disk`, `/model_info` (with `weight_version`),
+`/get_weights_by_name`, `/generate` (greedy), `/health`, plus `/validate_weights` (names, dtypes, shapes checked
+before any byte moves). The whole trainer -> engine loop is tested with it, without an inference engine installed;
+it is also a small, honest engine for a notebook.
+
+Tensors are copied by HF name into the model's own tensors (a tied head follows its embedding); a checkpoint
+tensor the model has no parameter for (an MTP head: a plain `transformers` model has none) is kept as a draft
+tensor, as a speculative-decoding engine would load it. An unknown name, or a shape or dtype that differs, is
+refused before anything is copied.
+
+    python -m lightning_megatron.serving.receiver --checkpoint HF_FOLDER --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from lightning_megatron.bridges.base import TensorSpec, checkpoint_tensor_specs, safetensors_files
+from lightning_megatron.serving.protocol import (
+    WeightSyncError,
+    broadcast,
+    deserialize,
+    destroy_process_group,
+    dtype_from_name,
+    dtype_name,
+    init_custom_process_group,
+    open_handle,
+    specs_from_payload,
+    unflatten,
+)
+
+
+class WeightReceiver:
+    """Take SGLang-shaped weight updates for `model` over HTTP on `host:port` (port 0: a free one)."""
+
+    def __init__(self, model: torch.nn.Module, checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 0,
+                 timeout_s: float = 60.0) -> None:
+        self.model = model.eval()
+        self.checkpoint = Path(checkpoint)
+        self.timeout_s = timeout_s
+        self.weight_version: str | None = None
+        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())
+        device = next(model.parameters()).device
+        self.draft_tensors = self._load_draft_tensors(device)
+        self.groups: dict[str, tuple[Any, int]] = {}
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer((host, port), _handler(self))
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(cls, checkpoint: str | Path, *, device: str = "cpu", **kwargs: Any) -> WeightReceiver:
+        """The checkpoint's `transformers` model in its own dtypes, on `device`."""
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto").to(device)
+        return cls(model, checkpoint, **kwargs)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> WeightReceiver:
+        """Serve on a background thread."""
+        self._thread = threading.Thread(target=self._server.serve_forever, name="weight-receiver", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        for group, _ in self.groups.values():
+            destroy_process_group(group)
+        self.groups = {}
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the engine serves under its checkpoint name: the model's and the draft's."""
+        return {**self.tensors, **self.draft_tensors}
+
+    # ------------------------------------------------------------------ requests (SGLang's shapes)
+
+    def init_weights_update_group(self, request: dict[str, Any]) -> dict[str, Any]:
+        name = request.get("group_name", "weight_update_group")
+        if name in self.groups:
+            destroy_process_group(self.groups.pop(name)[0])
+        rank = int(request.get("rank_offset", 1))
+        group = init_custom_process_group(request.get("backend", "nccl"), request["master_address"],
+                                          int(request["master_port"]), rank, int(request["world_size"]), name,
+                                          timedelta(seconds=self.timeout_s))
+        self.groups[name] = (group, rank)
+        return {"success": True, "message": f"joined {name} as rank {rank}"}
+
+    def destroy_weights_update_group(self, request: dict[str, Any]) -> dict[str, Any]:
+        group = self.groups.pop(request.get("group_name", "weight_update_group"), None)
+        if group is not None:
+            destroy_process_group(group[0])
+        return {"success": True, "message": "destroyed"}
+
+    def validate_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        self._check(specs_from_payload(request))
+        return {"success": True, "message": "names, dtypes and shapes match"}
+
+    def update_weights_from_distributed(self, request: dict[str, Any]) -> dict[str, Any]:
+        specs = specs_from_payload(request)
+        self._check(specs)
+        group_name = request.get("group_name", "weight_update_group")
+        if group_name not in self.groups:
+            raise WeightSyncError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        group = self.groups[group_name][0]
+        device = next(self.model.parameters()).device
+        if request.get("load_format") == "flattened_bucket":
+            buffer = torch.empty(sum(spec.nbytes for spec in specs), dtype=torch.uint8, device=device)
+            broadcast(group, buffer, self.timeout_s)
+            self._load(unflatten(buffer, specs))
+        else:
+            received = []
+            for spec in specs:
+                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                broadcast(group, tensor, self.timeout_s)
+                received.append((spec.name, tensor))
+            self._load(received)
+        return self._updated(request, len(specs))
+
+    def update_weights_from_tensor(self, request: dict[str, Any]) -> dict[str, Any]:
+        # one entry per engine TP rank; this engine has one
+        payload = deserialize(request["serialized_named_tensors"][0])
+        if request.get("load_format") == "flattened_bucket":
+            specs = [TensorSpec(entry["name"], tuple(entry["shape"]), dtype_from_name(entry["dtype"]))
+                     for entry in payload["metadata"]]
+            self._check(specs)
+            self._load(unflatten(open_handle(payload["flattened_tensor"]), specs))
+        else:
+            named = [(name, open_handle(tensor)) for name, tensor in payload]
+            specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in named]
+            self._check(specs)
+            self._load(named)
+        return self._updated(request, len(specs))
+
+    def update_weights_from_disk(self, request: dict[str, Any]) -> dict[str, Any]:
+        path = Path(request["model_path"])
+        specs = list(checkpoint_tensor_specs(path).values())
+        self._check(specs)
+        missing = sorted(set(checkpoint_tensor_specs(self.checkpoint)) - {spec.name for spec in specs})
+        if missing:
+            raise WeightSyncError(f"{path} lacks {len(missing)} tensor(s) the engine serves, e.g. {missing[:5]}")
+        device = next(self.model.parameters()).device
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
+                self._load((name, reader.get_tensor(name)) for name in reader.keys())
+        self.checkpoint = path
+        return self._updated(request, len(specs))
+
+    def model_info(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {"model_path": str(self.checkpoint), "weight_version": self.weight_version, "is_generation": True}
+
+    def get_weights_by_name(self, request: dict[str, Any]) -> Any:
+        tensor = self.named_tensors()[request["name"]]
+        limit = request.get("truncate_size")
+        flat = tensor.detach().float().cpu().reshape(-1)
+        return {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
+                "values": (flat if limit is None else flat[:limit]).tolist()}
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Greedy continuation of `input_ids` (SGLang's `sampling_params.max_new_tokens`)."""
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([request["input_ids"]], device=device)
+        new_tokens = int(request.get("sampling_params", {}).get("max_new_tokens", 16))
+        with torch.no_grad():
+            output = self.model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                         do_sample=False, attention_mask=torch.ones_like(input_ids))
+        return {"output_ids": output[0, input_ids.shape[1]:].tolist(), "weight_version": self.weight_version}
+
+    def health(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {"success": True}
+
+    # ------------------------------------------------------------------ checks and copies
+
+    def _check(self, specs: list[TensorSpec]) -> None:
+        served = self.named_tensors()
+        unknown = [spec.name for spec in specs if spec.name not in served]
+        mismatched = [f"{spec.name}: sent as {spec.shape} {dtype_name(spec.dtype)}, served as "
+                      f"{tuple(served[spec.name].shape)} {dtype_name(served[spec.name].dtype)}"
+                      for spec in specs if spec.name in served
+                      and (tuple(served[spec.name].shape) != spec.shape or served[spec.name].dtype != spec.dtype)]
+        if unknown or mismatched:
+            raise WeightSyncError(f"nothing was loaded: {len(unknown)} name(s) this model and its draft do not have "
+                                  f"(e.g. {unknown[:3]}); {len(mismatched)} shape or dtype mismatch(es) "
+                                  f"(e.g. {mismatched[:3]})")
+
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        served = self.named_tensors()
+        with torch.no_grad():
+            for name, tensor in named:
+                served[name].copy_(tensor)
+
+    def _updated(self, request: dict[str, Any], count: int) -> dict[str, Any]:
+        if request.get("weight_version") is not None:
+            self.weight_version = str(request["weight_version"])
+        return {"success": True, "message": f"loaded {count} tensor(s)", "num_paused_requests": 0}
+
+    def _load_draft_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        draft = {}
+        for file in safetensors_files(self.checkpoint):
+            with safe_open(file, framework="pt") as reader:
+                for name in reader.keys():
+                    if name not in self.tensors:
+                        draft[name] = reader.get_tensor(name).to(device)
+        return draft
+
+    def _handle(self, route: str, request: dict[str, Any]) -> Any:
+        routes = {"init_weights_update_group": self.init_weights_update_group,
+                  "destroy_weights_update_group": self.destroy_weights_update_group,
+                  "validate_weights": self.validate_weights,
+                  "update_weights_from_distributed": self.update_weights_from_distributed,
+                  "update_weights_from_tensor": self.update_weights_from_tensor,
+                  "update_weights_from_disk": self.update_weights_from_disk,
+                  "model_info": self.model_info, "get_model_info": self.model_info,
+                  "get_weights_by_name": self.get_weights_by_name, "generate": self.generate, "health": self.health}
+        if route not in routes:
+            raise KeyError(route)
+        if route in ("health", "model_info", "get_model_info"):
+            return routes[route](request)
+        with self._lock:  # one update (or generation) at a time
+            return routes[route](request)
+
+
+def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._answer({})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self._answer(json.loads(self.rfile.read(length) or b"{}"))
+
+        def _answer(self, request: dict[str, Any]) -> None:
+            route = self.path.strip("/").split("?")[0]
+            try:
+                status, reply = 200, receiver._handle(route, request)
+            except KeyError as error:
+                status, reply = (404, {"success": False, "message": f"no route /{route}"}) if error.args == (route,) \
+                    else (400, {"success": False, "message": f"unknown tensor {error}"})
+            except (WeightSyncError, ValueError, RuntimeError) as error:
+                status, reply = 400, {"success": False, "message": str(error)}
+            body = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
+            pass
+
+    return Handler
+
+
+def spawn_receiver(checkpoint: str | Path, *, port: int = 0, device: str = "cpu", timeout_s: float = 60.0,
+                   log: str | Path | None = None, startup_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """Start a receiver for `checkpoint` in a new process; returns the process and its URL once it serves."""
+    ready = Path(tempfile.mkdtemp(prefix="weight-receiver-")) / "url"
+    command = [sys.executable, "-m", "lightning_megatron.serving.receiver", "--checkpoint", str(checkpoint),
+               "--port", str(port), "--device", device, "--timeout-s", str(timeout_s), "--ready-file", str(ready)]
+    # the child imports this package from where this process found it
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    if log is None:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+    else:
+        with open(log, "ab") as output:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + startup_s
+    while not ready.is_file():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the weight receiver for {checkpoint} did not start (exit code {process.poll()})")
+        time.sleep(0.1)
+    return process, ready.read_text().strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="the HF checkpoint the engine starts from")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--ready-file", default=None, help="write the URL here once serving (for scripts)")
+    args = parser.parse_args()
+    receiver = WeightReceiver.from_pretrained(args.checkpoint, device=args.device, port=args.port,
+                                              timeout_s=args.timeout_s)
+    if args.ready_file:  # written whole, then renamed: a reader never sees a partial URL
+        partial = Path(f"{args.ready_file}.partial")
+        partial.write_text(receiver.url + "\n")
+        partial.replace(args.ready_file)
+    print(f"serving {args.checkpoint} at {receiver.url}", flush=True)
+    receiver.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
