@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import zlib
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singlet
 # saved with ("dp_reshardable": the same model-parallel sizes, any data-parallel size).
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
 _CRC_CHUNK = 16 * 1024**2
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
 
 
 class CheckpointError(RuntimeError):
@@ -127,7 +129,7 @@ def load(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None)
         except (Exception, CheckpointException) as error:  # torch's CheckpointException is a BaseException
             raise _unreadable_shard(path / "megatron", dcp_metadata) or error
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
-        unwrap_model(chunk).load_state_dict(loaded[key])
+        _load_model_state(unwrap_model(chunk), loaded[key])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if rng_states is not None:
@@ -269,6 +271,40 @@ def _parallel_layout() -> dict[str, int | None]:
 
 def _model_keys(model_chunks: list[torch.nn.Module]) -> list[str]:
     return ["model"] if len(model_chunks) == 1 else [f"model{index}" for index in range(len(model_chunks))]
+
+
+def _load_model_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """`module.load_state_dict(state)` for a `state` keyed the way `module.state_dict()` names things.
+
+    Megatron's sharded state dict, and so every checkpoint, uses `state_dict()`'s names, and a module may name its
+    children differently there than in its module tree: megatron-bridge's LoRA wrapper (a pre-wrap hook's
+    `AdapterWrapper`) saves its wrapped linear's `to_wrap.weight` as `weight`, while `load_state_dict` wants the
+    module path. Each such key is loaded under the module path of the tensor `state_dict()` returns for it, so the
+    model loads into the structure it saved from, whatever a pre-wrap hook did to it; strict, as before.
+    """
+    paths = _module_paths(module)
+    module.load_state_dict({paths.get(name, name): value for name, value in state.items()})
+
+
+def _module_paths(module: torch.nn.Module) -> dict[str, str]:
+    """`state_dict()` name -> `load_state_dict` name, for the names that differ; an extra state follows its
+    module's renamed tensors."""
+    paths: dict[int, list[str]] = {}
+    for path, tensor in chain(module.named_parameters(remove_duplicate=False),
+                              module.named_buffers(remove_duplicate=False)):
+        paths.setdefault(id(tensor), []).append(path)
+    saved = module.state_dict(keep_vars=True)
+    renamed = {}
+    for name, value in saved.items():
+        candidates = paths.get(id(value), []) if isinstance(value, torch.Tensor) else []
+        if candidates and name not in candidates:
+            renamed[name] = candidates[0]
+    owners = {name.rpartition(".")[0]: path.rpartition(".")[0] for name, path in renamed.items()}
+    for name in saved:
+        owner, _, leaf = name.rpartition(".")
+        if leaf == _EXTRA_STATE and owner in owners:
+            renamed[name] = f"{owners[owner]}.{_EXTRA_STATE}"
+    return renamed
 
 
 def _sharded_state_dict(model_chunks: list[torch.nn.Module], optimizer: Any | None, metadata: dict[str, Any], *,

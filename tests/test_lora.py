@@ -163,6 +163,85 @@ def test_tensor_parallel_lora_exports_the_same_adapter(lora_fit, checkpoint, tmp
         (lora_fit["adapter"] / "adapter_config.json").read_text())
 
 
+def test_lora_resume_equals_the_uninterrupted_run_bit_for_bit(process_group, checkpoint, tmp_path):
+    """The checkpoint holds the adapter-wrapped model under `state_dict()`'s names (megatron-bridge's wrapper saves
+    its base linear's `to_wrap.weight` as `weight`); resuming loads it back into the same wrapped structure."""
+    from tests.test_strategy import StopAfter
+    from tests.test_strategy import _fit as fit_recording_losses
+
+    steps, stop_at = 4, 2
+    options = dict(bridge_type="megatron-bridge", precision="bf16")
+    uninterrupted = fit_recording_losses(tmp_path / "full", checkpoint, steps, callbacks=(LoRACallback(**LORA),),
+                                         **options)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=stop_at, save_top_k=-1)
+    first = fit_recording_losses(tmp_path / "first", checkpoint, steps,
+                                 callbacks=(LoRACallback(**LORA), StopAfter(stop_at), saver),
+                                 trainer_kwargs=dict(enable_checkpointing=True), **options)
+    recorder = RecordWeights()
+    resumed = fit_recording_losses(tmp_path / "second", checkpoint, steps, callbacks=(LoRACallback(**LORA), recorder),
+                                   ckpt_path=str(tmp_path / "ckpts" / f"epoch=0-step={stop_at}.ckpt"), **options)
+
+    assert first["losses"] == uninterrupted["losses"][:stop_at]
+    assert resumed["losses"] == uninterrupted["losses"][stop_at:]
+    assert resumed["trainer"].global_step == steps
+    final = uninterrupted["weights"]
+    assert sum(".adapter.linear_" in name for name in final) == 16
+    assert sum(".to_wrap.weight" in name for name in final) == 8  # 4 wrapped linears x 2 layers
+    assert sorted(resumed["weights"]) == sorted(final)
+    assert [name for name, tensor in final.items() if not torch.equal(tensor, resumed["weights"][name])] == []
+    # frozen: the checkpoint gave back the weights built from the HF checkpoint (Float16Module casts the norms to bf16)
+    changed_base = [name for name, param, built in recorder.base.values()
+                    if not torch.equal(param, built.to(param.dtype))]
+    assert len(recorder.base) == len(final) - 16 and changed_base == []
+
+
+class SavesUnderItsOwnName(torch.nn.Module):
+    """A wrapper a pre-wrap hook might add, which (like megatron-bridge's AdapterWrapper) saves the wrapped module's
+    tensors and extra state without the `inner.` of its module path."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.side = torch.nn.Linear(3, 3)
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        destination = {} if destination is None else destination
+        self.inner.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        self.side.state_dict(destination=destination, prefix=f"{prefix}side.", keep_vars=keep_vars)
+        return destination
+
+
+class LinearWithExtraState(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+        self.note = torch.zeros(1)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.note
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.note = state
+
+
+def test_checkpoint_loading_follows_a_wrapper_that_renames_what_it_saves():
+    from lightning_megatron.checkpoint import _load_model_state
+
+    def model() -> torch.nn.Module:
+        wrapped = torch.nn.Sequential(SavesUnderItsOwnName(LinearWithExtraState()))
+        wrapped.tied = wrapped[0].inner  # a second module path for the same weight is not a rename
+        return wrapped
+
+    saved_model = model()
+    saved_model[0].inner.note = torch.ones(1)
+    saved = {name: value.detach().clone() for name, value in saved_model.state_dict().items()}
+    assert sorted(saved) == ["0._extra_state", "0.bias", "0.side.bias", "0.side.weight", "0.weight",
+                             "tied._extra_state", "tied.bias", "tied.weight"]
+    loaded = model()
+    _load_model_state(loaded, saved)
+    assert all(torch.equal(value, saved[name]) for name, value in loaded.state_dict().items())
+    assert torch.equal(loaded[0].inner.note, torch.ones(1))
+
+
 def test_lora_on_mbridge_fails_before_the_model_is_built(process_group, checkpoint, tmp_path):
     strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="mbridge", precision="fp32")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, callbacks=[LoRACallback()],
