@@ -56,7 +56,7 @@ class LoopConfig:
     attention_backend: str = "auto"
     mtp: bool = False
     mtp_loss_scaling_factor: float = 0.1
-    mtp_detach_heads: bool = True
+    mtp_detach_heads: bool = False
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
 

@@ -79,7 +79,8 @@ def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = Tr
                          devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=callbacks, **(validation if validate_every else {}))
-    module = SFTModule(**({"enable_mtp": True, "lr": lr} | (module_kwargs or {})))
+    # MTP-only detaches the head, as the MTP-only configs do (it then logs grad_norm_mtp)
+    module = SFTModule(**({"enable_mtp": True, "lr": lr, "mtp_detach_heads": mtp_only} | (module_kwargs or {})))
     dataset = dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB)
     loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True)
     val_loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True) if validate_every else None
@@ -303,6 +304,57 @@ def test_joint_training_moves_everything_and_both_losses_fall(process_group, che
     first, last = snapshot.metrics[0], snapshot.metrics[-1]
     assert last["lm_loss"] < first["lm_loss"] - 0.1
     assert last["mtp_loss"] < first["mtp_loss"] - 0.1
+
+
+class AllGradients(pl.Callback):
+    """Every trainable parameter's gradient right before the first optimizer step."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not hasattr(self, "gradients"):
+            self.gradients = {name: p.main_grad.detach().clone()
+                              for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
+
+
+def _loop_gradients(hf_checkpoint: Path, **overrides: Any) -> dict[str, torch.Tensor]:
+    """The gradients of one step of the plain Megatron-Core loop (`bench/megatron_loop.py`) on the same data."""
+    from megatron.core.utils import unwrap_model
+
+    from bench.megatron_loop import LoopConfig, run
+
+    config = LoopConfig(hf_checkpoint=str(hf_checkpoint), bridge_type="megatron-bridge", micro_batch_size=2,
+                        global_batch_size=4, steps=1, clip_grad=0.0, use_distributed_optimizer=False, **overrides)
+    model = run(config, RandomTokenDataset(SAMPLES, SEQ, VOCAB))["model"]
+    return {f"{index}.{name}": p.main_grad.detach().clone() for index, chunk in enumerate(model)
+            for name, p in unwrap_model(chunk).named_parameters() if p.requires_grad}
+
+
+def test_joint_training_lets_the_mtp_loss_train_the_trunk_unless_detached(process_group, checkpoints, tmp_path):
+    """Default (Megatron-Core's): the trunk's gradient holds the MTP loss's too, as Megatron-Core computes it run
+    directly; `mtp_detach_heads: true`: the trunk's gradient is that of the run without MTP."""
+    runs = {}
+    for detach in (False, True):
+        gradients = AllGradients()
+        module_kwargs = {} if not detach else {"mtp_detach_heads": True}
+        _fit(tmp_path / str(detach), checkpoints["qwen3_mtp"], 1, mtp_only=False, clip_grad=0.0,
+             module_kwargs=module_kwargs, callbacks=(gradients,))
+        runs[detach] = gradients.gradients
+    megatron_joint = _loop_gradients(checkpoints["qwen3_mtp"], mtp=True)
+    without_mtp = _loop_gradients(checkpoints["qwen3_mtp"], mtp=False)
+    assert SFTModule().hparams.mtp_detach_heads is False
+    assert runs[False].keys() == megatron_joint.keys() == runs[True].keys()
+    for name, gradient in megatron_joint.items():
+        torch.testing.assert_close(runs[False][name], gradient, rtol=0, atol=1e-6)
+    trunk = [name for name in runs[True] if not is_mtp_parameter(name)]
+    assert trunk and set(trunk) == set(without_mtp)
+    for name in trunk:
+        torch.testing.assert_close(runs[True][name], without_mtp[name], rtol=0, atol=1e-6)
+    # the MTP loss's gradient reaches the trunk (embedding, decoder, LM head) only without the detach
+    moved_by_mtp = [name for name in trunk if (runs[False][name] - without_mtp[name]).abs().max() > 1e-4]
+    assert {"0.embedding.word_embeddings.weight", "0.output_layer.weight"} <= set(moved_by_mtp)
+    assert any(".decoder.layers." in name for name in moved_by_mtp)
+    for name in runs[True]:  # the MTP layer's own gradient is the same either way
+        if is_mtp_parameter(name):
+            torch.testing.assert_close(runs[True][name], runs[False][name], rtol=0, atol=1e-6)
 
 
 def _expect_rejection(tmp_path: Path, hf_checkpoint: Path, message: str, *, bridge_type: str = "megatron-bridge",

@@ -51,7 +51,7 @@ class ModelOptions:
     params_dtype: torch.dtype = torch.float32
     mtp: bool = False
     mtp_loss_scaling_factor: float = 0.1
-    mtp_detach_heads: bool = True
+    mtp_detach_heads: bool = False
     sequence_parallel: bool = False
     attention_backend: AttentionBackend = "auto"
     config_overrides: dict[str, Any] = field(default_factory=dict)
