@@ -47,6 +47,14 @@ QWEN3_0_6B: dict[str, Any] = dict(
 )
 """`make_tiny_checkpoint` arguments of the Qwen3-0.6B shape (the real model's max_position_embeddings too)."""
 
+QWEN3_8B: dict[str, Any] = dict(
+    num_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
+)
+"""The Qwen3-8B shape (untied embeddings), in the same arguments."""
+
+_HF_CONFIG_KEYS = {"num_layers": "num_hidden_layers"}
+
 
 def add_step_options(parser: argparse.ArgumentParser) -> None:
     """The options every training-step benchmark shares: batch shape, timed and warm-up steps, MFU peak, output."""
@@ -74,6 +82,33 @@ def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
     if tiny:
         return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True)
     return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True, dtype=torch.bfloat16, **QWEN3_0_6B)
+
+
+def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied: bool, tiny: bool = False) -> Path:
+    """A Qwen3+MTP checkpoint folder of `shape` without weights (config, tokenizer, generation config): what a model
+    built with `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the
+    tiny shape itself (CPU runs)."""
+    from lightning_megatron.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(path, "qwen3", mtp=True, tied=tied)
+    for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
+        weights.unlink()
+    if not tiny:
+        config = json.loads((path / "config.json").read_text())
+        config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def release_model(chunks: list[torch.nn.Module]) -> None:
+    """Let a finished run's model be freed. Megatron DDP keeps each trainable parameter's gradient accumulator
+    (`grad_accs`), whose hook closes over the DDP module: a reference cycle through an autograd node, which the
+    garbage collector cannot see, so without this every run leaves its whole model (and grad buffers) allocated
+    and the next run's peak memory counts it."""
+    for chunk in chunks:
+        grad_accs = getattr(chunk, "grad_accs", None)
+        if grad_accs is not None:
+            grad_accs.clear()
 
 
 @dataclass(frozen=True)

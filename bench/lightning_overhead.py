@@ -16,7 +16,8 @@ from one synchronised step end to the next (for Lightning, a callback calls `tor
 out and the median of the rest, pooled over rounds, is reported with tokens/s, model FLOPs and MFU (formula in
 `bench/common.py`) and peak memory. Peak memory is that of the training steps; what building the model and the
 callbacks' setup (e.g. `MTPOnlyCallback`'s checksums of the frozen weights) peaked at before is kept apart as
-`setup_peak_memory_gib`. Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
+`setup_peak_memory_gib`; each run's model is released when it ends (`common.release_model`), so a run's peak is
+its own (`memory_at_start_gib` shows what was still allocated when it started). Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
 time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup peaks included). The losses of
 `plain` and `lightning` are compared step by step (the same computation: equal to ~1e-6 in fp32).
 
@@ -26,6 +27,7 @@ time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -53,8 +55,12 @@ from bench.common import (
     parse_with_tiny,
     peak_flops,
     peak_memory_gib,
+    release_model,
     throughput,
 )
+from lightning_megatron import SFTModule
+from lightning_megatron.bridges import ModelOptions
+from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.testing import RandomTokenDataset
 
 VARIANTS = ("plain", "lightning", "mtp_only")
@@ -73,6 +79,8 @@ class Settings:
     lr: float = 1e-5
     bridge_type: str = "megatron-bridge"
     attention_backend: str = "auto"
+    random_weights: bool = False
+    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
 
     @property
     def global_batch(self) -> int:
@@ -87,7 +95,8 @@ class Settings:
         return RandomTokenDataset(self.total_steps * self.global_batch, self.seq, vocab, seed=0)
 
 
-def run_plain(settings: Settings, vocab: int) -> dict[str, Any]:
+def run_plain(settings: Settings, vocab: int, *, mtp_only: bool = False) -> dict[str, Any]:
+    """The plain Megatron-Core loop, joint or MTP-only (every non-MTP parameter frozen, nothing else)."""
     from bench.megatron_loop import LoopConfig, run
 
     fresh_memory()
@@ -95,8 +104,10 @@ def run_plain(settings: Settings, vocab: int) -> dict[str, Any]:
     config = LoopConfig(hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type,
                         micro_batch_size=settings.micro_batch, global_batch_size=settings.global_batch,
                         precision=settings.precision, lr=settings.lr, steps=settings.total_steps,
-                        attention_backend=settings.attention_backend, mtp=True)
+                        attention_backend=settings.attention_backend, mtp=True, mtp_only=mtp_only,
+                        random_weights=settings.random_weights)
     result = run(config, settings.dataset(vocab))
+    release_model(result.pop("model"))
     setup_peak = result["setup_peak_memory_bytes"]
     return {"step_times_s": result["step_times_s"], "losses": result["losses"], "mtp_losses": result["mtp_losses"],
             "memory_at_start_gib": at_start, "peak_memory_gib": peak_memory_gib(),
@@ -135,16 +146,25 @@ def _synchronized_now() -> float:
     return time.perf_counter()
 
 
-def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool) -> dict[str, Any]:
-    from lightning_megatron import MegatronStrategy, MTPOnlyCallback, SFTModule
+class RandomWeightsSFTModule(SFTModule):
+    """`SFTModule` built with Megatron's random initialization (`ModelOptions.random_weights`): config only."""
+
+    def model_options(self) -> ModelOptions:
+        return dataclasses.replace(super().model_options(), random_weights=True)
+
+
+def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool,
+                  callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
+    from lightning_megatron import MegatronStrategy, MTPOnlyCallback
 
     fresh_memory()
     at_start = allocated_gib()
     workdir = Path(tempfile.mkdtemp(prefix="lightning_overhead_"))
     timer = StepTimer()
-    callbacks: list[pl.Callback] = [timer]
+    callbacks = (timer, *callbacks)
     if mtp_only:
-        callbacks.append(MTPOnlyCallback(audit_path=str(workdir / "mtp_only_audit.json")))
+        callbacks += (MTPOnlyCallback(audit_path=str(workdir / "mtp_only_audit.json"),
+                                      loss_chunk_tokens=settings.loss_chunk_tokens),)
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
         global_batch_size=settings.global_batch, precision=settings.precision,
@@ -153,10 +173,12 @@ def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool) -> dict[str
     trainer = pl.Trainer(
         strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
         max_steps=settings.total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=callbacks,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=list(callbacks),
     )
     loader = DataLoader(settings.dataset(vocab), batch_size=settings.micro_batch, drop_last=True)
-    trainer.fit(SFTModule(enable_mtp=True, lr=settings.lr), loader)
+    module_class = RandomWeightsSFTModule if settings.random_weights else SFTModule
+    trainer.fit(module_class(enable_mtp=True, lr=settings.lr), loader)
+    release_model(strategy.model_chunks)
     result = {"step_times_s": timer.step_times_s, "losses": timer.losses, "mtp_losses": timer.mtp_losses,
               "memory_at_start_gib": at_start, "setup_peak_memory_gib": timer.setup_peak_memory_gib,
               "peak_memory_gib": peak_memory_gib()}
