@@ -5,6 +5,7 @@
 #
 # Makes the Qwen3-0.6B-shaped checkpoint with one MTP layer under /tmp (CHECKPOINT overrides where), then runs
 #   P1+P2  bench/lightning_overhead.py  plain Megatron-Core loop vs Lightning joint vs Lightning MTP-only
+#   P2     bench/mtp_memory.py          0.6B and 8B shapes: MTP-only vs joint vs plain MTP-only loop, peak breakdown
 #   P3     bench/hf_io.py               each bridge's HF load/save vs raw safetensors I/O
 #   P4     bench/attention.py           plain HF transformers Qwen3 (and Megatron-Core without MTP, SDPA)
 # Each writes its JSON (exact command, GPU, library versions, date inside) into $OUT and its log beside it;
@@ -39,6 +40,7 @@ step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT"
 [ "$failed" = 0 ] || exit 1
 step lightning_overhead python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" \
     --out "$OUT/lightning_overhead.json"
+step mtp_memory python3 -m bench.mtp_memory --out "$OUT/mtp_memory.json" --breakdown-md "$OUT/mtp_memory_breakdown.md"
 step hf_io python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/hf_io.json"
 step attention python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/attention.json"
 python3 -m bench.report "$OUT"/*.json >"$OUT/table.md" && cat "$OUT/table.md" || failed=1

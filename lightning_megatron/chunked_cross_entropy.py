@@ -7,7 +7,8 @@ backward, plus as much again while it is computed. `chunked_vocab_parallel_cross
 (`VocabParallelCrossEntropy`'s max, predicted logit and sum of exponentials, all-reduced over the tensor-parallel
 group) on `chunk_tokens` rows at a time and keeps only the logits it was given (bf16 in training) and two fp32
 numbers per token; the backward recomputes each chunk's softmax from them with the same operations, so the loss
-and its gradient are Megatron-Core's to fp32 rounding (the fused kernel rounds the gradient to bf16 as well).
+and its gradient are Megatron-Core's. With `fused` (the model's `cross_entropy_loss_fusion`) the steps are
+Megatron-Core's jit-fused ones (`fusions/fused_cross_entropy.py`, whose gradient is bf16), otherwise its plain ones.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ def _softmax_chunk(logits: torch.Tensor, logits_max: torch.Tensor, sum_exp_logit
     return softmax.div_(sum_exp_logits.unsqueeze(-1))
 
 
+def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.float32, copy=True)
+
+
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp_group: Any,
-                chunk_tokens: int) -> torch.Tensor:
-        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp_group: Any, chunk_tokens: int,
+                fused: bool) -> torch.Tensor:
         partition_vocab_size = logits.size(-1)
         logits_2d, target_1d = logits.reshape(-1, partition_vocab_size), target.reshape(-1)
         vocab_start, vocab_end = _vocab_range(partition_vocab_size, tp_group)
@@ -50,47 +53,95 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp_logits = torch.empty_like(loss)
         for start in range(0, rows, chunk_tokens):
             end = min(rows, start + chunk_tokens)
-            chunk = logits_2d[start:end].to(torch.float32, copy=True)
-            chunk_max = chunk.max(dim=-1)[0]
-            dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
-            _, _, predicted, sum_exp, _ = VocabParallelCrossEntropy.calculate_predicted_logits(
-                chunk, target_1d[start:end], chunk_max, vocab_start, vocab_end)
-            del chunk
-            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
-            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
-            loss[start:end] = torch.log(sum_exp) - predicted
-            logits_max[start:end], sum_exp_logits[start:end] = chunk_max, sum_exp
+            chunk_loss, chunk_max, chunk_sum = (_fused_chunk_loss if fused else _chunk_loss)(
+                logits_2d[start:end], target_1d[start:end], tp_group, vocab_start, vocab_end)
+            loss[start:end], logits_max[start:end], sum_exp_logits[start:end] = chunk_loss, chunk_max, chunk_sum
         ctx.save_for_backward(logits, target, logits_max, sum_exp_logits)
-        ctx.vocab_range, ctx.chunk_tokens = (vocab_start, vocab_end), chunk_tokens
+        ctx.vocab_range, ctx.chunk_tokens, ctx.fused = (vocab_start, vocab_end), chunk_tokens, fused
         return loss.view_as(target)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         logits, target, logits_max, sum_exp_logits = ctx.saved_tensors
-        vocab_start, vocab_end = ctx.vocab_range
         partition_vocab_size = logits.size(-1)
         logits_2d, target_1d = logits.reshape(-1, partition_vocab_size), target.reshape(-1)
         grad_1d = grad_output.reshape(-1)
         grad_input = torch.empty_like(logits_2d)
         for start in range(0, target_1d.numel(), ctx.chunk_tokens):
             end = min(target_1d.numel(), start + ctx.chunk_tokens)
-            softmax = _softmax_chunk(logits_2d[start:end], logits_max[start:end], sum_exp_logits[start:end])
-            chunk_target = target_1d[start:end]
-            outside = (chunk_target < vocab_start) | (chunk_target >= vocab_end)
-            local_target = torch.where(outside, 0, chunk_target - vocab_start)
-            rows = torch.arange(end - start, device=softmax.device)
-            softmax[rows, local_target] -= 1.0 - outside.float()
-            softmax.mul_(grad_1d[start:end].unsqueeze(-1))
-            grad_input[start:end] = softmax
-        return grad_input.view_as(logits), None, None, None
+            grad_input[start:end] = (_fused_chunk_gradient if ctx.fused else _chunk_gradient)(
+                logits_2d[start:end], target_1d[start:end], logits_max[start:end], sum_exp_logits[start:end],
+                grad_1d[start:end], *ctx.vocab_range)
+        return grad_input.view_as(logits), None, None, None, None
+
+
+def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
+                vocab_end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, max, sum of exponentials) of one chunk: `_VocabParallelCrossEntropy.forward`'s steps."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    chunk = _fp32_copy(logits)
+    chunk_max = chunk.max(dim=-1)[0]
+    dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
+    _, _, predicted, sum_exp, _ = VocabParallelCrossEntropy.calculate_predicted_logits(
+        chunk, target, chunk_max, vocab_start, vocab_end)
+    dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
+    dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+    return torch.log(sum_exp) - predicted, chunk_max, sum_exp
+
+
+def _chunk_gradient(logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
+                    sum_exp_logits: torch.Tensor, grad_output: torch.Tensor, vocab_start: int,
+                    vocab_end: int) -> torch.Tensor:
+    """`_VocabParallelCrossEntropy.backward` of one chunk, its softmax recomputed."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    softmax = _softmax_chunk(logits, logits_max, sum_exp_logits)
+    target_mask = (target < vocab_start) | (target >= vocab_end)
+    masked_target = torch.where(target_mask, 0, target - vocab_start)
+    grad_2d, arange_1d, softmax_update, grad_input = (
+        VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask))
+    return VocabParallelCrossEntropy.calculate_gradients(grad_2d, arange_1d, masked_target, softmax_update,
+                                                         grad_input, grad_output)
+
+
+def _fused_chunk_loss(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
+                      vocab_end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, max, sum of exponentials) of one chunk: the fused `_VocabParallelCrossEntropy.forward`'s steps."""
+    from megatron.core.fusions import fused_cross_entropy as fused
+
+    chunk, chunk_max = fused.calculate_logits_max(_fp32_copy(logits))
+    dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
+    _, _, predicted_and_sum, exp_logits = fused.calculate_predicted_logits(chunk, target, chunk_max, vocab_start,
+                                                                            vocab_end)
+    dist.all_reduce(predicted_and_sum, op=dist.ReduceOp.SUM, group=tp_group)
+    _, loss = fused.calculate_cross_entropy_loss(exp_logits, predicted_and_sum)
+    return loss, chunk_max, predicted_and_sum[target.numel():]
+
+
+def _fused_chunk_gradient(logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
+                          sum_exp_logits: torch.Tensor, grad_output: torch.Tensor, vocab_start: int,
+                          vocab_end: int) -> torch.Tensor:
+    """The fused `_VocabParallelCrossEntropy.backward` of one chunk, its softmax recomputed by the same fused
+    steps from the all-reduced max and sum the forward kept."""
+    from megatron.core.fusions import fused_cross_entropy as fused
+
+    chunk, _ = fused.calculate_logits_max(_fp32_copy(logits))
+    target_mask, masked_target_1d, _, exp_logits = fused.calculate_predicted_logits(
+        chunk, target, logits_max, vocab_start, vocab_end)
+    softmax, _ = fused.calculate_cross_entropy_loss(exp_logits, torch.cat((torch.zeros_like(sum_exp_logits),
+                                                                           sum_exp_logits)))
+    return fused.calculate_gradients(softmax, grad_output, target_mask, masked_target_1d)
 
 
 def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group: Any,
-                                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
-    """Per-token cross-entropy of `[..., vocab / TP]` logits against `[...]` targets, `chunk_tokens` at a time."""
+                                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, fused: bool = False
+                                         ) -> torch.Tensor:
+    """Per-token cross-entropy of `[..., vocab / TP]` logits against `[...]` targets, `chunk_tokens` at a time;
+    `fused`: Megatron-Core's jit-fused steps (bf16 logit gradients), else its plain ones."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: {chunk_tokens} must be at least 1")
-    return _ChunkedVocabParallelCrossEntropy.apply(logits, target, tp_group, chunk_tokens)
+    return _ChunkedVocabParallelCrossEntropy.apply(logits, target, tp_group, chunk_tokens, fused)
 
 
 def chunked_language_model_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Any:
@@ -99,7 +150,7 @@ def chunked_language_model_loss(model: torch.nn.Module, chunk_tokens: int = DEFA
 
     def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         loss = chunked_vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), model.tp_group,
-                                                    chunk_tokens)
+                                                    chunk_tokens, fused=model.config.cross_entropy_loss_fusion)
         return loss.transpose(0, 1).contiguous()
 
     return compute_language_model_loss

@@ -113,6 +113,9 @@ class _ChunkedMainLoss:
 
         self.autoscaler_node = MTPLossAutoScaler._backward_cls
         self.chunk_tokens = chunk_tokens
+        # Megatron-Core's own (fused when configured) loss: nothing backpropagates through the main head's chunks,
+        # so they need no chunked backward
+        self.language_model_loss = type(model).compute_language_model_loss.__get__(model)
 
     def before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
@@ -124,8 +127,7 @@ class _ChunkedMainLoss:
 
     def main_loss(self, *, hidden_states: torch.Tensor, output_layer: torch.nn.Module,
                   output_weight: torch.Tensor | None, labels: torch.Tensor | None,
-                  runtime_gather_output: bool | None, compute_language_model_loss: Any, scale_logits: Any,
-                  **_: Any) -> torch.Tensor:
+                  runtime_gather_output: bool | None, scale_logits: Any, **_: Any) -> torch.Tensor:
         if labels is None:
             raise RuntimeError("MTPOnlyCallback: MTP-only training needs labels in the forward call")
         if not isinstance(hidden_states.grad_fn, self.autoscaler_node):
@@ -137,7 +139,7 @@ class _ChunkedMainLoss:
             for hidden_slice, label_slice in self._token_chunks(hidden_states, output_layer.sequence_parallel):
                 logits, _ = output_layer(hidden_states[hidden_slice], weight=output_weight,
                                          runtime_gather_output=runtime_gather_output)
-                loss[label_slice] = compute_language_model_loss(labels[label_slice], scale_logits(logits))
+                loss[label_slice] = self.language_model_loss(labels[label_slice], scale_logits(logits))
         return _ZeroGradientTie.apply(loss, hidden_states)
 
     def _token_chunks(self, hidden: torch.Tensor, sequence_parallel: bool) -> list[tuple[tuple, tuple]]:

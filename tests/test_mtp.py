@@ -40,8 +40,14 @@ class Snapshot(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.before = _named_parameters(pl_module)
         self.trainable = {name for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
+        from megatron.core.distributed import DistributedDataParallel
+
         optimizer = trainer.optimizers[0].megatron_optimizer
         self.optimizer_numel = sum(p.numel() for p in optimizer.get_parameters())
+        # Megatron DDP's grad buffers: only what trains gets one (no fp32 grads of frozen weights)
+        self.grad_buffer_numel = sum(p.numel() for chunk in pl_module.model
+                                     if isinstance(chunk, DistributedDataParallel)
+                                     for buffer in chunk.buffers for p in buffer.params)
         self.mtp_grads: list[dict[str, torch.Tensor]] = []
         self.metrics: list[dict[str, float]] = []
 
@@ -96,7 +102,7 @@ def _assert_only_mtp_moved(snapshot: Snapshot) -> None:
                     and not torch.equal(snapshot.before[name], snapshot.after[name])]
     assert frozen_moved == []
     assert all(not torch.equal(snapshot.before[name], snapshot.after[name]) for name in mtp)
-    assert snapshot.optimizer_numel == sum(snapshot.before[name].numel() for name in mtp)
+    assert snapshot.optimizer_numel == snapshot.grad_buffer_numel == sum(snapshot.before[name].numel() for name in mtp)
 
 
 @pytest.mark.parametrize("model", ["qwen3_mtp", "mimo"])
