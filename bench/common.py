@@ -100,15 +100,32 @@ def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied
     return path
 
 
+def import_megatron_bridge_first() -> None:
+    """Import megatron-bridge before the first run: its first import keeps the tracebacks of the optional imports
+    it could not make, and with them every frame then on the stack, so a run that imports it first (the plain
+    loop, through `create_bridge`) would never free its model and optimizer."""
+    from lightning_megatron._compat import import_megatron_bridge
+
+    import_megatron_bridge()
+
+
 def release_model(chunks: list[torch.nn.Module]) -> None:
-    """Let a finished run's model be freed. Megatron DDP keeps each trainable parameter's gradient accumulator
-    (`grad_accs`), whose hook closes over the DDP module: a reference cycle through an autograd node, which the
-    garbage collector cannot see, so without this every run leaves its whole model (and grad buffers) allocated
-    and the next run's peak memory counts it."""
+    """Let a finished run's model, grad buffers and optimizer be freed. Megatron DDP hooks each trainable
+    parameter's gradient accumulator (an autograd node) with a closure over the DDP module; the optimizer's fp32
+    shards are views of the parameters, so they reach those nodes; and the model's config reaches the optimizer
+    (`grad_scale_func`) and DDP (`no_sync_func`, `finalize_model_grads_func`). The cycle runs through autograd
+    nodes, which the garbage collector cannot see, so without this every run leaves all of it allocated and the
+    next run's peak memory counts it."""
+    from megatron.core.utils import get_model_config
+
     for chunk in chunks:
         grad_accs = getattr(chunk, "grad_accs", None)
         if grad_accs is not None:
             grad_accs.clear()
+        config = get_model_config(chunk)
+        for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
+            if hasattr(config, hook):
+                setattr(config, hook, None)
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,12 @@ def fresh_memory() -> None:
 
 def allocated_gib() -> float | None:
     return torch.cuda.memory_allocated() / 1024**3 if torch.cuda.is_available() else None
+
+
+def own_gib(peak_gib: float | None, at_start_gib: float | None) -> float | None:
+    """A run's own peak: the allocator's peak less what was already allocated when the run started (an earlier
+    run's leftovers stay allocated through it: `release_model` frees what it can)."""
+    return None if peak_gib is None else peak_gib - (at_start_gib or 0.0)
 
 
 def peak_memory_gib() -> float | None:

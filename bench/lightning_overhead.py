@@ -16,8 +16,9 @@ from one synchronised step end to the next (for Lightning, a callback calls `tor
 out and the median of the rest, pooled over rounds, is reported with tokens/s, model FLOPs and MFU (formula in
 `bench/common.py`) and peak memory. Peak memory is that of the training steps; what building the model and the
 callbacks' setup (e.g. `MTPOnlyCallback`'s checksums of the frozen weights) peaked at before is kept apart as
-`setup_peak_memory_gib`; each run's model is released when it ends (`common.release_model`), so a run's peak is
-its own (`memory_at_start_gib` shows what was still allocated when it started). Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
+`setup_peak_memory_gib`. A run's peaks are its own: each run's model is released when it ends
+(`common.release_model`), and what an earlier run still left allocated when it started (`memory_at_start_gib`)
+is subtracted. Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
 time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup peaks included). The losses of
 `plain` and `lightning` are compared step by step (the same computation: equal to ~1e-6 in fp32).
 
@@ -49,9 +50,11 @@ from bench.common import (
     allocated_gib,
     emit,
     environment,
+    import_megatron_bridge_first,
     fresh_memory,
     make_checkpoint,
     model_flops,
+    own_gib,
     parse_with_tiny,
     peak_flops,
     peak_memory_gib,
@@ -110,8 +113,8 @@ def run_plain(settings: Settings, vocab: int, *, mtp_only: bool = False) -> dict
     release_model(result.pop("model"))
     setup_peak = result["setup_peak_memory_bytes"]
     return {"step_times_s": result["step_times_s"], "losses": result["losses"], "mtp_losses": result["mtp_losses"],
-            "memory_at_start_gib": at_start, "peak_memory_gib": peak_memory_gib(),
-            "setup_peak_memory_gib": None if setup_peak is None else setup_peak / 1024**3}
+            "memory_at_start_gib": at_start, "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
+            "setup_peak_memory_gib": None if setup_peak is None else own_gib(setup_peak / 1024**3, at_start)}
 
 
 class StepTimer(pl.Callback):
@@ -180,8 +183,8 @@ def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool,
     trainer.fit(module_class(enable_mtp=True, lr=settings.lr), loader)
     release_model(strategy.model_chunks)
     result = {"step_times_s": timer.step_times_s, "losses": timer.losses, "mtp_losses": timer.mtp_losses,
-              "memory_at_start_gib": at_start, "setup_peak_memory_gib": timer.setup_peak_memory_gib,
-              "peak_memory_gib": peak_memory_gib()}
+              "memory_at_start_gib": at_start, "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
+              "peak_memory_gib": own_gib(peak_memory_gib(), at_start)}
     if mtp_only:
         audit = json.loads((workdir / "mtp_only_audit.json").read_text())
         result["frozen_bit_identical"] = audit["frozen_bit_identical"]
@@ -248,6 +251,7 @@ def main() -> None:
     if shape.mtp_layers < 1:
         raise SystemExit(f"--checkpoint {checkpoint} has no MTP layer (num_nextn_predict_layers); P1/P2 need one")
     init_single_process()
+    import_megatron_bridge_first()
     order = [variant for round_index in range(args.rounds)
              for variant in (args.variants if round_index % 2 == 0 else args.variants[::-1])]
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}

@@ -13,8 +13,8 @@ megatron-bridge, one MTP layer, seq 2048, random tokens, all in this one process
 Runs alternate in mirrored rounds (a, b, c, c, b, a) as in `bench/lightning_overhead.py`, whose run functions
 these are: the median step time over the timed steps of all rounds, the training steps' peak memory
 (`max_memory_allocated` reset when training starts; building the model and the audit's first checksums are kept
-apart as `setup_peak_memory_gib`), and what was still allocated when each run started (`memory_at_start_gib`: each
-run's model is released at its end, so a run's peak is its own).
+apart as `setup_peak_memory_gib`), each run's own: every run's model is released at its end and what was still
+allocated when it started (`memory_at_start_gib`, ~0) is subtracted.
 
 Breakdown: one more short MTP-only run per shape records PyTorch's allocator history
 (`torch.cuda.memory._record_memory_history`) from before the model is built; its trace (`_snapshot()`) is replayed
@@ -45,6 +45,7 @@ from bench.common import (
     ModelShape,
     emit,
     environment,
+    import_megatron_bridge_first,
     make_config_only_checkpoint,
     model_flops,
     parse_with_tiny,
@@ -122,8 +123,8 @@ def peak_breakdown(trace: list[dict[str, Any]], baseline_bytes: int = 0, marker_
                    top: int = 12) -> dict[str, Any]:
     """The largest live total after the marker allocation in an allocator trace (`_snapshot()["device_traces"]`
     of one device: `alloc` adds a block, `free_completed` removes it), and the blocks live then, grouped by
-    allocating frame, largest first; `top` rows, the rest summed. `baseline_bytes` were allocated before
-    recording started (no frames)."""
+    allocating frame, largest first; `top` rows, the rest summed. `baseline_bytes`, allocated before recording
+    started (by earlier runs, not this one), are reported apart and not counted in the peak."""
 
     def replay(stop: int | None = None) -> tuple[dict[int, dict[str, Any]], int, int]:
         live: dict[int, dict[str, Any]] = {}
@@ -154,10 +155,7 @@ def peak_breakdown(trace: list[dict[str, Any]], baseline_bytes: int = 0, marker_
     if rest:
         table.append({"allocated_at": f"{len(rest)} other frames", "gib": sum(r[1][0] for r in rest) / GIB,
                       "blocks": sum(r[1][1] for r in rest)})
-    if baseline_bytes:
-        table.append({"allocated_at": "allocated before recording started", "gib": baseline_bytes / GIB,
-                      "blocks": None})
-    return {"peak_gib": (peak + baseline_bytes) / GIB, "rows": table}
+    return {"peak_gib": peak / GIB, "rows": table, "allocated_before_recording_gib": baseline_bytes / GIB}
 
 
 def breakdown_markdown(breakdowns: dict[str, dict[str, Any]], command: str) -> str:
@@ -170,10 +168,10 @@ def breakdown_markdown(breakdowns: dict[str, dict[str, Any]], command: str) -> s
             lines += [f"## {name}", "", breakdown.get("error", "no breakdown"), ""]
             continue
         lines += [f"## {name}: {breakdown['peak_gib']:.2f} GiB at the peak "
-                  f"(max_memory_allocated {breakdown['max_memory_allocated_gib']:.2f} GiB)", "",
+                  f"(max_memory_allocated {breakdown['max_memory_allocated_gib']:.2f} GiB, of which "
+                  f"{breakdown['allocated_before_recording_gib']:.2f} GiB were left by earlier runs)", "",
                   "| GiB | blocks | allocated at |", "|---|---|---|"]
-        lines += [f"| {row['gib']:.3f} | {row['blocks'] if row['blocks'] is not None else ''} | "
-                  f"`{row['allocated_at']}` |" for row in breakdown["rows"]]
+        lines += [f"| {row['gib']:.3f} | {row['blocks']} | `{row['allocated_at']}` |" for row in breakdown["rows"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -259,6 +257,7 @@ def main() -> None:
     from lightning_megatron.demo import init_single_process
 
     init_single_process()
+    import_megatron_bridge_first()
     root = Path(tempfile.mkdtemp(prefix="mtp_memory_"))
     shapes, breakdowns = {}, {}
     for shape_run in SHAPES:

@@ -40,6 +40,12 @@ def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.float32, copy=True)
 
 
+def _upcast_by_megatron(logits: torch.Tensor) -> torch.Tensor:
+    """What to hand `calculate_logits_max`, which upcasts with `.float()` and is then overwritten in place: bf16
+    logits as they are (the upcast is a copy, fused with the max), fp32 ones copied (the upcast would be them)."""
+    return logits.clone() if logits.dtype == torch.float32 else logits
+
+
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp_group: Any, chunk_tokens: int,
@@ -110,7 +116,7 @@ def _fused_chunk_loss(logits: torch.Tensor, target: torch.Tensor, tp_group: Any,
     """(loss, max, sum of exponentials) of one chunk: the fused `_VocabParallelCrossEntropy.forward`'s steps."""
     from megatron.core.fusions import fused_cross_entropy as fused
 
-    chunk, chunk_max = fused.calculate_logits_max(_fp32_copy(logits))
+    chunk, chunk_max = fused.calculate_logits_max(_upcast_by_megatron(logits))
     dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
     _, _, predicted_and_sum, exp_logits = fused.calculate_predicted_logits(chunk, target, chunk_max, vocab_start,
                                                                             vocab_end)
@@ -126,7 +132,7 @@ def _fused_chunk_gradient(logits: torch.Tensor, target: torch.Tensor, logits_max
     steps from the all-reduced max and sum the forward kept."""
     from megatron.core.fusions import fused_cross_entropy as fused
 
-    chunk, _ = fused.calculate_logits_max(_fp32_copy(logits))
+    chunk, _ = fused.calculate_logits_max(_upcast_by_megatron(logits))
     target_mask, masked_target_1d, _, exp_logits = fused.calculate_predicted_logits(
         chunk, target, logits_max, vocab_start, vocab_end)
     softmax, _ = fused.calculate_cross_entropy_loss(exp_logits, torch.cat((torch.zeros_like(sum_exp_logits),

@@ -247,12 +247,12 @@ def test_the_memory_breakdown_groups_what_is_live_at_the_training_peak():
         {"action": "alloc", "addr": 6, "size": gib // 2, "frames": []},
     ]
     breakdown = peak_breakdown(trace, baseline_bytes=gib)
-    assert breakdown["peak_gib"] == 6.0  # 5 GiB traced after the marker (not the 8 GiB set-up) + 1 GiB baseline
+    assert breakdown["peak_gib"] == 5.0  # traced after the marker (not the 8 GiB set-up), the baseline apart
+    assert breakdown["allocated_before_recording_gib"] == 1.0
     assert breakdown["rows"] == [
         {"allocated_at": "megatron/core/tensor_parallel/cross_entropy.py:27 calculate_logits_max", "gib": 4.0,
          "blocks": 2},
         {"allocated_at": "megatron/core/tensor_parallel/layers.py:420 forward", "gib": 1.0, "blocks": 1},
-        {"allocated_at": "allocated before recording started", "gib": 1.0, "blocks": None},
     ]
     assert "error" in peak_breakdown(trace[:2])  # no marker: training never started in the trace
 
@@ -289,6 +289,7 @@ def test_mtp_memory_breakdown_on_the_gpu(tmp_path):
     result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny", "--shapes", "qwen3_8b", "--breakdown-steps", "1")
     breakdown = result["breakdown"]["qwen3_8b"]
     assert breakdown["rows"] and 0 < breakdown["peak_gib"] <= breakdown["max_memory_allocated_gib"] + 1e-6
+    assert breakdown["allocated_before_recording_gib"] < 0.01  # every earlier run was released
     assert sum(row["gib"] for row in breakdown["rows"]) == pytest.approx(breakdown["peak_gib"])
     assert "| GiB | blocks | allocated at |" in (tmp_path / "mtp_memory_breakdown.md").read_text()
     runs = result["shapes"]["qwen3_8b"]["runs"]
