@@ -122,7 +122,7 @@ class _ChunkedMainLoss:
             return None  # validation: the plain forward (its output-layer calls are what it captures)
         if kwargs.get("output_processor") is not None:
             raise RuntimeError("MTPOnlyCallback: the model was called with an output_processor of its own; pass "
-                               "MTPOnlyCallback(chunked_losses=False)")
+                               "MTPOnlyCallback(loss_chunk_tokens=None)")
         return args, {**kwargs, "output_processor": self.main_loss}
 
     def main_loss(self, *, hidden_states: torch.Tensor, output_layer: torch.nn.Module,
@@ -190,7 +190,7 @@ def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: i
     if trainable:
         raise ValueError(f"skipping the main LM head's backward needs every non-MTP parameter frozen; trainable: "
                          f"{trainable[:5]}")
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle | _InstanceOverride] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
         if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):

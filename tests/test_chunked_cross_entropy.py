@@ -1,4 +1,5 @@
-"""The chunked cross-entropy is Megatron-Core's vocabulary-parallel one, value and gradient, bit for bit."""
+"""The chunked cross-entropy is Megatron-Core's vocabulary-parallel one, value and gradient: bit for bit with its
+plain steps; with its jit-fused ones to one rounding (torch.compile may generate other kernels for other shapes)."""
 
 import pytest
 import torch
@@ -26,7 +27,11 @@ def test_chunked_cross_entropy_is_megatron_cores(model_parallel, dtype, fused):
     for chunk_tokens in (4, 21, 1000):  # uneven chunks, one chunk per token row group, everything at once
         ours = chunked_vocab_parallel_cross_entropy(logits, target, group, chunk_tokens=chunk_tokens, fused=fused)
         (gradient,) = torch.autograd.grad((ours * upstream).sum(), logits)
-        assert torch.equal(ours, megatron) and torch.equal(gradient, megatron_gradient)
+        if fused:
+            torch.testing.assert_close(ours, megatron, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(gradient.float(), megatron_gradient.float(), rtol=2**-8, atol=1e-7)
+        else:
+            assert torch.equal(ours, megatron) and torch.equal(gradient, megatron_gradient)
         assert gradient.dtype == dtype and logits.grad is None
 
 
