@@ -161,6 +161,7 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
         runs[name] = snapshot, trainer, heads
     (snapshot, trainer, heads), (whole, _, whole_heads) = runs["chunked"], runs["whole_logits"]
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
+    torch.distributed.barrier()  # global rank 0 writes the audits at the end of fit
     return {
         "has_mtp": bool(mtp),
         "frozen_moved": [name for name in snapshot.before if name not in mtp
