@@ -55,6 +55,9 @@ QWEN3_8B: dict[str, Any] = dict(
     intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
 )
 """The Qwen3-8B shape (untied embeddings in the real model)."""
+"""The Qwen3-8B shape (untied embeddings), in the same arguments."""
+
+_HF_CONFIG_KEYS = {"num_layers": "num_hidden_layers"}
 
 
 def add_step_options(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +131,51 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     write_index(small, shards, sizes)
     staging.rename(path)
     return path
+
+
+def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied: bool, tiny: bool = False) -> Path:
+    """A Qwen3+MTP checkpoint folder of `shape` without weights (config, tokenizer, generation config): what a model
+    built with `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the
+    tiny shape itself (CPU runs)."""
+    from lightning_megatron.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(path, "qwen3", mtp=True, tied=tied)
+    for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
+        weights.unlink()
+    if not tiny:
+        config = json.loads((path / "config.json").read_text())
+        config.pop("layer_types", None)  # one entry per tiny layer; transformers >= 5.17 refuses a count that differs
+        config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def import_megatron_bridge_first() -> None:
+    """Import megatron-bridge before the first run: its first import keeps the tracebacks of the optional imports
+    it could not make, and with them every frame then on the stack, so a run that imports it first (the plain
+    loop, through `create_bridge`) would never free its model and optimizer."""
+    from lightning_megatron._compat import import_megatron_bridge
+
+    import_megatron_bridge()
+
+
+def release_model(chunks: list[torch.nn.Module]) -> None:
+    """Let a finished run's model, grad buffers and optimizer be freed. Megatron DDP hooks each trainable
+    parameter's gradient accumulator (an autograd node) with a closure over the DDP module; the optimizer's fp32
+    shards are views of the parameters, so they reach those nodes; and the model's config reaches the optimizer
+    (`grad_scale_func`) and DDP (`no_sync_func`, `finalize_model_grads_func`). The cycle runs through autograd
+    nodes, which the garbage collector cannot see, so without this every run leaves all of it allocated and the
+    next run's peak memory counts it."""
+    from megatron.core.utils import get_model_config
+
+    for chunk in chunks:
+        grad_accs = getattr(chunk, "grad_accs", None)
+        if grad_accs is not None:
+            grad_accs.clear()
+        config = get_model_config(chunk)
+        for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
+            if hasattr(config, hook):
+                setattr(config, hook, None)
 
 
 @dataclass(frozen=True)
@@ -225,6 +273,12 @@ def fresh_memory() -> None:
 
 def allocated_gib() -> float | None:
     return torch.cuda.memory_allocated() / 1024**3 if torch.cuda.is_available() else None
+
+
+def own_gib(peak_gib: float | None, at_start_gib: float | None) -> float | None:
+    """A run's own peak: the allocator's peak less what was already allocated when the run started (an earlier
+    run's leftovers stay allocated through it: `release_model` frees what it can)."""
+    return None if peak_gib is None else peak_gib - (at_start_gib or 0.0)
 
 
 def peak_memory_gib() -> float | None:

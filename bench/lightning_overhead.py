@@ -16,7 +16,9 @@ from one synchronised step end to the next (for Lightning, a callback calls `tor
 out and the median of the rest, pooled over rounds, is reported with tokens/s, model FLOPs and MFU (formula in
 `bench/common.py`) and peak memory. Peak memory is that of the training steps; what building the model and the
 callbacks' setup (e.g. `MTPOnlyCallback`'s checksums of the frozen weights) peaked at before is kept apart as
-`setup_peak_memory_gib`. Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
+`setup_peak_memory_gib`. A run's peaks are its own: each run's model is released when it ends
+(`common.release_model`), and what an earlier run still left allocated when it started (`memory_at_start_gib`)
+is subtracted. Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
 time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup peaks included). The losses of
 `plain` and `lightning` are compared step by step (the same computation: equal to ~1e-6 in fp32).
 
@@ -26,6 +28,7 @@ time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -47,14 +50,20 @@ from bench.common import (
     allocated_gib,
     emit,
     environment,
+    import_megatron_bridge_first,
     fresh_memory,
     make_checkpoint,
     model_flops,
+    own_gib,
     parse_with_tiny,
     peak_flops,
     peak_memory_gib,
+    release_model,
     throughput,
 )
+from lightning_megatron import SFTModule
+from lightning_megatron.bridges import ModelOptions
+from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.testing import RandomTokenDataset
 
 VARIANTS = ("plain", "lightning", "mtp_only")
@@ -73,6 +82,8 @@ class Settings:
     lr: float = 1e-5
     bridge_type: str = "megatron-bridge"
     attention_backend: str = "auto"
+    random_weights: bool = False
+    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
 
     @property
     def global_batch(self) -> int:
@@ -87,7 +98,8 @@ class Settings:
         return RandomTokenDataset(self.total_steps * self.global_batch, self.seq, vocab, seed=0)
 
 
-def run_plain(settings: Settings, vocab: int) -> dict[str, Any]:
+def run_plain(settings: Settings, vocab: int, *, mtp_only: bool = False) -> dict[str, Any]:
+    """The plain Megatron-Core loop, joint or MTP-only (every non-MTP parameter frozen, nothing else)."""
     from bench.megatron_loop import LoopConfig, run
 
     fresh_memory()
@@ -95,12 +107,14 @@ def run_plain(settings: Settings, vocab: int) -> dict[str, Any]:
     config = LoopConfig(hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type,
                         micro_batch_size=settings.micro_batch, global_batch_size=settings.global_batch,
                         precision=settings.precision, lr=settings.lr, steps=settings.total_steps,
-                        attention_backend=settings.attention_backend, mtp=True)
+                        attention_backend=settings.attention_backend, mtp=True, mtp_only=mtp_only,
+                        random_weights=settings.random_weights)
     result = run(config, settings.dataset(vocab))
+    release_model(result.pop("model"))
     setup_peak = result["setup_peak_memory_bytes"]
     return {"step_times_s": result["step_times_s"], "losses": result["losses"], "mtp_losses": result["mtp_losses"],
-            "memory_at_start_gib": at_start, "peak_memory_gib": peak_memory_gib(),
-            "setup_peak_memory_gib": None if setup_peak is None else setup_peak / 1024**3}
+            "memory_at_start_gib": at_start, "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
+            "setup_peak_memory_gib": None if setup_peak is None else own_gib(setup_peak / 1024**3, at_start)}
 
 
 class StepTimer(pl.Callback):
@@ -135,16 +149,25 @@ def _synchronized_now() -> float:
     return time.perf_counter()
 
 
-def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool) -> dict[str, Any]:
-    from lightning_megatron import MegatronStrategy, MTPOnlyCallback, SFTModule
+class RandomWeightsSFTModule(SFTModule):
+    """`SFTModule` built with Megatron's random initialization (`ModelOptions.random_weights`): config only."""
+
+    def model_options(self) -> ModelOptions:
+        return dataclasses.replace(super().model_options(), random_weights=True)
+
+
+def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool,
+                  callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
+    from lightning_megatron import MegatronStrategy, MTPOnlyCallback
 
     fresh_memory()
     at_start = allocated_gib()
     workdir = Path(tempfile.mkdtemp(prefix="lightning_overhead_"))
     timer = StepTimer()
-    callbacks: list[pl.Callback] = [timer]
+    callbacks = (timer, *callbacks)
     if mtp_only:
-        callbacks.append(MTPOnlyCallback(audit_path=str(workdir / "mtp_only_audit.json")))
+        callbacks += (MTPOnlyCallback(audit_path=str(workdir / "mtp_only_audit.json"),
+                                      loss_chunk_tokens=settings.loss_chunk_tokens),)
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
         global_batch_size=settings.global_batch, precision=settings.precision,
@@ -153,13 +176,15 @@ def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool) -> dict[str
     trainer = pl.Trainer(
         strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
         max_steps=settings.total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=callbacks,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=list(callbacks),
     )
     loader = DataLoader(settings.dataset(vocab), batch_size=settings.micro_batch, drop_last=True)
-    trainer.fit(SFTModule(enable_mtp=True, lr=settings.lr), loader)
+    module_class = RandomWeightsSFTModule if settings.random_weights else SFTModule
+    trainer.fit(module_class(enable_mtp=True, lr=settings.lr), loader)
+    release_model(strategy.model_chunks)
     result = {"step_times_s": timer.step_times_s, "losses": timer.losses, "mtp_losses": timer.mtp_losses,
-              "memory_at_start_gib": at_start, "setup_peak_memory_gib": timer.setup_peak_memory_gib,
-              "peak_memory_gib": peak_memory_gib()}
+              "memory_at_start_gib": at_start, "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
+              "peak_memory_gib": own_gib(peak_memory_gib(), at_start)}
     if mtp_only:
         audit = json.loads((workdir / "mtp_only_audit.json").read_text())
         result["frozen_bit_identical"] = audit["frozen_bit_identical"]
@@ -226,6 +251,7 @@ def main() -> None:
     if shape.mtp_layers < 1:
         raise SystemExit(f"--checkpoint {checkpoint} has no MTP layer (num_nextn_predict_layers); P1/P2 need one")
     init_single_process()
+    import_megatron_bridge_first()
     order = [variant for round_index in range(args.rounds)
              for variant in (args.variants if round_index % 2 == 0 else args.variants[::-1])]
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}

@@ -10,7 +10,9 @@ tests can compare Lightning's loss per step with it and the benchmarks can compa
 is how `bench/lightning_overhead.py` times the Lightning fit it compares against. On a GPU the peak-memory counter
 is reset when training starts (`setup_peak_memory_bytes`: the peak of building the model until then). With an MTP
 head the MTP loss is read from Megatron-Core's tracker and the tracker cleaned every step, as Megatron-LM's
-`training_log` does.
+`training_log` does. `mtp_only`: the plain Megatron-Core MTP-only loop, every non-MTP parameter frozen
+(`requires_grad=False`) before DDP and the optimizer exist and nothing else changed. `random_weights`: Megatron's
+random initialization instead of the checkpoint's weights (a config-only checkpoint is enough).
 
 Run as a script (`python -m bench.megatron_loop`): prints JSON with the loss and time of every step.
 """
@@ -56,7 +58,9 @@ class LoopConfig:
     attention_backend: str = "auto"
     mtp: bool = False
     mtp_loss_scaling_factor: float = 0.1
-    mtp_detach_heads: bool = True
+    mtp_detach_heads: bool = False
+    mtp_only: bool = False
+    random_weights: bool = False
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,6 +89,7 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
 
     from lightning_megatron._compat import prepare_megatron_core
     from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.mtp import freeze_non_mtp_parameters
 
     prepare_megatron_core()
     parallel_state.destroy_model_parallel()
@@ -105,8 +110,11 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
     options = ModelOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32, mtp=config.mtp,
                            mtp_loss_scaling_factor=config.mtp_loss_scaling_factor if config.mtp else 0.0,
                            mtp_detach_heads=config.mtp_detach_heads, attention_backend=config.attention_backend,
-                           config_overrides=overrides | config.model_overrides)
+                           config_overrides=overrides | config.model_overrides, random_weights=config.random_weights)
     chunks = [chunk.to(device) for chunk in create_bridge(config.bridge_type, config.hf_checkpoint).build(options)]
+    if config.mtp_only:  # every non-MTP parameter frozen before DDP and the optimizer exist, nothing else
+        freeze_non_mtp_parameters(chunks, allow_missing_mtp=not parallel_state.is_pipeline_last_stage(
+            ignore_virtual=True))
     model_config = get_model_config(chunks[0])
     if bf16:
         model_config.bf16 = True

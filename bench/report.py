@@ -1,8 +1,8 @@
 """Markdown tables from the benchmarks' JSON, for the README: `python -m bench.report [FILES OR FOLDERS]`.
 
-Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `hf_io.py` (P3),
-`attention.py` (P4, and the older attention results without MFU) and `tree.py` (P6); other JSON files are skipped
-with a note.
+Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `mtp_memory.py` (P2
+per model shape, against the plain Megatron-Core MTP-only loop), `hf_io.py` (P3), `attention.py` (P4, and the
+older attention results without MFU) and `tree.py` (P6); other JSON files are skipped with a note.
 Prints a training-step table, a table of the ratios against their targets, an HF load/save table and the source
 of every figure (command, device, versions, date).
 """
@@ -87,6 +87,9 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                          if mtp_only.get("peak_memory_ratio_including_setup") else ""), source),
         ]
     for name, data in results:
+        if kind(data) == "mtp_memory":
+            rows += _mtp_memory_rows(data, f"[{sources[name]}]")
+    for name, data in results:
         if kind(data) != "attention":
             continue
         source, megatron = f"[{sources[name]}]", data.get("megatron", {})
@@ -106,6 +109,54 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
         return []
     return ["| run | median step | tokens/s | MFU | peak GPU memory | ratio | source |",
             "|---|---|---|---|---|---|---|", *present]
+
+
+_MTP_MEMORY_VARIANTS = {"joint": "lightning_megatron, joint with MTP",
+                        "mtp_only": "lightning_megatron, MTP-only (`MTPOnlyCallback`)",
+                        "plain_mtp_only": "plain Megatron-Core MTP-only loop (non-MTP frozen)"}
+_MTP_MEMORY_FIGURES = {  # figure -> (label, formatter, unit after the target)
+    "mtp_only_over_joint_peak_memory": ("MTP-only / joint peak memory", _times, "x"),
+    "mtp_only_over_joint_step_time": ("MTP-only / joint step time", _times, "x"),
+    "mtp_only_peak_memory_gib": ("MTP-only peak memory", _gib, " GiB"),
+    "mtp_only_step_s": ("MTP-only step time", _seconds, " s"),
+}
+
+
+def _shape_label(shape_name: str) -> str:
+    return shape_name.replace("qwen3_", "Qwen3-").replace("b", "B")
+
+
+def _mtp_memory_rows(data: dict[str, Any], source: str) -> list[str | None]:
+    rows: list[str | None] = []
+    for shape_name, shape in data["shapes"].items():
+        figures = shape.get("figures", {})
+        ratios = {
+            "joint": "reference",
+            "mtp_only": ", ".join(text for text in (
+                f"{_times(figures['mtp_only_over_joint_step_time'])} joint step time, "
+                f"{_times(figures['mtp_only_over_joint_peak_memory'])} joint peak memory"
+                if figures.get("mtp_only_over_joint_step_time") is not None else "",
+                f"{_times(figures['mtp_only_over_plain_mtp_only_step_time'])} plain loop's step time, "
+                f"{_times(figures.get('mtp_only_over_plain_mtp_only_peak_memory'))} plain loop's peak memory"
+                if figures.get("mtp_only_over_plain_mtp_only_step_time") is not None else "") if text),
+            "plain_mtp_only": "reference",
+        }
+        for variant, figures_of_run in shape["runs"].items():
+            label = f"{_shape_label(shape_name)}: {_MTP_MEMORY_VARIANTS.get(variant, variant)}"
+            rows.append(_step_row(label, figures_of_run, ratios.get(variant, ""), source))
+    return rows
+
+
+def _mtp_memory_target_rows(data: dict[str, Any], source: str) -> list[str]:
+    rows = []
+    for shape_name, shape in data["shapes"].items():
+        for figure, target in shape.get("targets", {}).items():
+            label, formatter, unit = _MTP_MEMORY_FIGURES.get(figure, (figure, _times, ""))
+            value = shape.get("figures", {}).get(figure)
+            met = "n/a" if value is None else ("yes" if value <= target else "no")
+            rows.append(_row([f"P2 {_shape_label(shape_name)} {label}", formatter(value),
+                              f"<= {target}{unit}", met, source]))
+    return rows
 
 
 def _target_row(figure: str, value: float | None, target: float, source: str) -> str:
@@ -128,6 +179,8 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                         mtp_only["targets"]["step_time_ratio"], source))
                 rows.append(_target_row("P2 MTP-only / joint peak memory", mtp_only["peak_memory_ratio"],
                                         mtp_only["targets"]["peak_memory_ratio"], source))
+        if kind(data) == "mtp_memory":
+            rows += _mtp_memory_target_rows(data, source)
         if kind(data) == "hf_io":
             target = data.get("target_vs_raw", 1.5)
             for bridge, timings in data["bridges"].items():

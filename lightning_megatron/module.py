@@ -49,8 +49,10 @@ class SFTModule(MegatronLightningModule):
 
     MTP: `enable_mtp` keeps the checkpoint's MTP head; `enable_mtp_training` (default: `enable_mtp`) trains it as an
     auxiliary loss weighted by `mtp_loss_scaling_factor`, jointly with the model unless `MTPOnlyCallback` freezes
-    the rest; `mtp_detach_heads` keeps MTP gradients out of the backbone, embeddings and LM head in joint training
-    (isolated by default). With `enable_mtp` and no MTP training the head is kept unchanged (frozen).
+    the rest. In joint training the MTP loss also trains the shared trunk (backbone, embeddings, LM head), as
+    Megatron-Core, DeepSeek-V3 and AReaL's joint mode do; `mtp_detach_heads=True` keeps MTP gradients out of it (a
+    draft head that must not change the main model). With `enable_mtp` and no MTP training the head is kept
+    unchanged (frozen).
     Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`; each
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
     model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations).
@@ -62,7 +64,7 @@ class SFTModule(MegatronLightningModule):
         enable_mtp: bool = False,
         enable_mtp_training: bool | None = None,
         mtp_loss_scaling_factor: float = 0.1,
-        mtp_detach_heads: bool = True,
+        mtp_detach_heads: bool = False,
         lr: float = 1e-5,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 0,

@@ -13,6 +13,14 @@ detached copy of those hidden states, and ties the model's output (the per-token
 labels) back to them through `_ZeroGradientTie`, whose backward sends zeros. The output still requires grad, so the
 schedule still runs backward, `MTPLossAutoScaler.backward` still fires with the same scale and the MTP gradients
 are the same; the main-loss values are computed exactly as before.
+
+With `chunk_tokens` (the default) neither head's loss keeps a `[tokens, vocab]` fp32 tensor: the main loss is
+computed in Megatron-Core's own way (its output layer, its `compute_language_model_loss`), `chunk_tokens` tokens
+at a time under `no_grad` (its backward is skipped anyway), through `GPTModel.forward`'s `output_processor` hook,
+so its logits never exist whole; the MTP head's loss, which does backpropagate into the MTP layer, goes through
+`chunked_cross_entropy` (the model's `compute_language_model_loss`, which `GPTModel` hands `process_mtp_loss`, is
+replaced for the fit) and keeps its bf16 logits instead of an fp32 softmax. Values and gradients are the same to
+fp32 rounding; `chunk_tokens=None` is the previous implementation.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_language_model_loss
 from lightning_megatron.mtp import mtp_parameter_flags
 
 
@@ -71,12 +80,7 @@ class _MainHeadShortcut:
                                f"MTPLossAutoScaler's output; expected exactly call {self.mtp_depths + 1} (after "
                                f"{self.mtp_depths} MTP depth(s)); megatron-core's call pattern changed, pass "
                                "MTPOnlyCallback(skip_main_head_backward=False)")
-        weight = kwargs.get("weight")
-        trainable = [p for p in (weight if weight is not None else module.weight, getattr(module, "bias", None))
-                     if p is not None and p.requires_grad]
-        if trainable:
-            raise RuntimeError("MTPOnlyCallback: the main output layer's weight requires grad, so its backward is "
-                               "needed; something unfroze it after setup")
+        _refuse_trainable_head(module, kwargs.get("weight"))
         self.hidden = hidden
         return (hidden.detach(), *args[1:]), kwargs
 
@@ -91,11 +95,93 @@ class _MainHeadShortcut:
         return None
 
 
-def skip_main_lm_head_backward(chunks: list[torch.nn.Module]) -> list[RemovableHandle]:
-    """Hook every last-stage chunk with an MTP block (unwrapped GPTModels, before DDP); returns the hook handles.
+def _refuse_trainable_head(output_layer: torch.nn.Module, weight: torch.Tensor | None) -> None:
+    trainable = [p for p in (weight if weight is not None else output_layer.weight,
+                             getattr(output_layer, "bias", None)) if p is not None and p.requires_grad]
+    if trainable:
+        raise RuntimeError("MTPOnlyCallback: the main output layer's weight requires grad, so its backward is "
+                           "needed; something unfroze it after setup")
+
+
+class _ChunkedMainLoss:
+    """The main head of one GPTModel chunk, through `GPTModel.forward`'s `output_processor`: per token chunk its
+    output layer and `compute_language_model_loss` under `no_grad`, the per-token loss tied to the hidden states
+    `MTPLossAutoScaler` returned with a zero gradient (so the MTP loss's backward still runs)."""
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int) -> None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        self.autoscaler_node = MTPLossAutoScaler._backward_cls
+        self.chunk_tokens = chunk_tokens
+        # Megatron-Core's own (fused when configured) loss: nothing backpropagates through the main head's chunks,
+        # so they need no chunked backward
+        self.language_model_loss = type(model).compute_language_model_loss.__get__(model)
+
+    def before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled():
+            return None  # validation: the plain forward (its output-layer calls are what it captures)
+        if kwargs.get("output_processor") is not None:
+            raise RuntimeError("MTPOnlyCallback: the model was called with an output_processor of its own; pass "
+                               "MTPOnlyCallback(loss_chunk_tokens=None)")
+        return args, {**kwargs, "output_processor": self.main_loss}
+
+    def main_loss(self, *, hidden_states: torch.Tensor, output_layer: torch.nn.Module,
+                  output_weight: torch.Tensor | None, labels: torch.Tensor | None,
+                  runtime_gather_output: bool | None, scale_logits: Any, **_: Any) -> torch.Tensor:
+        if labels is None:
+            raise RuntimeError("MTPOnlyCallback: MTP-only training needs labels in the forward call")
+        if not isinstance(hidden_states.grad_fn, self.autoscaler_node):
+            raise RuntimeError("MTPOnlyCallback: the main head's input is not MTPLossAutoScaler's output; "
+                               "megatron-core's call pattern changed, pass MTPOnlyCallback(loss_chunk_tokens=None)")
+        _refuse_trainable_head(output_layer, output_weight)
+        loss = torch.empty(labels.shape, dtype=torch.float32, device=hidden_states.device)
+        with torch.no_grad():
+            for hidden_slice, label_slice in self._token_chunks(hidden_states, output_layer.sequence_parallel):
+                logits, _ = output_layer(hidden_states[hidden_slice], weight=output_weight,
+                                         runtime_gather_output=runtime_gather_output)
+                loss[label_slice] = self.language_model_loss(labels[label_slice], scale_logits(logits))
+        return _ZeroGradientTie.apply(loss, hidden_states)
+
+    def _token_chunks(self, hidden: torch.Tensor, sequence_parallel: bool) -> list[tuple[tuple, tuple]]:
+        """(hidden `[s, b]` index, labels `[b, s]` index) pairs. Under sequence parallelism the output layer gathers
+        the sequence dimension itself, so a chunk is whole sequences; otherwise `chunk_tokens` tokens."""
+        seq, batch = hidden.shape[0], hidden.shape[1]
+        if sequence_parallel:
+            per_chunk = max(1, self.chunk_tokens // (seq * _tensor_parallel_size()))
+            return [((slice(None), slice(b, b + per_chunk)), (slice(b, b + per_chunk), slice(None)))
+                    for b in range(0, batch, per_chunk)]
+        per_chunk = max(1, self.chunk_tokens // batch)
+        return [((slice(s, s + per_chunk), slice(None)), (slice(None), slice(s, s + per_chunk)))
+                for s in range(0, seq, per_chunk)]
+
+
+def _tensor_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+class _InstanceOverride:
+    """`setattr(owner, name, value)` until `remove()`: the class attribute shows through again."""
+
+    def __init__(self, owner: Any, name: str, value: Any) -> None:
+        if name in vars(owner):
+            raise RuntimeError(f"MTPOnlyCallback: {type(owner).__name__}.{name} is already overridden on this model")
+        self.owner, self.name = owner, name
+        setattr(owner, name, value)
+
+    def remove(self) -> None:
+        if self.name in vars(self.owner):
+            delattr(self.owner, self.name)
+
+
+def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
+                               ) -> list[RemovableHandle | _InstanceOverride]:
+    """Hook every last-stage chunk with an MTP block (unwrapped GPTModels, before DDP); returns the handles.
 
     Only valid when every non-MTP parameter is frozen on this rank (checked: `freeze_non_mtp_parameters` first).
     Chunks without the output layer (earlier pipeline stages, virtual chunks before the last) get no hooks.
+    `chunk_tokens`: both heads' losses in chunks of that many tokens (module docstring); None: whole logits.
     """
     from megatron.core.utils import unwrap_model
 
@@ -104,10 +190,16 @@ def skip_main_lm_head_backward(chunks: list[torch.nn.Module]) -> list[RemovableH
     if trainable:
         raise ValueError(f"skipping the main LM head's backward needs every non-MTP parameter frozen; trainable: "
                          f"{trainable[:5]}")
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle | _InstanceOverride] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
         if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
+            continue
+        if chunk_tokens is not None:
+            chunked = _ChunkedMainLoss(model, chunk_tokens)
+            handles += [model.register_forward_pre_hook(chunked.before_model, with_kwargs=True),
+                        _InstanceOverride(model, "compute_language_model_loss",
+                                          chunked_language_model_loss(model, chunk_tokens))]
             continue
         shortcut = _MainHeadShortcut(model)
         handles += [

@@ -264,3 +264,107 @@ def test_weight_sync_benchmark_runs_tiny(tmp_path):
     assert result["steps_between_syncs"]["step_time_ratio"] > 0
     table = "\n".join(report.targets_table([("weight_sync.json", result)], {"weight_sync.json": 1}))
     assert "P7 disk sync / raw write" in table and "P7 step time with WeightSync / without" in table
+
+
+@pytest.mark.slow
+def test_mtp_memory_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny")
+    assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
+    small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
+    assert small["order"] == ["joint", "mtp_only", "plain_mtp_only"] and large["order"] == ["mtp_only",
+                                                                                            "plain_mtp_only"]
+    assert (small["tied"], large["tied"]) == (True, False)
+    for shape in (small, large):
+        for figures in shape["runs"].values():
+            _check_throughput(figures)
+            assert figures["memory_at_start_gib"] == [None]
+            assert all(math.isfinite(x) and x > 0 for losses in figures["losses"] for x in losses)
+        # randomly initialised the same way, the same tokens: Lightning MTP-only and the plain MTP-only loop
+        # compute the same first step, and leave the backbone (so lm_loss's model) alone
+        ours, plain = shape["runs"]["mtp_only"], shape["runs"]["plain_mtp_only"]
+        assert ours["losses"][0] == pytest.approx(plain["losses"][0], abs=1e-5)
+        assert ours["mtp_losses"][0] == pytest.approx(plain["mtp_losses"][0], abs=1e-5)
+        assert ours["frozen_bit_identical"] is True
+        assert shape["figures"]["mtp_only_peak_memory_gib"] is None  # no peak memory on the CPU
+        assert all(met is None for figure, met in shape["met"].items() if "memory" in figure)
+    joint = small["runs"]["joint"]
+    assert joint["losses"][0][0] == small["runs"]["mtp_only"]["losses"][0][0]
+    assert small["figures"]["mtp_only_over_joint_step_time"] > 0
+    assert small["targets"] == {"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42}
+    assert large["targets"] == {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}
+
+
+def test_the_memory_breakdown_groups_what_is_live_at_the_training_peak():
+    from bench.mtp_memory import MARKER_BYTES, peak_breakdown
+
+    def frames(path: str, line: int, name: str) -> list[dict]:
+        return [{"filename": "/usr/lib/python3/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/site-packages/{path}", "line": line, "name": name}]
+
+    logits = frames("megatron/core/tensor_parallel/layers.py", 420, "forward")
+    softmax = frames("megatron/core/tensor_parallel/cross_entropy.py", 27, "calculate_logits_max")
+    gib = 1024**3
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 8 * gib, "frames": frames("bench/x.py", 1, "setup")},  # set-up peak
+        {"action": "free_completed", "addr": 1, "size": 8 * gib},
+        {"action": "alloc", "addr": 2, "size": MARKER_BYTES, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": MARKER_BYTES},
+        {"action": "alloc", "addr": 3, "size": 1 * gib, "frames": logits},
+        {"action": "alloc", "addr": 4, "size": 2 * gib, "frames": softmax},
+        {"action": "alloc", "addr": 5, "size": 2 * gib, "frames": softmax},
+        {"action": "free_requested", "addr": 5, "size": 2 * gib},  # still counted until free_completed
+        {"action": "free_completed", "addr": 5, "size": 2 * gib},
+        {"action": "free_completed", "addr": 4, "size": 2 * gib},
+        {"action": "alloc", "addr": 6, "size": gib // 2, "frames": []},
+    ]
+    breakdown = peak_breakdown(trace, baseline_bytes=gib)
+    assert breakdown["peak_gib"] == 5.0  # traced after the marker (not the 8 GiB set-up), the baseline apart
+    assert breakdown["allocated_before_recording_gib"] == 1.0
+    assert breakdown["rows"] == [
+        {"allocated_at": "megatron/core/tensor_parallel/cross_entropy.py:27 calculate_logits_max", "gib": 4.0,
+         "blocks": 2},
+        {"allocated_at": "megatron/core/tensor_parallel/layers.py:420 forward", "gib": 1.0, "blocks": 1},
+    ]
+    assert "error" in peak_breakdown(trace[:2])  # no marker: training never started in the trace
+
+
+def test_report_tables_the_mtp_memory_benchmark():
+    def figures(step_s: float, memory: float) -> dict:
+        return {"step_s": step_s, "tokens_per_s": 16384 / step_s, "mfu": None, "peak_memory_gib": memory}
+
+    data = {"benchmark": "mtp_memory", "command": "python3 -m bench.mtp_memory", "device": "NVIDIA H200",
+            "shapes": {
+                "qwen3_0.6b": {"runs": {"joint": figures(0.5, 25.0), "mtp_only": figures(0.2, 5.0),
+                                        "plain_mtp_only": figures(0.3, 9.0)},
+                               "figures": {"mtp_only_over_joint_peak_memory": 0.2,
+                                           "mtp_only_over_joint_step_time": 0.4,
+                                           "mtp_only_over_plain_mtp_only_peak_memory": 5 / 9,
+                                           "mtp_only_over_plain_mtp_only_step_time": 2 / 3},
+                               "targets": {"mtp_only_over_joint_peak_memory": 0.25,
+                                           "mtp_only_over_joint_step_time": 0.42}},
+                "qwen3_8b": {"runs": {"mtp_only": figures(0.35, 20.0), "plain_mtp_only": figures(0.6, 23.6)},
+                             "figures": {"mtp_only_peak_memory_gib": 20.0, "mtp_only_step_s": 0.35},
+                             "targets": {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}}}}
+    lines = report.render([("m.json", data)]).splitlines()
+    mtp_only = next(line for line in lines if line.startswith("| Qwen3-0.6B: lightning_megatron, MTP-only"))
+    assert "| 0.200 s |" in mtp_only and "| 5.0 GiB |" in mtp_only
+    assert ("0.400x joint step time, 0.200x joint peak memory, 0.667x plain loop's step time, 0.556x plain loop's "
+            "peak memory") in mtp_only
+    assert any(line.startswith("| Qwen3-8B: plain Megatron-Core MTP-only loop") for line in lines)
+    assert "| P2 Qwen3-0.6B MTP-only / joint peak memory | 0.200x | <= 0.25x | yes | [1] |" in lines
+    assert "| P2 Qwen3-8B MTP-only peak memory | 20.0 GiB | <= 23.6 GiB | yes | [1] |" in lines
+    assert "| P2 Qwen3-8B MTP-only step time | 0.350 s | <= 0.348 s | no | [1] |" in lines
+
+
+@pytest.mark.gpu
+def test_mtp_memory_breakdown_on_the_gpu(tmp_path):
+    """The allocator trace of a real (tiny) MTP-only run: its peak is the trained steps' and the markdown exists."""
+    result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny", "--shapes", "qwen3_8b", "--breakdown-steps", "1")
+    breakdown = result["breakdown"]["qwen3_8b"]
+    assert breakdown["rows"] and 0 < breakdown["peak_gib"] <= breakdown["max_memory_allocated_gib"] + 1e-6
+    assert breakdown["allocated_before_recording_gib"] < 0.01  # every earlier run was released
+    assert sum(row["gib"] for row in breakdown["rows"]) == pytest.approx(breakdown["peak_gib"])
+    assert "| GiB | blocks | allocated at |" in (tmp_path / "mtp_memory_breakdown.md").read_text()
+    runs = result["shapes"]["qwen3_8b"]["runs"]
+    assert runs["mtp_only"]["peak_memory_gib"] > 0
+    assert runs["plain_mtp_only"]["memory_at_start_gib"][0] < 0.01  # the Lightning run before it was released

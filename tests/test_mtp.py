@@ -40,8 +40,14 @@ class Snapshot(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.before = _named_parameters(pl_module)
         self.trainable = {name for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
+        from megatron.core.distributed import DistributedDataParallel
+
         optimizer = trainer.optimizers[0].megatron_optimizer
         self.optimizer_numel = sum(p.numel() for p in optimizer.get_parameters())
+        # Megatron DDP's grad buffers: only what trains gets one (no fp32 grads of frozen weights)
+        self.grad_buffer_numel = sum(p.numel() for chunk in pl_module.model
+                                     if isinstance(chunk, DistributedDataParallel)
+                                     for buffer in chunk.buffers for p in buffer.params)
         self.mtp_grads: list[dict[str, torch.Tensor]] = []
         self.metrics: list[dict[str, float]] = []
 
@@ -67,19 +73,21 @@ def _named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict
 
 def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = True, devices: int = 1,
          dataset: Any = None, lr: float = 1e-2, module_kwargs: dict | None = None, callbacks: tuple = (),
-         skip_main_head_backward: bool = True, validate_every: int | None = None,
+         skip_main_head_backward: bool = True, loss_chunk_tokens: int | None = 8, validate_every: int | None = None,
          **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot = Snapshot()
-    mtp_only_callback = MTPOnlyCallback(skip_main_head_backward=skip_main_head_backward)
+    mtp_only_callback = MTPOnlyCallback(skip_main_head_backward=skip_main_head_backward,
+                                        loss_chunk_tokens=loss_chunk_tokens)
     callbacks = [snapshot, *callbacks] + ([mtp_only_callback] if mtp_only else [])
     validation = dict(val_check_interval=validate_every, limit_val_batches=2, num_sanity_val_steps=0)
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
                          devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=callbacks, **(validation if validate_every else {}))
-    module = SFTModule(**({"enable_mtp": True, "lr": lr} | (module_kwargs or {})))
+    # MTP-only detaches the head, as the MTP-only configs do (it then logs grad_norm_mtp)
+    module = SFTModule(**({"enable_mtp": True, "lr": lr, "mtp_detach_heads": mtp_only} | (module_kwargs or {})))
     dataset = dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB)
     loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True)
     val_loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True) if validate_every else None
@@ -94,7 +102,7 @@ def _assert_only_mtp_moved(snapshot: Snapshot) -> None:
                     and not torch.equal(snapshot.before[name], snapshot.after[name])]
     assert frozen_moved == []
     assert all(not torch.equal(snapshot.before[name], snapshot.after[name]) for name in mtp)
-    assert snapshot.optimizer_numel == sum(snapshot.before[name].numel() for name in mtp)
+    assert snapshot.optimizer_numel == snapshot.grad_buffer_numel == sum(snapshot.before[name].numel() for name in mtp)
 
 
 @pytest.mark.parametrize("model", ["qwen3_mtp", "mimo"])
@@ -124,12 +132,36 @@ def test_the_audit_fails_the_run_when_a_frozen_tensor_changes(process_group, che
     audit = json.loads((tmp_path / "mtp_only_audit.json").read_text())
     assert not audit["frozen_bit_identical"] and audit["frozen_tensors_changed"] == 1
 
+def test_the_audit_checksum_does_not_depend_on_its_chunk_size():
+    """The audit checksums in bounded chunks; the value is the whole-tensor one, int64 wrap-around included."""
+    from lightning_megatron.callbacks.mtp_only import checksum
+
+    def whole_tensor(tensor: torch.Tensor) -> tuple[int, int]:
+        bits = tensor.view(torch.int32).reshape(-1).to(torch.int64)
+        weights = torch.arange(bits.numel(), dtype=torch.int64) % 1_000_003 + 1
+        return int(bits.sum()), int((bits * weights).sum())
+
+    large_bits = torch.full((3_000_001,), 2**31 - 1, dtype=torch.int32).view(torch.float32)  # the weighted sum wraps
+    for tensor in (torch.randn(301, 77), large_bits):
+        expected = whole_tensor(tensor)
+        assert checksum(tensor, chunk_elements=1000) == checksum(tensor, chunk_elements=1 << 30) == expected
+    weights_total = int((torch.arange(large_bits.numel(), dtype=torch.int64) % 1_000_003 + 1).sum())
+    assert (2**31 - 1) * weights_total > 2**63  # so the second tensor's weighted sum did wrap
+
+
 def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: str, parallel: dict) -> dict:
-    heads = HeadGradients()
-    snapshot, trainer = _fit(Path(tmp), Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,), **parallel)
+    """Chunked losses (default) and whole logits (the previous implementation) on the same ranks."""
     from megatron.core import parallel_state
 
+    runs = {}
+    for name, chunk_tokens in (("chunked", 8), ("whole_logits", None)):
+        heads = HeadGradients()
+        snapshot, trainer = _fit(Path(tmp) / name, Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,),
+                                 loss_chunk_tokens=chunk_tokens, **parallel)
+        runs[name] = snapshot, trainer, heads
+    (snapshot, trainer, heads), (whole, _, whole_heads) = runs["chunked"], runs["whole_logits"]
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
+    torch.distributed.barrier()  # global rank 0 writes the audits at the end of fit
     return {
         "has_mtp": bool(mtp),
         "frozen_moved": [name for name in snapshot.before if name not in mtp
@@ -141,14 +173,20 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
         "steps": trainer.global_step,
         "last_stage": parallel_state.is_pipeline_last_stage(),
         "mtp_loss": snapshot.metrics[-1]["mtp_loss"],
-        "head_gradients": heads.gradients,
+        "head_gradients": [heads.gradients, whole_heads.gradients],
+        "chunked_mtp_loss": [heads.chunked_mtp_loss, whole_heads.chunked_mtp_loss],
+        "metrics": [snapshot.metrics, whole.metrics],
+        "mtp_grads": [snapshot.mtp_grads, whole.mtp_grads],
+        "audits": [json.loads((Path(tmp) / name / "mtp_only_audit.json").read_text()) for name in runs],
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2)],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2),
+                                      dict(pipeline_model_parallel_size=2)], ids=["tp2", "pp2"])
 def test_mtp_only_under_tensor_and_pipeline_parallelism(checkpoints, tmp_path, parallel):
+    """MTP-only trains the MTP head alone on every rank; chunked losses log the same `lm_loss`, `mtp_loss`,
+    `mtp_accuracy`, give the same MTP gradients and the same audit as whole logits."""
     results = run_distributed(_distributed_mtp_only, tmp_path, str(tmp_path), str(checkpoints["qwen3_mtp"]), parallel)
     for result in results:
         assert result["frozen_moved"] == [] and result["mtp_unchanged"] == [] and result["trainable_is_mtp"]
@@ -156,7 +194,18 @@ def test_mtp_only_under_tensor_and_pipeline_parallelism(checkpoints, tmp_path, p
         assert result["steps"] == 2  # a stage without the MTP layer still steps with the others
         assert result["has_mtp"] == result["last_stage"]
         # the main LM head's backward is skipped on the last stage (the TP ranks alike), the MTP head's runs
-        assert result["head_gradients"] == ({"mtp": 4, "main": 0} if result["last_stage"] else {"mtp": 0, "main": 0})
+        expected = {"mtp": 4, "main": 0} if result["last_stage"] else {"mtp": 0, "main": 0}
+        assert result["head_gradients"] == [expected, expected]
+        assert result["chunked_mtp_loss"] == [result["last_stage"], False]
+        chunked, whole = result["metrics"]
+        assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp"} <= set(chunked[-1])
+        for ours, theirs in zip(chunked, whole, strict=True):
+            assert ours.keys() == theirs.keys() and ours == pytest.approx(theirs, rel=0, abs=1e-6)
+        for ours, theirs in zip(*result["mtp_grads"], strict=True):
+            assert ours.keys() == theirs.keys()
+            for name in ours:
+                torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
+        assert result["audits"][0] == result["audits"][1] and result["audits"][0]["frozen_bit_identical"]
     assert results[0]["mtp_loss"] == results[1]["mtp_loss"] > 0
     if "pipeline_model_parallel_size" in parallel:
         assert results[0]["optimizer_numel"] == 0  # the first stage holds no MTP parameter: everything frozen
@@ -230,9 +279,11 @@ class HeadGradients(pl.Callback):
 
         self.gradients = {"mtp": 0, "main": 0}
         self.main_logits_require_grad: list[bool] = []
+        self.chunked_mtp_loss = False
         for chunk in pl_module.model:
             model = unwrap_model(chunk)
             if model.post_process:
+                self.chunked_mtp_loss |= "compute_language_model_loss" in vars(model)  # MTPOnlyCallback's, for the fit
                 calls = []
                 model.register_forward_pre_hook(lambda *_: calls.clear())
                 model.output_layer.register_forward_hook(partial(self._count, calls))
@@ -248,30 +299,50 @@ class HeadGradients(pl.Callback):
             output[0].register_hook(lambda gradient: self.gradients.update({kind: self.gradients[kind] + 1}))
 
 
+def _assert_same_training(first: Snapshot, second: Snapshot, *, exact: bool) -> None:
+    """The same logged values (lm_loss, mtp_loss, mtp_accuracy, grad norms, validation) step by step, MTP gradients
+    and weights; `exact` for the logged values too, else to 1e-6."""
+    assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp", "val_lm_loss"} <= set(first.metrics[-1])
+    if exact:
+        assert first.metrics == second.metrics
+    for ours, theirs in zip(first.metrics, second.metrics, strict=True):
+        assert ours.keys() == theirs.keys()
+        assert ours == pytest.approx(theirs, rel=0, abs=1e-6)
+    for ours, theirs in zip(first.mtp_grads, second.mtp_grads, strict=True):
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
+    for name in first.after:
+        torch.testing.assert_close(first.after[name], second.after[name], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("model, precision", [("qwen3_mtp", "fp32"), ("qwen3_mtp_tied", "fp32"),
                                               ("qwen3_mtp_tied", "bf16")], ids=["untied", "tied", "tied_bf16"])
 def test_skipping_the_main_head_backward_changes_nothing_but_the_work(process_group, checkpoints, tmp_path, model,
                                                                      precision):
-    """bf16 also checks the audit's reference point: the norm weights are built in fp32 and cast by the wrap."""
+    """Three implementations of the same MTP-only step: chunked losses (default), whole logits with the main
+    head's backward skipped (`loss_chunk_tokens=None`), and plain Megatron-Core (`skip_main_head_backward=False`).
+    bf16 also checks the audit's reference point: the norm weights are built in fp32 and cast by the wrap."""
     runs = {}
-    for skip in (True, False):
+    for name, options in {"chunked": {}, "whole_logits": {"loss_chunk_tokens": None},
+                          "plain": {"skip_main_head_backward": False}}.items():
         heads = HeadGradients()
-        snapshot, _ = _fit(tmp_path / str(skip), checkpoints[model], 3, skip_main_head_backward=skip,
-                           precision=precision, callbacks=(heads,), validate_every=2)
+        snapshot, _ = _fit(tmp_path / name, checkpoints[model], 3, precision=precision, callbacks=(heads,),
+                           validate_every=2, **options)
         _assert_only_mtp_moved(snapshot)
-        runs[skip] = snapshot, heads
-    (fast, fast_heads), (plain, plain_heads) = runs[True], runs[False]
-    # 3 steps x 2 microbatches: the MTP head's backward runs in both; the main head's only without the shortcut
-    assert fast_heads.gradients == {"mtp": 6, "main": 0} and fast_heads.main_logits_require_grad == [False] * 6
+        audit = json.loads((tmp_path / name / "mtp_only_audit.json").read_text())
+        runs[name] = snapshot, heads, audit
+    (chunked, chunked_heads, chunked_audit), (whole, whole_heads, whole_audit), (plain, plain_heads, plain_audit) = (
+        runs.values())
+    # 3 steps x 2 microbatches: the MTP head's backward runs in all; the main head's only in the plain one, and with
+    # chunked losses the main logits are made chunk by chunk without grad
+    assert chunked_heads.chunked_mtp_loss and not whole_heads.chunked_mtp_loss and not plain_heads.chunked_mtp_loss
+    assert chunked_heads.gradients == {"mtp": 6, "main": 0} and chunked_heads.main_logits_require_grad == []
+    assert whole_heads.gradients == {"mtp": 6, "main": 0} and whole_heads.main_logits_require_grad == [False] * 6
     assert plain_heads.gradients == {"mtp": 6, "main": 6} and plain_heads.main_logits_require_grad == [True] * 6
-    assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp", "val_lm_loss"} <= set(fast.metrics[-1])
-    assert fast.metrics == plain.metrics  # lm_loss, mtp_loss, grad norms, validation: equal, step by step
-    for fast_grads, plain_grads in zip(fast.mtp_grads, plain.mtp_grads, strict=True):
-        assert fast_grads.keys() == plain_grads.keys()
-        for name in fast_grads:
-            torch.testing.assert_close(fast_grads[name], plain_grads[name], rtol=0, atol=1e-6)
-    for name in fast.after:
-        torch.testing.assert_close(fast.after[name], plain.after[name], rtol=0, atol=1e-6)
+    _assert_same_training(whole, plain, exact=True)
+    _assert_same_training(chunked, whole, exact=False)
+    assert chunked_audit == whole_audit == plain_audit and chunked_audit["frozen_bit_identical"]
 
 
 class UnfreezeOutputLayer(pl.Callback):
@@ -303,6 +374,57 @@ def test_joint_training_moves_everything_and_both_losses_fall(process_group, che
     first, last = snapshot.metrics[0], snapshot.metrics[-1]
     assert last["lm_loss"] < first["lm_loss"] - 0.1
     assert last["mtp_loss"] < first["mtp_loss"] - 0.1
+
+
+class AllGradients(pl.Callback):
+    """Every trainable parameter's gradient right before the first optimizer step."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not hasattr(self, "gradients"):
+            self.gradients = {name: p.main_grad.detach().clone()
+                              for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
+
+
+def _loop_gradients(hf_checkpoint: Path, **overrides: Any) -> dict[str, torch.Tensor]:
+    """The gradients of one step of the plain Megatron-Core loop (`bench/megatron_loop.py`) on the same data."""
+    from megatron.core.utils import unwrap_model
+
+    from bench.megatron_loop import LoopConfig, run
+
+    config = LoopConfig(hf_checkpoint=str(hf_checkpoint), bridge_type="megatron-bridge", micro_batch_size=2,
+                        global_batch_size=4, steps=1, clip_grad=0.0, use_distributed_optimizer=False, **overrides)
+    model = run(config, RandomTokenDataset(SAMPLES, SEQ, VOCAB))["model"]
+    return {f"{index}.{name}": p.main_grad.detach().clone() for index, chunk in enumerate(model)
+            for name, p in unwrap_model(chunk).named_parameters() if p.requires_grad}
+
+
+def test_joint_training_lets_the_mtp_loss_train_the_trunk_unless_detached(process_group, checkpoints, tmp_path):
+    """Default (Megatron-Core's): the trunk's gradient holds the MTP loss's too, as Megatron-Core computes it run
+    directly; `mtp_detach_heads: true`: the trunk's gradient is that of the run without MTP."""
+    runs = {}
+    for detach in (False, True):
+        gradients = AllGradients()
+        module_kwargs = {} if not detach else {"mtp_detach_heads": True}
+        _fit(tmp_path / str(detach), checkpoints["qwen3_mtp"], 1, mtp_only=False, clip_grad=0.0,
+             module_kwargs=module_kwargs, callbacks=(gradients,))
+        runs[detach] = gradients.gradients
+    megatron_joint = _loop_gradients(checkpoints["qwen3_mtp"], mtp=True)
+    without_mtp = _loop_gradients(checkpoints["qwen3_mtp"], mtp=False)
+    assert SFTModule().hparams.mtp_detach_heads is False
+    assert runs[False].keys() == megatron_joint.keys() == runs[True].keys()
+    for name, gradient in megatron_joint.items():
+        torch.testing.assert_close(runs[False][name], gradient, rtol=0, atol=1e-6)
+    trunk = [name for name in runs[True] if not is_mtp_parameter(name)]
+    assert trunk and set(trunk) == set(without_mtp)
+    for name in trunk:
+        torch.testing.assert_close(runs[True][name], without_mtp[name], rtol=0, atol=1e-6)
+    # the MTP loss's gradient reaches the trunk (embedding, decoder, LM head) only without the detach
+    moved_by_mtp = [name for name in trunk if (runs[False][name] - without_mtp[name]).abs().max() > 1e-4]
+    assert {"0.embedding.word_embeddings.weight", "0.output_layer.weight"} <= set(moved_by_mtp)
+    assert any(".decoder.layers." in name for name in moved_by_mtp)
+    for name in runs[True]:  # the MTP layer's own gradient is the same either way
+        if is_mtp_parameter(name):
+            torch.testing.assert_close(runs[True][name], runs[False][name], rtol=0, atol=1e-6)
 
 
 def _expect_rejection(tmp_path: Path, hf_checkpoint: Path, message: str, *, bridge_type: str = "megatron-bridge",

@@ -54,15 +54,18 @@ class ModelOptions:
     `attention.SDPAttention`), "local" (Megatron-Core's `DotProductAttention`), or "auto" (SDPA without Transformer
     Engine, Transformer Engine's own attention with it).
     `config_overrides`: any `TransformerConfig` field (dropout, recompute, fusions, ...).
+    `random_weights`: Megatron's random initialization instead of the checkpoint's weights (benchmarks of a
+    shape no checkpoint exists for: only config.json is needed).
     """
 
     params_dtype: torch.dtype = torch.float32
     mtp: bool = False
     mtp_loss_scaling_factor: float = 0.1
-    mtp_detach_heads: bool = True
+    mtp_detach_heads: bool = False
     sequence_parallel: bool = False
     attention_backend: AttentionBackend = "auto"
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    random_weights: bool = False
 
 
 def parallel_sizes() -> dict[str, int | None]:
@@ -193,7 +196,8 @@ class Bridge(ABC):
                 "checkpoint exported with MTP disabled needs its MTP weights and config restored first "
                 "(lightning-megatron-restore-mtp), or set mtp: false"
             )
-        if options.mtp and not any(self._is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
+        if options.mtp and not options.random_weights and not any(
+                self._is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
             raise BridgeError(
                 f"{self.hf_path}: config.json declares {self.checkpoint_mtp_layers} MTP layer(s) but the weights hold "
                 "no MTP tensor; restore the head with lightning-megatron-restore-mtp (--source or --init), "
@@ -210,7 +214,7 @@ class Bridge(ABC):
         with rotary embeddings that follow the depth of tree-packed rows (`tree_rotary`)."""
         self.validate(options)
         self.options = options
-        chunks = self._build(options, load_weights=load_weights)
+        chunks = self._build(options, load_weights=load_weights and not options.random_weights)
         install_depth_rotary(chunks)  # tree-packed rows: rotary embeddings at each token's depth
         return chunks
 

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp_only_graph import skip_main_lm_head_backward
 
@@ -33,14 +34,22 @@ class MTPOnlyCallback(pl.Callback):
     gradients and the frozen weights are the same as without it. Set it to false to run the main loss's backward
     as plain Megatron-Core does (e.g. to compare, or if a megatron-core upgrade changes the call pattern the hooks
     check, which they report as an error).
+    `loss_chunk_tokens` (with `skip_main_head_backward`): both heads' cross-entropies run that many tokens at a
+    time, so no `[tokens, vocab]` fp32 tensor outlives a chunk and the main logits never exist whole
+    (`mtp_only_graph`); the logged values and gradients are the same to fp32 rounding. None: whole logits, as
+    before.
     """
 
-    def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True) -> None:
+    def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True,
+                 loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> None:
+        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens: {loss_chunk_tokens} must be at least 1 (or null for whole logits)")
         self.audit_path = audit_path
         self.skip_main_head_backward = skip_main_head_backward
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.trainable: list[str] = []
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
-        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hook_handles: list[Any] = []
 
     def validate_megatron_setup(self, strategy: Any, module: pl.LightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
@@ -65,7 +74,7 @@ class MTPOnlyCallback(pl.Callback):
         last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.trainable = freeze_non_mtp_parameters(chunks, allow_missing_mtp=not last_stage)
         if self.skip_main_head_backward:
-            self._hook_handles = skip_main_lm_head_backward(chunks)
+            self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The reference checksums: after the wrap (bf16 casts the norm weights the model was built with in fp32)
@@ -117,13 +126,25 @@ def _frozen_checksums(pl_module: pl.LightningModule) -> dict[str, tuple[int, int
             for name, parameter, is_mtp in mtp_parameter_flags(_unwrapped(pl_module)).values() if not is_mtp}
 
 
-def checksum(tensor: torch.Tensor) -> tuple[int, int]:
-    """An exact, order-sensitive checksum of a tensor's bits, computed where the tensor lives."""
+CHECKSUM_CHUNK_ELEMENTS = 1 << 24
+
+
+def checksum(tensor: torch.Tensor, chunk_elements: int = CHECKSUM_CHUNK_ELEMENTS) -> tuple[int, int]:
+    """An exact, order-sensitive checksum of a tensor's bits, computed where the tensor lives.
+
+    In chunks of `chunk_elements`, so its int64 temporaries stay bounded (three of them for a whole [151936, 4096]
+    embedding would be 14 GiB); int64 sums wrap modulo 2**64 the same chunked or not, so the value does not depend
+    on the chunk size."""
     flat = tensor.detach().contiguous().view(-1)
     bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    bits = bits.to(torch.int64)
-    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1_000_003 + 1
-    return int(bits.sum()), int((bits * weights).sum())
+    plain = torch.zeros((), dtype=torch.int64, device=bits.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), chunk_elements):
+        chunk = bits[start:start + chunk_elements].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=bits.device, dtype=torch.int64) % 1_000_003 + 1
+        plain += chunk.sum()
+        weighted += (chunk * weights).sum()
+    return int(plain), int(weighted)
 
 
 def _unique_numel(parameters: Any) -> int:

@@ -4,7 +4,8 @@
     python -m lightning_megatron.recipes.mtp_quality OUT --size cpu    # the test suite's version, 2 CPU cores
 
 1. corpus, tokenizer and a random-init Qwen3+MTP checkpoint from the Python standard library (`stdlib_corpus`);
-2. joint SFT + MTP (`configs/recipes/stdlib_joint.yaml`) -> A_joint on held-out prompts;
+2. joint SFT + MTP (`configs/recipes/stdlib_joint.yaml`, MTP head detached: `mtp_detach_heads: true`) -> A_joint
+   on held-out prompts;
 3. the head is lost the way it happens to users: an HF export with MTP disabled, then
    `lightning-megatron-restore-mtp --init random` (the README's recipe) -> A_reset;
 4. the frozen model's own greedy continuations (`stdlib_generate.yaml`), MTP-only fit on them

@@ -1,0 +1,279 @@
+"""P2 on one GPU: what MTP-only training costs in memory and time, and what its peak is made of.
+
+Two model shapes, each built with Megatron's random initialization straight on the GPU from a config-only
+checkpoint (`ModelOptions(random_weights=True)`: no weights are written or read), bf16, distributed optimizer,
+megatron-bridge, one MTP layer, seq 2048, random tokens, all in this one process:
+
+- Qwen3-0.6B (tied), micro-batch 2 x 4: Lightning joint (`SFTModule(enable_mtp=True)`), Lightning MTP-only
+  (`MTPOnlyCallback`), and the plain Megatron-Core MTP-only loop (`bench/megatron_loop.py`: every non-MTP
+  parameter `requires_grad=False`, nothing else). Targets: MTP-only / joint peak memory <= 0.25, step time <= 0.42.
+- Qwen3-8B (hidden 4096, 36 layers, 32/8 heads, FFN 12288, untied), micro-batch 1 x 4: Lightning MTP-only and the
+  plain MTP-only loop. Targets: peak <= 23.6 GiB (the plain loop's figure in issue 21), step <= 0.348 s.
+
+Runs alternate in mirrored rounds (a, b, c, c, b, a) as in `bench/lightning_overhead.py`, whose run functions
+these are: the median step time over the timed steps of all rounds, the training steps' peak memory
+(`max_memory_allocated` reset when training starts; building the model and the audit's first checksums are kept
+apart as `setup_peak_memory_gib`), each run's own: every run's model is released at its end and what was still
+allocated when it started (`memory_at_start_gib`, ~0) is subtracted.
+
+Breakdown: one more short MTP-only run per shape records PyTorch's allocator history
+(`torch.cuda.memory._record_memory_history`) from before the model is built; its trace (`_snapshot()`) is replayed
+to find the largest live total during the training steps, and the blocks live at that moment are grouped by the
+innermost stack frame in megatron-core, lightning_megatron or bench. The JSON holds the table; the markdown
+version goes to `--breakdown-md` (default: `mtp_memory_breakdown.md` beside `--out`).
+
+`--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU, a few steps (what tests/test_bench.py runs; no breakdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from bench.common import (
+    JOINT,
+    MTP_ONLY,
+    QWEN3_0_6B,
+    QWEN3_8B,
+    ModelShape,
+    emit,
+    environment,
+    import_megatron_bridge_first,
+    make_config_only_checkpoint,
+    model_flops,
+    parse_with_tiny,
+    peak_flops,
+)
+from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
+
+GIB = 1024**3
+MARKER_BYTES = 3 * 1024**2 + 7 * 512  # one allocation of this size marks where training starts in the trace
+PROJECT_FRAMES = ("megatron/", "lightning_megatron/", "bench/")
+
+
+@dataclass(frozen=True)
+class ShapeRun:
+    """One model shape: what to build, its batch, which variants run, and the targets they are held to."""
+
+    name: str
+    shape: dict[str, Any]
+    tied: bool
+    micro_batch: int
+    microbatches: int
+    variants: tuple[str, ...]
+    targets: dict[str, float]
+
+
+SHAPES = (
+    ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, microbatches=4,
+             variants=("joint", "mtp_only", "plain_mtp_only"),
+             targets={"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42}),
+    ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, microbatches=4,
+             variants=("mtp_only", "plain_mtp_only"),
+             targets={"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}),
+)
+TINY = dict(seq=32, steps=2, warmup=1, rounds=1, precision="fp32", breakdown_steps=0)
+
+
+def run_variant(variant: str, settings: Settings, vocab: int, callbacks: tuple[pl.Callback, ...] = ()
+                ) -> dict[str, Any]:
+    if variant == "plain_mtp_only":
+        return run_plain(settings, vocab, mtp_only=True)
+    return run_lightning(settings, vocab, mtp_only=variant == "mtp_only", callbacks=callbacks)
+
+
+class RecordAllocations(pl.Callback):
+    """Record the allocator's history from construction (before the model is built) to the end of training; mark
+    where training starts with one allocation of `MARKER_BYTES`."""
+
+    def __init__(self, max_entries: int = 2_000_000) -> None:
+        self.baseline_bytes = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+        self.snapshot: dict[str, Any] | None = None
+        self.max_memory_allocated: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.empty(MARKER_BYTES, dtype=torch.uint8, device="cuda")  # allocated and freed at once: the mark
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.cuda.synchronize()
+        self.max_memory_allocated = torch.cuda.max_memory_allocated()
+        self.snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _frame_label(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame in the project or megatron-core, as `path/from/package.py:line function`."""
+    for frame in frames:
+        filename = frame.get("filename", "")
+        for marker in PROJECT_FRAMES:
+            if marker in filename:
+                return f"{filename[filename.index(marker):]}:{frame.get('line')} {frame.get('name')}"
+    return "elsewhere (no megatron-core or project frame)"
+
+
+def peak_breakdown(trace: list[dict[str, Any]], baseline_bytes: int = 0, marker_bytes: int = MARKER_BYTES,
+                   top: int = 12) -> dict[str, Any]:
+    """The largest live total after the marker allocation in an allocator trace (`_snapshot()["device_traces"]`
+    of one device: `alloc` adds a block, `free_completed` removes it), and the blocks live then, grouped by
+    allocating frame, largest first; `top` rows, the rest summed. `baseline_bytes`, allocated before recording
+    started (by earlier runs, not this one), are reported apart and not counted in the peak."""
+
+    def replay(stop: int | None = None) -> tuple[dict[int, dict[str, Any]], int, int]:
+        live: dict[int, dict[str, Any]] = {}
+        total, peak, peak_index, training = 0, -1, -1, False
+        for index, event in enumerate(trace[:stop]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = event
+                total += event["size"]
+                training |= event["size"] == marker_bytes
+                if training and total > peak:
+                    peak, peak_index = total, index
+            elif event["action"] == "free_completed" and event["addr"] in live:
+                total -= live.pop(event["addr"])["size"]
+        return live, peak, peak_index
+
+    _, peak, peak_index = replay()
+    if peak_index < 0:
+        return {"error": "the training-start marker is not in the trace (history too short?)"}
+    live, _, _ = replay(peak_index + 1)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for event in live.values():
+        group = groups[_frame_label(event.get("frames") or [])]
+        group[0] += event["size"]
+        group[1] += 1
+    rows = sorted(groups.items(), key=lambda item: -item[1][0])
+    table = [{"allocated_at": label, "gib": size / GIB, "blocks": blocks} for label, (size, blocks) in rows[:top]]
+    rest = rows[top:]
+    if rest:
+        table.append({"allocated_at": f"{len(rest)} other frames", "gib": sum(r[1][0] for r in rest) / GIB,
+                      "blocks": sum(r[1][1] for r in rest)})
+    return {"peak_gib": peak / GIB, "rows": table, "allocated_before_recording_gib": baseline_bytes / GIB}
+
+
+def breakdown_markdown(breakdowns: dict[str, dict[str, Any]], command: str) -> str:
+    lines = ["# What the MTP-only training peak is made of", "",
+             f"`{command}`: blocks live at the largest allocated total during the training steps of one MTP-only "
+             "run, grouped by the innermost megatron-core / lightning_megatron / bench frame that allocated them.",
+             ""]
+    for name, breakdown in breakdowns.items():
+        if "rows" not in breakdown:
+            lines += [f"## {name}", "", breakdown.get("error", "no breakdown"), ""]
+            continue
+        lines += [f"## {name}: {breakdown['peak_gib']:.2f} GiB at the peak "
+                  f"(max_memory_allocated {breakdown['max_memory_allocated_gib']:.2f} GiB, of which "
+                  f"{breakdown['allocated_before_recording_gib']:.2f} GiB were left by earlier runs)", "",
+                  "| GiB | blocks | allocated at |", "|---|---|---|"]
+        lines += [f"| {row['gib']:.3f} | {row['blocks']} | `{row['allocated_at']}` |" for row in breakdown["rows"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[str, Any]:
+    """The figures each target is about, and whether it is met (None where a figure is missing, e.g. CPU memory)."""
+    mtp_only = runs["mtp_only"]
+    figures: dict[str, float | None] = {"mtp_only_peak_memory_gib": mtp_only["peak_memory_gib"],
+                                        "mtp_only_step_s": mtp_only["step_s"]}
+    if "joint" in runs:
+        figures["mtp_only_over_joint_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
+                                                            runs["joint"]["peak_memory_gib"])
+        figures["mtp_only_over_joint_step_time"] = _ratio(mtp_only["step_s"], runs["joint"]["step_s"])
+    if "plain_mtp_only" in runs:
+        plain = runs["plain_mtp_only"]
+        figures["mtp_only_over_plain_mtp_only_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
+                                                                     plain["peak_memory_gib"])
+        figures["mtp_only_over_plain_mtp_only_step_time"] = _ratio(mtp_only["step_s"], plain["step_s"])
+    met = {key: None if figures.get(key) is None else figures[key] <= target for key, target in targets.items()}
+    return {"figures": figures, "targets": targets, "met": met}
+
+
+def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], dict | None]:
+    checkpoint = make_config_only_checkpoint(root / shape_run.name, shape_run.shape, tied=shape_run.tied,
+                                             tiny=args.tiny)
+    shape = ModelShape.from_hf_checkpoint(checkpoint)
+    settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=shape_run.micro_batch,
+                        microbatches=shape_run.microbatches, steps=args.steps, warmup=args.warmup,
+                        precision=args.precision, random_weights=True, loss_chunk_tokens=args.loss_chunk_tokens)
+    order = [variant for round_index in range(args.rounds)
+             for variant in (shape_run.variants if round_index % 2 == 0 else shape_run.variants[::-1])]
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in shape_run.variants}
+    for variant in order:
+        runs[variant].append(run_variant(variant, settings, shape.vocab))
+    peak = peak_flops(args.peak_tflops)
+    summaries = {variant: summarize(variant_runs, settings,
+                                    model_flops(shape, settings.global_batch, settings.seq,
+                                                JOINT if variant == "joint" else MTP_ONLY), peak)
+                 for variant, variant_runs in runs.items()}
+    result = {"shape": asdict(shape), "tied": shape_run.tied,
+              "settings": {**asdict(settings), "global_batch": settings.global_batch, "rounds": args.rounds},
+              "order": order, "runs": summaries, **compare(summaries, shape_run.targets)}
+    breakdown = None
+    if args.breakdown_steps and torch.cuda.is_available():
+        recorder = RecordAllocations()
+        short = replace(settings, steps=args.breakdown_steps, warmup=1)
+        run_variant("mtp_only", short, shape.vocab, callbacks=(recorder,))
+        (trace,) = [t for t in recorder.snapshot["device_traces"] if t] or [[]]
+        breakdown = {**peak_breakdown(trace, recorder.baseline_bytes),
+                     "max_memory_allocated_gib": recorder.max_memory_allocated / GIB,
+                     "variant": "mtp_only", "steps": args.breakdown_steps}
+        recorder.snapshot = None
+    return result, breakdown
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shape, fp32, CPU-sized (explicit flags win)")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES])
+    parser.add_argument("--loss-chunk-tokens", type=int, default=Settings.loss_chunk_tokens,
+                        help="MTPOnlyCallback(loss_chunk_tokens); 0 = whole logits (the previous implementation)")
+    parser.add_argument("--breakdown-steps", type=int, default=2, help="training steps of the recorded run (0: none)")
+    parser.add_argument("--breakdown-md", type=Path, default=None,
+                        help="markdown breakdown (default: mtp_memory_breakdown.md beside --out)")
+    args = parse_with_tiny(parser, TINY)
+    args.loss_chunk_tokens = args.loss_chunk_tokens or None
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.tiny:
+        torch.set_num_threads(1)
+    from lightning_megatron.demo import init_single_process
+
+    init_single_process()
+    import_megatron_bridge_first()
+    root = Path(tempfile.mkdtemp(prefix="mtp_memory_"))
+    shapes, breakdowns = {}, {}
+    for shape_run in SHAPES:
+        if shape_run.name in args.shapes:
+            shapes[shape_run.name], breakdown = run_shape(shape_run, args, root)
+            if breakdown is not None:
+                breakdowns[shape_run.name] = breakdown
+    result: dict[str, Any] = {"benchmark": "mtp_memory", **environment(),
+                              "peak_tflops": (peak_flops(args.peak_tflops) or 0) / 1e12 or None,
+                              "shapes": shapes, "breakdown": breakdowns}
+    emit(result, args.out)
+    markdown_path = args.breakdown_md or (args.out.with_name("mtp_memory_breakdown.md") if args.out else None)
+    if markdown_path is not None and breakdowns:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(breakdown_markdown(breakdowns, result["command"]))
+
+
+if __name__ == "__main__":
+    main()
