@@ -8,6 +8,7 @@ Bridges know nothing of Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
 from lightning_megatron.checkpoint import move_into_place
+from lightning_megatron.moe import check_expert_parallel, check_router_matches, moe_config_overrides
 from lightning_megatron.mtp import check_mtp_training_options
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
@@ -147,12 +149,33 @@ class Bridge(ABC):
             )
         if options.mtp and options.mtp_loss_scaling_factor > 0:
             check_mtp_training_options(options.mtp_loss_scaling_factor, self.checkpoint_mtp_layers)
+        self._validate_moe(options)
+
+    def _validate_moe(self, options: ModelOptions) -> None:
+        from megatron.core import parallel_state
+
+        try:
+            moe_config_overrides(self.hf_config, options.config_overrides)
+        except ValueError as error:
+            raise BridgeError(str(error)) from None
+        if parallel_state.model_parallel_is_initialized():
+            sizes = parallel_sizes()
+            try:
+                check_expert_parallel(self.hf_config, sizes["expert_model_parallel_size"] or 1,
+                                      sizes["expert_tensor_parallel_size"] or 1)
+            except ValueError as error:
+                raise BridgeError(str(error)) from None
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
         """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded."""
+        from megatron.core.utils import get_model_config
+
         self.validate(options)
         self.options = options
-        return self._build(options, load_weights=load_weights)
+        overrides = moe_config_overrides(self.hf_config, options.config_overrides)
+        chunks = self._build(dataclasses.replace(options, config_overrides=overrides), load_weights=load_weights)
+        check_router_matches(get_model_config(chunks[0]), self.hf_config, options.config_overrides)
+        return chunks
 
     @abstractmethod
     def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]: ...

@@ -1,0 +1,179 @@
+"""Mixture-of-Experts without CUDA or Transformer Engine: token dispatch on CPU/gloo, and both bridges' MoE models on
+the local spec (which always builds `SequentialMLP` experts, megatron/core/models/backends.py:133-142).
+
+Found by running a tiny Qwen3-MoE through both bridges at EP=1 and EP=2 (see the project's MoE research notes).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import torch
+
+from lightning_megatron._compat._adjustment import Adjustment, Patches
+from lightning_megatron._compat.cpu import _NoOpStream, _no_cuda
+from lightning_megatron._compat.no_te import _no_transformer_engine
+
+# megatron-core ----------------------------------------------------------------------------------------------------
+
+
+def _stream_events_are_none() -> bool:
+    return _no_cuda() and _NoOpStream().record_event() is None
+
+
+def _install_stream_events(patches: Patches) -> None:
+    """The all-to-all dispatcher records an event on its device-to-host stream and later waits on it."""
+    patches.setattr(_NoOpStream, "record_event", lambda self, *args, **kwargs: _NoOpStream())
+
+
+def _install_split_sizes_as_numpy(patches: Patches) -> None:
+    """Upstream turns CUDA split-size tensors into numpy arrays (which c10d accepts) but leaves CPU ones tensors."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(move)
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    patches.setattr(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
+
+
+MEGATRON_CORE_ADJUSTMENTS = (
+    Adjustment(
+        "moe.cpu_stream_events",
+        "megatron/core/transformer/moe/token_dispatcher.py:946-950 d2h_event = stream.record_event(); "
+        "d2h_event.synchronize() (None from the CPU stream stand-in)",
+        _stream_events_are_none,
+        _install_stream_events,
+    ),
+    Adjustment(
+        "moe.gloo_all_to_all_split_sizes",
+        "megatron/core/transformer/moe/moe_utils.py:1184 converts only CUDA split sizes to numpy, so "
+        "tensor_parallel/mappings.py:460 all_to_all_single gets tensors (TypeError) on CPU",
+        _no_cuda,
+        _install_split_sizes_as_numpy,
+    ),
+)
+
+
+# megatron-bridge --------------------------------------------------------------------------------------------------
+
+
+def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
+    from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+
+    provider_bridge = Qwen3MoEBridge.provider_bridge
+
+    @functools.wraps(provider_bridge)
+    def provider_bridge_unfused(bridge: Any, hf_pretrained: Any) -> Any:
+        provider = provider_bridge(bridge, hf_pretrained)
+        provider.moe_permute_fusion = False  # TE's fused permutation; the unfused one computes the same
+        return provider
+
+    patches.setattr(Qwen3MoEBridge, "provider_bridge", provider_bridge_unfused)
+
+
+MEGATRON_BRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_bridge.qwen3_moe_unfused_permutation",
+        "megatron/bridge/models/qwen/qwen3_moe_bridge.py:68 moe_permute_fusion=True: 'fused permutation is not "
+        "available' without TE (megatron/core/transformer/transformer_config.py:2667)",
+        _no_transformer_engine,
+        _install_qwen3_moe_unfused_permutation,
+    ),
+)
+
+
+# mbridge ----------------------------------------------------------------------------------------------------------
+
+
+def _mbridge_moe_bridges() -> tuple[type, ...]:
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+    from mbridge.models.qwen3moe import Qwen3MoEBridge
+
+    return (Qwen2MoEBridge, Qwen3MoEBridge)
+
+
+def _install_no_persistent_layer_norm(patches: Patches) -> None:
+    for bridge_class in _mbridge_moe_bridges():
+        build_config = bridge_class._build_config
+
+        @functools.wraps(build_config)
+        def build_config_without_apex_fusions(bridge: Any, _build_config: Any = build_config) -> Any:
+            config = _build_config(bridge)
+            config.persist_layer_norm = False  # Apex's persistent layer norm, refused by the local spec's torch norm
+            config.moe_shared_expert_overlap = False  # overlaps the shared expert on a second CUDA stream
+            return config
+
+        patches.setattr(bridge_class, "_build_config", build_config_without_apex_fusions)
+
+
+_INPUT_LAYERNORM = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+
+
+def _moe_name_table_lacks_input_layernorm() -> bool:
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+
+    return _no_transformer_engine() and "input_layernorm.weight" not in Qwen2MoEBridge._OTHER_MAPPING
+
+
+def _install_moe_input_layernorm_name(patches: Patches) -> None:
+    """Qwen2-MoE's table (which Qwen3-MoE inherits) already maps the local spec's `pre_mlp_layernorm`."""
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+
+    patches.setattr(Qwen2MoEBridge, "_OTHER_MAPPING", {**Qwen2MoEBridge._OTHER_MAPPING, **_INPUT_LAYERNORM})
+
+
+_SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _install_sequential_mlp_expert_names(patches: Patches) -> None:
+    """mbridge names experts as TEGroupedMLP does (`experts.linear_fc1.weight{k}`), in its name tables and in the
+    expert-parallel paths of load and export; `SequentialMLP` names them `experts.local_experts.{k}.linear_fc1.weight`.
+    The local-to-global map (used by both load and export) renames them; state-dict keys stay the module's."""
+    from mbridge.core.bridge import Bridge
+
+    local_to_global = Bridge._weight_name_mapping_mcore_local_to_global
+
+    @functools.wraps(local_to_global)
+    def local_to_global_with_sequential_experts(bridge: Any, model: Any, consider_ep: bool = True) -> dict[str, str]:
+        names = local_to_global(bridge, model, consider_ep=False)
+        ep_size, ep_rank = bridge.mpu.ep_size, bridge.mpu.ep_rank
+        first_expert = ep_rank * bridge.config.num_moe_experts // ep_size if consider_ep and ep_size > 1 else 0
+
+        def grouped_name(match: re.Match) -> str:
+            return f".mlp.experts.{match[2]}.weight{int(match[1]) + first_expert}"
+
+        return {local: _SEQUENTIAL_EXPERT.sub(grouped_name, name) for local, name in names.items()}
+
+    patches.setattr(Bridge, "_weight_name_mapping_mcore_local_to_global", local_to_global_with_sequential_experts)
+
+
+MBRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "mbridge.moe_no_apex_fusions",
+        "mbridge/models/qwen3moe.py:24, qwen2moe.py persist_layer_norm=True: 'persist_layer_norm not supported by "
+        "torch LayerNorm' (megatron/core/transformer/torch_norm.py:48); qwen2moe.py moe_shared_expert_overlap",
+        _no_transformer_engine,
+        _install_no_persistent_layer_norm,
+    ),
+    Adjustment(
+        "mbridge.moe_local_spec_names",
+        "mbridge/core/bridge.py:646 Unsupported parameter name: decoder.layers.0.input_layernorm.weight "
+        "(Qwen2MoEBridge's tables, which Qwen3MoEBridge uses)",
+        _moe_name_table_lacks_input_layernorm,
+        _install_moe_input_layernorm_name,
+    ),
+    Adjustment(
+        "mbridge.sequential_mlp_expert_names",
+        "mbridge/models/qwen2moe.py:104 Unsupported parameter name: ...mlp.experts.local_experts.0.linear_fc1.weight; "
+        "mbridge/core/bridge.py:364-385, 507-520 know only TEGroupedMLP expert names",
+        _no_transformer_engine,
+        _install_sequential_mlp_expert_names,
+    ),
+)
