@@ -90,6 +90,15 @@ def check_router_matches(model_config: Any, hf_config: dict[str, Any], config_ov
                                f"checkpoint asks for {expected[field]!r}; the model would not be the checkpoint's")
 
 
+def start_moe_metrics(model_config: Any) -> None:
+    """A fresh MoE metrics tracker for a newly built model: Megatron-Core's is process-global and sizes its per-layer
+    buffers by the first model that records (a later model with more layers, e.g. an MTP layer, overruns them)."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    if model_config.num_moe_experts:
+        destroy_moe_metrics_tracker()
+
+
 def check_expert_parallel(hf_config: dict[str, Any], expert_model_parallel_size: int,
                           expert_tensor_parallel_size: int) -> None:
     """What expert parallelism needs from the checkpoint, checked before the model is built."""
@@ -127,6 +136,8 @@ def read_and_reset_moe_aux_loss(model_config: Any, num_microbatches: int) -> tor
     """
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
+    if not model_config.num_moe_experts:
+        return None
     load_balancing_type = model_config.moe_router_load_balancing_type
     types = load_balancing_type if isinstance(load_balancing_type, list) else [load_balancing_type]
     names = [name for name, kind in zip(LOAD_BALANCING_LOSSES, ("aux_loss", "seq_aux_loss", "global_aux_loss"))

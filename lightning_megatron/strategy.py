@@ -39,6 +39,7 @@ from lightning_megatron.attention import AttentionBackend
 from lightning_megatron.bridges import BridgeType, create_bridge
 from lightning_megatron.bridges.base import parallel_sizes
 from lightning_megatron.module import LossOutput, MegatronLightningModule, Microbatch
+from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
@@ -227,6 +228,9 @@ class MegatronStrategy(ParallelStrategy):
                 f"({self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
                 f"{self.context_parallel_size}); change devices/num_nodes or the parallel sizes"
             )
+        check_expert_parallel_world(self.world_size, self.expert_model_parallel_size,
+                                    self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
+                                    self.pipeline_model_parallel_size)
         if self.context_parallel_size > 1 and not _transformer_engine_available():
             raise ValueError("context_parallel_size > 1 needs Transformer Engine attention, which is not installed; "
                              "set context_parallel_size: 1")

@@ -78,7 +78,66 @@ def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
     patches.setattr(Qwen3MoEBridge, "provider_bridge", provider_bridge_unfused)
 
 
+_QWEN3_MOE_MTP_NAMES = {
+    "mtp.layers.0.eh_proj.weight": "mtp.fc.weight",
+    "mtp.layers.0.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "mtp.layers.0.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "mtp.layers.0.final_layernorm.weight": "mtp.norm.weight",
+    "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight": "mtp.layers.0.input_layernorm.weight",
+    "mtp.layers.0.mtp_model_layer.self_attention.q_layernorm.weight": "mtp.layers.0.self_attn.q_norm.weight",
+    "mtp.layers.0.mtp_model_layer.self_attention.k_layernorm.weight": "mtp.layers.0.self_attn.k_norm.weight",
+    "mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight": "mtp.layers.0.self_attn.o_proj.weight",
+    "mtp.layers.0.mtp_model_layer.pre_mlp_layernorm.weight": "mtp.layers.0.post_attention_layernorm.weight",
+    "mtp.layers.0.mtp_model_layer.mlp.router.weight": "mtp.layers.0.mlp.gate.weight",
+}
+
+
+def _qwen3_moe_maps_no_mtp() -> bool:
+    from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+
+    registry = Qwen3MoEBridge.mapping_registry(object.__new__(Qwen3MoEBridge))
+    return not any(mapping.megatron_param.startswith("mtp.") for mapping in registry.mappings)
+
+
+def _install_qwen3_moe_mtp_names(patches: Patches) -> None:
+    """The MTP layer as Qwen3-Next lays it out (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`, `mtp.layers.0.*` with
+    routed experts), which megatron-bridge maps for Qwen3-Next and dense Qwen3 but not Qwen3-MoE."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping, QKVMapping
+    from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+
+    mapping_registry = Qwen3MoEBridge.mapping_registry
+    layer, hf_layer = "mtp.layers.*.mtp_model_layer", "mtp.layers.*"
+
+    @functools.wraps(mapping_registry)
+    def mapping_registry_with_mtp(bridge: Any) -> Any:
+        mtp_mappings = [AutoMapping(megatron_param=name, hf_param=hf_name) for name, hf_name in _QWEN3_MOE_MTP_NAMES.items()]
+        mtp_mappings += [
+            QKVMapping(megatron_param=f"{layer}.self_attention.linear_qkv.weight", q=f"{hf_layer}.self_attn.q_proj.weight",
+                       k=f"{hf_layer}.self_attn.k_proj.weight", v=f"{hf_layer}.self_attn.v_proj.weight"),
+            GatedMLPMapping(megatron_param=f"{layer}.mlp.experts.local_experts.*.linear_fc1.weight",
+                            gate=f"{hf_layer}.mlp.experts.*.gate_proj.weight", up=f"{hf_layer}.mlp.experts.*.up_proj.weight"),
+            AutoMapping(megatron_param=f"{layer}.mlp.experts.local_experts.*.linear_fc2.weight",
+                        hf_param=f"{hf_layer}.mlp.experts.*.down_proj.weight"),
+            GatedMLPMapping(megatron_param=f"{layer}.mlp.experts.linear_fc1.weight*",
+                            gate=f"{hf_layer}.mlp.experts.*.gate_proj.weight", up=f"{hf_layer}.mlp.experts.*.up_proj.weight"),
+            AutoMapping(megatron_param=f"{layer}.mlp.experts.linear_fc2.weight*",
+                        hf_param=f"{hf_layer}.mlp.experts.*.down_proj.weight"),
+        ]
+        return MegatronMappingRegistry(*mapping_registry(bridge).mappings, *mtp_mappings)
+
+    patches.setattr(Qwen3MoEBridge, "mapping_registry", mapping_registry_with_mtp)
+
+
 MEGATRON_BRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_bridge.qwen3_moe_mtp_names",
+        "megatron/bridge/models/qwen/qwen3_moe_bridge.py:77 mapping_registry has no mtp.* names although the provider "
+        "builds the MTP layer from num_nextn_predict_layers (model_bridge.py:478): loading fails at "
+        "model_bridge.py:1100 ('NoneType' object has no attribute 'megatron_module')",
+        _qwen3_moe_maps_no_mtp,
+        _install_qwen3_moe_mtp_names,
+    ),
     Adjustment(
         "megatron_bridge.qwen3_moe_unfused_permutation",
         "megatron/bridge/models/qwen/qwen3_moe_bridge.py:68 moe_permute_fusion=True: 'fused permutation is not "

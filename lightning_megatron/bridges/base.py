@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
 from lightning_megatron.checkpoint import move_into_place
-from lightning_megatron.moe import check_expert_parallel, check_router_matches, moe_config_overrides
+from lightning_megatron.moe import check_expert_parallel, check_router_matches, moe_config_overrides, start_moe_metrics
 from lightning_megatron.mtp import check_mtp_training_options
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
@@ -175,6 +175,7 @@ class Bridge(ABC):
         overrides = moe_config_overrides(self.hf_config, options.config_overrides)
         chunks = self._build(dataclasses.replace(options, config_overrides=overrides), load_weights=load_weights)
         check_router_matches(get_model_config(chunks[0]), self.hf_config, options.config_overrides)
+        start_moe_metrics(get_model_config(chunks[0]))
         return chunks
 
     @abstractmethod
