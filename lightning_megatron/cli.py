@@ -16,7 +16,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -43,6 +43,10 @@ class MegatronCLI(LightningCLI):
             help="Write the project's tiny Qwen3+MTP checkpoint (made locally, no download) to "
                  "trainer.strategy.init_args.hf_checkpoint if that folder does not exist yet.",
         )
+        parser.add_argument(
+            "--tiny_checkpoint_family", type=Literal["qwen3", "qwen3_moe"], default="qwen3",
+            help="The family make_tiny_checkpoint writes (with its MTP layer): qwen3, or qwen3_moe (4 experts, top 2).",
+        )
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -63,17 +67,17 @@ class MegatronCLI(LightningCLI):
             if not hf_checkpoint:
                 raise ValueError("make_tiny_checkpoint: true needs trainer.strategy.init_args.hf_checkpoint: the "
                                  "folder to write the tiny checkpoint to")
-            ensure_tiny_checkpoint(Path(hf_checkpoint))
+            ensure_tiny_checkpoint(Path(hf_checkpoint), config.tiny_checkpoint_family)
 
 
-def ensure_tiny_checkpoint(path: Path) -> Path:
-    """The tiny Qwen3+MTP checkpoint at `path`, made here on first use (by local rank 0; other ranks wait)."""
+def ensure_tiny_checkpoint(path: Path, family: Literal["qwen3", "qwen3_moe"] = "qwen3") -> Path:
+    """The tiny Qwen3(-MoE)+MTP checkpoint at `path`, made here on first use (by local rank 0; other ranks wait)."""
     from lightning_megatron.testing import make_tiny_checkpoint
 
     if (path / "config.json").is_file():
         return path
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        return make_tiny_checkpoint(path, "qwen3", mtp=True)
+        return make_tiny_checkpoint(path, family, mtp=True)
     deadline = time.monotonic() + TINY_CHECKPOINT_WAIT_S
     while not (path / "config.json").is_file():
         if time.monotonic() > deadline:

@@ -256,3 +256,77 @@ def test_an_expert_parallel_size_the_world_cannot_hold_fails_before_the_build(pr
     with pytest.raises(ValueError, match=r"world size 1 is not a multiple of expert_model_parallel_size x "
                                          r"expert_tensor_parallel_size x pipeline_model_parallel_size = 2 x 1 x 1"):
         _fit(tmp_path, checkpoints["qwen3_moe"], 1, expert_model_parallel_size=2)
+
+
+# two processes: EP=2 ----------------------------------------------------------------------------------------------
+
+
+class StopAfter(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def _expert_parallel_case(rank: int, world_size: int, tmp: str, paths: dict[str, str]) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    root, checkpoint = Path(tmp), Path(paths["qwen3_moe"])
+    prepare_megatron_core()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    result: dict[str, Any] = {"build": {bridge_type: _build_check_and_export(bridge_type, checkpoint,
+                                                                               root / f"ep2_build_{bridge_type}")
+                                        for bridge_type in BRIDGES}}
+    steps = 5
+    for bridge_type in BRIDGES:
+        for ep in (1, 2):
+            metrics = _fit(root / f"{bridge_type}_ep{ep}", checkpoint, steps, world_size, bridge_type=bridge_type,
+                           expert_model_parallel_size=ep, export=root / f"{bridge_type}_ep{ep}_export")
+            result[bridge_type, ep] = metrics.steps
+        result[bridge_type, "export"] = _max_difference(root / f"{bridge_type}_ep1_export",
+                                                        root / f"{bridge_type}_ep2_export")
+
+    # resume at EP=2, from a checkpoint written mid-run, against the uninterrupted EP=2 run above
+    saver = pl.callbacks.ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=3, save_top_k=-1)
+    _fit(root / "first", checkpoint, steps, world_size, callbacks=(StopAfter(3), saver),
+         trainer_kwargs=dict(enable_checkpointing=True), expert_model_parallel_size=2)
+    resumed = _fit(root / "resumed", checkpoint, steps, world_size, ckpt_path=str(root / "ckpts" / "epoch=0-step=3.ckpt"),
+                   export=root / "resumed_export", expert_model_parallel_size=2)
+    result["resumed"] = [step["lm_loss"] for step in resumed.steps]
+    result["resumed_export_unequal"] = _same_tensors(root / "mbridge_ep2_export", root / "resumed_export")
+
+    mtp_only = _fit(root / "mtp_only", Path(paths["qwen3_moe_mtp"]), 2, world_size, bridge_type="megatron-bridge",
+                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2)
+    _assert_only_mtp_moved(mtp_only)
+
+    try:
+        _fit(root / "three_experts", Path(paths["three_experts"]), 1, world_size, expert_model_parallel_size=2)
+    except BridgeError as error:
+        result["three_experts"] = str(error)
+    return result
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_equals_one(checkpoints, tmp_path):
+    paths = {name: str(checkpoints[name]) for name in ("qwen3_moe", "qwen3_moe_mtp")}
+    paths["three_experts"] = str(make_tiny_checkpoint(tmp_path / "three_experts", "qwen3_moe",
+                                                      moe=MoEShape(num_experts=3)))
+    results = run_distributed(_expert_parallel_case, tmp_path, str(tmp_path), paths)
+    for result in results:
+        for bridge_type in BRIDGES:
+            assert result["build"][bridge_type]["logits"] <= 1e-5
+            assert result["build"][bridge_type]["export_unequal"] == []
+            ep1, ep2 = result[bridge_type, 1], result[bridge_type, 2]
+            assert len(ep1) == len(ep2) == 5
+            for one, two in zip(ep1, ep2):
+                assert two["lm_loss"] == pytest.approx(one["lm_loss"], abs=1e-5)
+                assert two["moe_aux_loss"] == pytest.approx(one["moe_aux_loss"], abs=1e-5)
+            assert result[bridge_type, "export"] <= 1e-5
+        assert result["resumed"] == [step["lm_loss"] for step in result["mbridge", 2][3:]]
+        assert result["resumed_export_unequal"] == []
+        assert "expert_model_parallel_size: 2 must divide the checkpoint's 3 experts" in result["three_experts"]
+    assert results[0]["mbridge", 2] == results[1]["mbridge", 2]  # every rank logs the same, reduced metrics
