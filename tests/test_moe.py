@@ -148,9 +148,10 @@ def test_expert_parallel_sizes_are_checked_against_the_checkpoint():
 
 def _trainer(tmp_path: Path, strategy: MegatronStrategy, steps: int, devices: int, callbacks: list,
              **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=callbacks, **kwargs)
+    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, default_root_dir=tmp_path,
+                      callbacks=callbacks, **{**defaults, **kwargs})
 
 
 class Metrics(pl.Callback):
@@ -330,3 +331,46 @@ def test_expert_parallel_two_equals_one(checkpoints, tmp_path):
         assert result["resumed_export_unequal"] == []
         assert "expert_model_parallel_size: 2 must divide the checkpoint's 3 experts" in result["three_experts"]
     assert results[0]["mbridge", 2] == results[1]["mbridge", 2]  # every rank logs the same, reduced metrics
+
+
+# four processes: EP=2 with TP=2 (expert tensor parallelism 2), and with PP=2 -------------------------------------
+
+
+def _expert_tensor_and_pipeline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    root, checkpoint = Path(tmp), Path(hf_checkpoint)
+    prepare_megatron_core()
+    parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    result: dict[str, Any] = {"build": {bridge_type: _build_check_and_export(bridge_type, checkpoint,
+                                                                               root / f"tp2ep2_build_{bridge_type}")
+                                        for bridge_type in BRIDGES}}
+    steps, batches = 3, dict(micro_batch_size=1, global_batch_size=4)
+    reference = _fit(root / "dp4", checkpoint, steps, world_size, export=root / "dp4_export", **batches)
+    result["reference"] = [step["lm_loss"] for step in reference.steps]
+    for bridge_type in BRIDGES:
+        for name, parallel in (("tp2_ep2", dict(tensor_model_parallel_size=2)),
+                               ("pp2_ep2", dict(pipeline_model_parallel_size=2))):
+            export = root / f"{bridge_type}_{name}_export"
+            metrics = _fit(root / f"{bridge_type}_{name}", checkpoint, steps, world_size, bridge_type=bridge_type,
+                           expert_model_parallel_size=2, export=export, **parallel, **batches)
+            result[bridge_type, name] = [step["lm_loss"] for step in metrics.steps]
+            result[bridge_type, name, "aux"] = [step["moe_aux_loss"] for step in metrics.steps]
+            result[bridge_type, name, "export"] = _max_difference(root / "dp4_export", export)
+    return result
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_path):
+    results = run_distributed(_expert_tensor_and_pipeline_case, tmp_path, str(tmp_path), str(checkpoints["qwen3_moe"]),
+                              world_size=4)
+    for result in results:
+        for bridge_type in BRIDGES:
+            assert result["build"][bridge_type]["logits"] <= 1e-5
+            assert result["build"][bridge_type]["export_unequal"] == []
+            for name in ("tp2_ep2", "pp2_ep2"):
+                assert result[bridge_type, name] == pytest.approx(result["reference"], abs=1e-5)
+                assert result[bridge_type, name, "export"] <= 1e-5
+                assert all(value > 0.9 for value in result[bridge_type, name, "aux"])
