@@ -374,3 +374,20 @@ def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_p
                 assert result[bridge_type, name] == pytest.approx(result["reference"], abs=1e-5)
                 assert result[bridge_type, name, "export"] <= 1e-5
                 assert all(value > 0.9 for value in result[bridge_type, name, "aux"])
+
+
+def test_a_family_whose_experts_a_bridge_does_not_map_fails_before_the_build(model_parallel, checkpoints):
+    with pytest.raises(BridgeError, match=r"bridge_type: megatron-bridge does not map the experts of 'qwen2_moe' "
+                                          r"checkpoints \(it maps qwen3_moe\); set bridge_type: mbridge"):
+        create_bridge("megatron-bridge", checkpoints["qwen2_moe"]).validate(ModelOptions())
+
+
+def test_restoring_an_mtp_head_on_qwen3_moe_gives_the_layout_the_bridge_maps(checkpoints, tmp_path):
+    from lightning_megatron.restore_mtp import restore_mtp_head
+
+    restored = restore_mtp_head(checkpoints["qwen3_moe"], tmp_path / "restored", init="copy-last-layer")
+    expected = load_file(checkpoints["qwen3_moe_mtp"] / "model.safetensors")
+    written = load_file(Path(restored) / "model.safetensors")
+    assert {name: tuple(t.shape) for name, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
+    assert torch.equal(written["mtp.layers.0.mlp.experts.3.up_proj.weight"],
+                       written["model.layers.1.mlp.experts.3.up_proj.weight"])

@@ -25,7 +25,13 @@ from safetensors.torch import save_file
 
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
 from lightning_megatron.checkpoint import move_into_place
-from lightning_megatron.moe import check_expert_parallel, check_router_matches, moe_config_overrides, start_moe_metrics
+from lightning_megatron.moe import (
+    check_expert_parallel,
+    check_router_matches,
+    checkpoint_num_experts,
+    moe_config_overrides,
+    start_moe_metrics,
+)
 from lightning_megatron.mtp import check_mtp_training_options
 
 BridgeType = Literal["mbridge", "megatron-bridge"]
@@ -113,6 +119,7 @@ class Bridge(ABC):
     name: ClassVar[BridgeType]
     supports_mtp_training: ClassVar[bool]
     supports_lora: ClassVar[bool]
+    moe_model_types: ClassVar[tuple[str, ...]] = ()  # the MoE families whose experts this bridge maps
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         self.hf_path = Path(hf_path)
@@ -154,6 +161,11 @@ class Bridge(ABC):
     def _validate_moe(self, options: ModelOptions) -> None:
         from megatron.core import parallel_state
 
+        model_type = self.hf_config.get("model_type")
+        if checkpoint_num_experts(self.hf_config) and model_type not in self.moe_model_types:
+            others = "mbridge" if self.name == "megatron-bridge" else "megatron-bridge"
+            raise BridgeError(f"bridge_type: {self.name} does not map the experts of {model_type!r} checkpoints "
+                              f"(it maps {', '.join(self.moe_model_types)}); set bridge_type: {others} if it does")
         try:
             moe_config_overrides(self.hf_config, options.config_overrides)
         except ValueError as error:
