@@ -5,11 +5,11 @@ Float16Module + DDP + distributed optimizer, forward-backward over the microbatc
   - an MoE model: every layer's MLP is `--experts` SwiGLU experts of FFN `--moe-ffn`, `--top-k` per token, softmax
     router with the aux-loss load balancing, the all-to-all token dispatcher;
   - its dense equivalent: the same attention, one SwiGLU MLP of FFN `top_k x moe_ffn`: the same matmul FLOPs per
-    token as the experts a token visits (only the router's `h x experts` projection is extra).
+    token as the experts a token visits (only the router's `h x experts` projection is extra; FLOPs leave it out).
 The local spec always builds `SequentialMLP` experts (megatron/core/models/backends.py), which loops over the
 experts and runs two small GEMMs per expert; a grouped GEMM (`TEGroupedMLP`, Transformer Engine) runs each
 projection of all local experts as one kernel. The JSON says which backend ran. Model FLOPs and MFU count the
-active parameters (`bench/common.py`'s formula with FFN `top_k x moe_ffn`, plus the router). Default shape:
+active parameters (`bench/common.py`'s formula with FFN `top_k x moe_ffn`). Default shape:
 hidden 2048, 16 layers, 16 experts top 4 of FFN 1408 (2.4B total, 0.7B active parameters); `--tiny` is CPU-sized.
 """
 
@@ -17,26 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.attention import _device, _random_microbatches
-from bench.common import (
-    ModelShape,
-    add_step_options,
-    emit,
-    environment,
-    fresh_memory,
-    model_flops,
-    parse_with_tiny,
-    peak_flops,
-    peak_memory_gib,
-    throughput,
-)
+from bench.attention import _device, _measure, _random_microbatches
+from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny
 from lightning_megatron.demo import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, experts=4, top_k=2, moe_ffn=32, vocab=512,
@@ -58,13 +46,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=2048)
     add_step_options(parser)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    return parse_with_tiny(parser, TINY)
-
-
-def _active_shape(args: argparse.Namespace) -> ModelShape:
-    """The dense model a token sees: `top_k` experts of FFN `moe_ffn` are one FFN of `top_k x moe_ffn`."""
-    return ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_groups=args.kv_groups,
-                      head_dim=args.head_dim, ffn=args.top_k * args.moe_ffn, vocab=args.vocab, mtp_layers=0)
+    args = parse_with_tiny(parser, TINY)
+    args.ffn = args.top_k * args.moe_ffn  # the dense model a token sees: what both runs' FLOPs count
+    return args
 
 
 def _build(args: argparse.Namespace, moe: bool) -> tuple[torch.nn.Module, Any]:
@@ -79,7 +63,7 @@ def _build(args: argparse.Namespace, moe: bool) -> tuple[torch.nn.Module, Any]:
 
     bf16 = args.dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    mlp: dict[str, Any] = dict(ffn_hidden_size=args.top_k * args.moe_ffn)
+    mlp: dict[str, Any] = dict(ffn_hidden_size=args.ffn)
     if moe:
         mlp = dict(ffn_hidden_size=args.moe_ffn, moe_ffn_hidden_size=args.moe_ffn, num_moe_experts=args.experts,
                    moe_router_topk=args.top_k, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
@@ -132,11 +116,7 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
         batch = next(data_iterator)
         return chunk(batch["input_ids"], positions, None, labels=batch["labels"]), loss_func
 
-    times, loss = [], float("nan")
-    for index in range(args.warmup + args.steps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
+    def step() -> float:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
@@ -144,17 +124,9 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
                                   micro_batch_size=args.micro_batch, forward_only=False)
         optimizer.step()
         get_moe_metrics_tracker().clear()
-        loss = statistics.mean(float(value["lm loss"]) for value in losses)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if index >= args.warmup:
-            times.append(time.perf_counter() - started)
-    sequences = args.micro_batch * args.microbatches
-    router_flops = 2 * 3 * sequences * args.seq * args.layers * args.hidden * args.experts if moe else 0
-    flops = model_flops(_active_shape(args), sequences, args.seq) + router_flops
-    result = {**throughput(statistics.median(times), sequences * args.seq, flops, peak_flops(args.peak_tflops)),
-              "peak_memory_gib": peak_memory_gib(), "last_loss": loss, "parameters": parameters,
-              "mlp_backend": experts}
+        return statistics.mean(float(value["lm loss"]) for value in losses)
+
+    result = {**_measure(step, args), "parameters": parameters, "mlp_backend": experts}
     del model, optimizer
     fresh_memory()
     return result
@@ -179,8 +151,8 @@ def main() -> None:
         "moe_over_dense_peak_memory": (moe["peak_memory_gib"] / dense["peak_memory_gib"]
                                        if moe["peak_memory_gib"] else None),
         "note": (f"experts ran as {moe['mlp_backend']} (the local spec's backend: a Python loop over the "
-                 f"{args.experts} experts, with two small GEMMs each in the forward pass). A grouped GEMM (TEGroupedMLP, "
-                 "Transformer Engine) runs each projection of all local experts as one kernel; the step-time gap to "
+                 f"{args.experts} experts, with two small GEMMs each in the forward pass). A grouped GEMM "
+                 "(TEGroupedMLP, Transformer Engine) runs each projection of all local experts as one kernel; the step-time gap to "
                  "the dense model of the same active FLOPs bounds what it can recover (the router, permutation and "
                  "all-to-all stay)"),
     }, args.out)

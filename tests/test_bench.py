@@ -105,8 +105,8 @@ def test_moe_benchmark_runs_tiny(tmp_path):
     for figures in (result["moe"], result["dense_equivalent"]):
         _check_throughput(figures)
     assert result["moe"]["mlp_backend"] == "SequentialMLP" and result["dense_equivalent"]["mlp_backend"] == "MLP"
-    # the same active FLOPs but for the router's h x experts projection
-    assert result["moe"]["model_tflop_per_step"] > result["dense_equivalent"]["model_tflop_per_step"]
+    # the same active FLOPs (the router's h x experts projection is left out)
+    assert result["moe"]["model_tflop_per_step"] == result["dense_equivalent"]["model_tflop_per_step"]
     assert result["moe"]["parameters"] > result["dense_equivalent"]["parameters"]
     assert result["moe_over_dense_step_time"] == pytest.approx(result["moe"]["step_s"]
                                                                / result["dense_equivalent"]["step_s"])

@@ -23,6 +23,7 @@ from lightning_megatron.mtp import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing import MoEShape, RandomTokenDataset, make_tiny_checkpoint
 from tests._distributed import run_distributed
+from tests.test_strategy import StopAfter
 
 SEQ, VOCAB, SAMPLES, LR = 16, 384, 32, 1e-3
 BRIDGES = ("mbridge", "megatron-bridge")
@@ -262,15 +263,6 @@ def test_an_expert_parallel_size_the_world_cannot_hold_fails_before_the_build(pr
 # two processes: EP=2 ----------------------------------------------------------------------------------------------
 
 
-class StopAfter(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
-
-
 def _expert_parallel_case(rank: int, world_size: int, tmp: str, paths: dict[str, str]) -> dict[str, Any]:
     from megatron.core import parallel_state
 
@@ -295,7 +287,8 @@ def _expert_parallel_case(rank: int, world_size: int, tmp: str, paths: dict[str,
     saver = pl.callbacks.ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=3, save_top_k=-1)
     _fit(root / "first", checkpoint, steps, world_size, callbacks=(StopAfter(3), saver),
          trainer_kwargs=dict(enable_checkpointing=True), expert_model_parallel_size=2)
-    resumed = _fit(root / "resumed", checkpoint, steps, world_size, ckpt_path=str(root / "ckpts" / "epoch=0-step=3.ckpt"),
+    saved = root / "ckpts" / "epoch=0-step=3.ckpt"
+    resumed = _fit(root / "resumed", checkpoint, steps, world_size, ckpt_path=str(saved),
                    export=root / "resumed_export", expert_model_parallel_size=2)
     result["resumed"] = [step["lm_loss"] for step in resumed.steps]
     result["resumed_export_unequal"] = _same_tensors(root / "mbridge_ep2_export", root / "resumed_export")

@@ -111,19 +111,19 @@ def _install_qwen3_moe_mtp_names(patches: Patches) -> None:
 
     @functools.wraps(mapping_registry)
     def mapping_registry_with_mtp(bridge: Any) -> Any:
-        mtp_mappings = [AutoMapping(megatron_param=name, hf_param=hf_name) for name, hf_name in _QWEN3_MOE_MTP_NAMES.items()]
-        mtp_mappings += [
-            QKVMapping(megatron_param=f"{layer}.self_attention.linear_qkv.weight", q=f"{hf_layer}.self_attn.q_proj.weight",
-                       k=f"{hf_layer}.self_attn.k_proj.weight", v=f"{hf_layer}.self_attn.v_proj.weight"),
-            GatedMLPMapping(megatron_param=f"{layer}.mlp.experts.local_experts.*.linear_fc1.weight",
-                            gate=f"{hf_layer}.mlp.experts.*.gate_proj.weight", up=f"{hf_layer}.mlp.experts.*.up_proj.weight"),
-            AutoMapping(megatron_param=f"{layer}.mlp.experts.local_experts.*.linear_fc2.weight",
-                        hf_param=f"{hf_layer}.mlp.experts.*.down_proj.weight"),
-            GatedMLPMapping(megatron_param=f"{layer}.mlp.experts.linear_fc1.weight*",
-                            gate=f"{hf_layer}.mlp.experts.*.gate_proj.weight", up=f"{hf_layer}.mlp.experts.*.up_proj.weight"),
-            AutoMapping(megatron_param=f"{layer}.mlp.experts.linear_fc2.weight*",
-                        hf_param=f"{hf_layer}.mlp.experts.*.down_proj.weight"),
-        ]
+        mtp_mappings = [AutoMapping(megatron_param=name, hf_param=hf_name)
+                        for name, hf_name in _QWEN3_MOE_MTP_NAMES.items()]
+        attention, experts = f"{hf_layer}.self_attn", f"{hf_layer}.mlp.experts.*"
+        mtp_mappings.append(QKVMapping(megatron_param=f"{layer}.self_attention.linear_qkv.weight",
+                                       q=f"{attention}.q_proj.weight", k=f"{attention}.k_proj.weight",
+                                       v=f"{attention}.v_proj.weight"))
+        # SequentialMLP's names (the local spec), then TEGroupedMLP's
+        for fc1, fc2 in ((f"{layer}.mlp.experts.local_experts.*.linear_fc1.weight",
+                          f"{layer}.mlp.experts.local_experts.*.linear_fc2.weight"),
+                         (f"{layer}.mlp.experts.linear_fc1.weight*", f"{layer}.mlp.experts.linear_fc2.weight*")):
+            mtp_mappings.append(GatedMLPMapping(megatron_param=fc1, gate=f"{experts}.gate_proj.weight",
+                                                up=f"{experts}.up_proj.weight"))
+            mtp_mappings.append(AutoMapping(megatron_param=fc2, hf_param=f"{experts}.down_proj.weight"))
         return MegatronMappingRegistry(*mapping_registry(bridge).mappings, *mtp_mappings)
 
     patches.setattr(Qwen3MoEBridge, "mapping_registry", mapping_registry_with_mtp)
