@@ -115,6 +115,15 @@ def check_expert_parallel(hf_config: dict[str, Any], expert_model_parallel_size:
                          f"FFN size {moe_ffn} (moe_intermediate_size in config.json)")
 
 
+def check_moe_sequence_parallel(hf_config: dict[str, Any], tensor_model_parallel_size: int,
+                                sequence_parallel: bool) -> None:
+    """Megatron-Core's MoE layer refuses to train with tensor parallelism but no sequence parallelism
+    (moe/moe_layer.py), after the model is built and loaded: refuse it first."""
+    if checkpoint_num_experts(hf_config) and tensor_model_parallel_size > 1 and not sequence_parallel:
+        raise ValueError("sequence_parallel: an MoE model with tensor_model_parallel_size: "
+                         f"{tensor_model_parallel_size} trains only with sequence parallelism in Megatron-Core; set sequence_parallel: true")
+
+
 def check_expert_parallel_world(world_size: int, expert_model_parallel_size: int, expert_tensor_parallel_size: int,
                                 pipeline_model_parallel_size: int) -> None:
     """Megatron lays experts out over EP x ETP ranks in each pipeline stage; they must tile the world."""

@@ -74,8 +74,10 @@ def _max_difference(first: Path, second: Path) -> float:
 
 def _build_check_and_export(bridge_type: str, hf_checkpoint: Path, export: Path) -> dict[str, Any]:
     """Build through the bridge for the current parallel state; logits vs HF; export; the export's differences."""
+    from megatron.core import parallel_state
+
     bridge = create_bridge(bridge_type, hf_checkpoint)
-    chunks = bridge.build(ModelOptions())
+    chunks = bridge.build(ModelOptions(sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1))
     difference = _logits_difference(chunks[0], hf_checkpoint)
     bridge.save_hf(chunks, export)
     experts = type(chunks[0].decoder.layers[0].mlp.experts).__name__
@@ -132,7 +134,7 @@ def test_router_overrides_that_contradict_the_checkpoint_fail_before_the_build(m
 
 
 def test_expert_parallel_sizes_are_checked_against_the_checkpoint():
-    from lightning_megatron.moe import check_expert_parallel, check_expert_parallel_world
+    from lightning_megatron.moe import check_expert_parallel, check_expert_parallel_world, check_moe_sequence_parallel
 
     moe = {"num_local_experts": 4, "moe_intermediate_size": 32}
     with pytest.raises(ValueError, match=r"expert_model_parallel_size: 3 must divide the checkpoint's 4 experts"):
@@ -143,8 +145,13 @@ def test_expert_parallel_sizes_are_checked_against_the_checkpoint():
         check_expert_parallel(moe, 1, 3)
     with pytest.raises(ValueError, match=r"world size 2 is not a multiple of expert_model_parallel_size x"):
         check_expert_parallel_world(2, 4, 1, 1)
+    with pytest.raises(ValueError, match=r"sequence_parallel: an MoE model with tensor_model_parallel_size: 2 "
+                                         r"trains only with sequence parallelism in Megatron-Core; set sequence"):
+        check_moe_sequence_parallel(moe, 2, False)
     check_expert_parallel(moe, 4, 2)
     check_expert_parallel_world(8, 2, 2, 2)
+    check_moe_sequence_parallel(moe, 2, True)
+    check_moe_sequence_parallel({"num_experts": 0}, 2, False)
 
 
 def _trainer(tmp_path: Path, strategy: MegatronStrategy, steps: int, devices: int, callbacks: list,
@@ -344,7 +351,7 @@ def _expert_tensor_and_pipeline_case(rank: int, world_size: int, tmp: str, hf_ch
     reference = _fit(root / "dp4", checkpoint, steps, world_size, export=root / "dp4_export", **batches)
     result["reference"] = [step["lm_loss"] for step in reference.steps]
     for bridge_type in BRIDGES:
-        for name, parallel in (("tp2_ep2", dict(tensor_model_parallel_size=2)),
+        for name, parallel in (("tp2_ep2", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
                                ("pp2_ep2", dict(pipeline_model_parallel_size=2))):
             export = root / f"{bridge_type}_{name}_export"
             metrics = _fit(root / f"{bridge_type}_{name}", checkpoint, steps, world_size, bridge_type=bridge_type,

@@ -28,6 +28,7 @@ from lightning_megatron.checkpoint import move_into_place
 from lightning_megatron.moe import (
     check_expert_parallel,
     check_router_matches,
+    check_moe_sequence_parallel,
     checkpoint_num_experts,
     moe_config_overrides,
     start_moe_metrics,
@@ -175,6 +176,8 @@ class Bridge(ABC):
             try:
                 check_expert_parallel(self.hf_config, sizes["expert_model_parallel_size"] or 1,
                                       sizes["expert_tensor_parallel_size"] or 1)
+                check_moe_sequence_parallel(self.hf_config, sizes["tensor_model_parallel_size"] or 1,
+                                            options.sequence_parallel)
             except ValueError as error:
                 raise BridgeError(str(error)) from None
 
