@@ -121,7 +121,8 @@ def check_moe_sequence_parallel(hf_config: dict[str, Any], tensor_model_parallel
     (moe/moe_layer.py), after the model is built and loaded: refuse it first."""
     if checkpoint_num_experts(hf_config) and tensor_model_parallel_size > 1 and not sequence_parallel:
         raise ValueError("sequence_parallel: an MoE model with tensor_model_parallel_size: "
-                         f"{tensor_model_parallel_size} trains only with sequence parallelism in Megatron-Core; set sequence_parallel: true")
+                         f"{tensor_model_parallel_size} trains only with sequence parallelism in Megatron-Core; "
+                         "set sequence_parallel: true")
 
 
 def check_expert_parallel_world(world_size: int, expert_model_parallel_size: int, expert_tensor_parallel_size: int,
