@@ -107,6 +107,18 @@ def test_logits_router_and_round_trip_at_ep1(model_parallel, checkpoints, tmp_pa
     assert config.moe_aux_loss_coeff == hf_config["router_aux_loss_coef"]
 
 
+def test_mbridge_alone_routes_a_checkpoint_without_norm_topk_prob_wrongly(model_parallel, checkpoints):
+    """What the router settings correct: mbridge hard-codes renormalised top-k routing and no load balancing."""
+    from lightning_megatron._compat import import_mbridge
+
+    path = checkpoints["qwen3_moe_plain_softmax"]
+    bridge = import_mbridge().AutoBridge.from_pretrained(str(path), dtype=torch.float32)
+    assert bridge.config.moe_router_pre_softmax is False and bridge.config.moe_router_load_balancing_type == "none"
+    (model,) = bridge.get_model(wrap_with_ddp=False, bf16=False, fp16=False, use_cpu_initialization=True)
+    bridge.load_weights([model], str(path))
+    assert _logits_difference(model, path) > 1e-2
+
+
 def test_router_settings_follow_the_hf_config():
     base = {"model_type": "qwen3_moe", "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "norm_topk_prob": True, "router_aux_loss_coef": 0.01}
