@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import functools
 import importlib
 import importlib.util
@@ -104,6 +105,33 @@ def _install_distinct_step_tensors(patches: Patches) -> None:
     patches.setattr(DistributedOptimizer, "load_state_dict", load_state_dict)
 
 
+def _torch_norm_refuses_sequence_parallel() -> bool:
+    from megatron.core.transformer import torch_norm
+
+    return "not config.sequence_parallel" in inspect.getsource(torch_norm.WrappedTorchNorm.__new__)
+
+
+def _install_sequence_parallel_torch_norm(patches: Patches) -> None:
+    """Build the torch norm as without sequence parallelism and mark its parameters `sequence_parallel`, as Apex's
+    and TE's norms do: a norm is per token, so on a sequence shard it needs no communication, and
+    `finalize_model_grads` sums the marked parameters' gradients over the tensor-parallel group."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    upstream_new = WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return upstream_new(cls, config, hidden_size, *args, **kwargs)
+        without_sequence_parallel = copy.copy(config)
+        without_sequence_parallel.sequence_parallel = False
+        norm = upstream_new(cls, without_sequence_parallel, hidden_size, *args, **kwargs)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = True
+        return norm
+
+    patches.setattr(WrappedTorchNorm, "__new__", staticmethod(new))
+
+
 MEGATRON_CORE_ADJUSTMENTS = (
     Adjustment(
         "megatron_core.distributed_optimizer_state_dict_before_first_step",
@@ -125,6 +153,13 @@ MEGATRON_CORE_ADJUSTMENTS = (
         "parameter's Adam state on load (no Apex/TE), so each step adds the number of parameters to it",
         _no_apex_or_transformer_engine_optimizer,
         _install_distinct_step_tensors,
+    ),
+    Adjustment(
+        "megatron_core.sequence_parallel_torch_norm",
+        "megatron/core/transformer/torch_norm.py:50 asserts `not config.sequence_parallel` (the norm used without "
+        "Apex/TE), so sequence_parallel: true cannot build a model",
+        _torch_norm_refuses_sequence_parallel,
+        _install_sequence_parallel_torch_norm,
     ),
 )
 
