@@ -283,13 +283,14 @@ def test_an_expert_parallel_size_the_world_cannot_hold_fails_before_the_build(pr
 
 
 def _expert_parallel_case(rank: int, world_size: int, tmp: str, paths: dict[str, str]) -> dict[str, Any]:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
 
     root, checkpoint = Path(tmp), Path(paths["qwen3_moe"])
     prepare_megatron_core()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     result: dict[str, Any] = {"build": {bridge_type: _build_check_and_export(bridge_type, checkpoint,
                                                                                root / f"ep2_build_{bridge_type}")
                                         for bridge_type in BRIDGES}}
@@ -349,13 +350,14 @@ def test_expert_parallel_two_equals_one(checkpoints, tmp_path):
 
 
 def _expert_tensor_and_pipeline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
 
     root, checkpoint = Path(tmp), Path(hf_checkpoint)
     prepare_megatron_core()
     parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     result: dict[str, Any] = {"build": {bridge_type: _build_check_and_export(bridge_type, checkpoint,
                                                                                root / f"tp2ep2_build_{bridge_type}")
                                         for bridge_type in BRIDGES}}
