@@ -349,6 +349,26 @@ def test_expert_parallel_two_equals_one(checkpoints, tmp_path):
 # four processes: EP=2 with TP=2 (expert tensor parallelism 2), and with PP=2 -------------------------------------
 
 
+def _uneven_gather_with_and_without_adjustment() -> dict[str, Any]:
+    """What the dispatcher does under sequence parallelism (token_dispatcher.py:739): tensor-parallel ranks hold
+    different numbers of tokens and gather them; gloo needs equal shares unless `moe.gloo_uneven_gathers` pads them."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    from lightning_megatron._compat import moe
+
+    adjustment = next(item for item in moe.MEGATRON_CORE_ADJUSTMENTS if item.name == "moe.gloo_uneven_gathers")
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    sizes = [2, 3]
+    tokens = torch.full((sizes[rank], 4), float(rank))
+    with adjustment.suspended(), pytest.raises(RuntimeError) as upstream:
+        mappings._gather_along_first_dim(tokens, group, output_split_sizes=sizes)
+    gathered = mappings._gather_along_first_dim(tokens, group, output_split_sizes=sizes)
+    scattered = mappings._reduce_scatter_along_first_dim(torch.ones(5, 4), group, input_split_sizes=sizes)
+    return {"upstream": str(upstream.value), "gathered": gathered, "scattered": scattered, "rank": rank}
+
+
 def _expert_tensor_and_pipeline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
     from megatron.core import parallel_state, tensor_parallel
 
@@ -358,9 +378,9 @@ def _expert_tensor_and_pipeline_case(rank: int, world_size: int, tmp: str, hf_ch
     prepare_megatron_core()
     parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    result: dict[str, Any] = {"build": {bridge_type: _build_check_and_export(bridge_type, checkpoint,
-                                                                               root / f"tp2ep2_build_{bridge_type}")
-                                        for bridge_type in BRIDGES}}
+    result: dict[str, Any] = {"uneven_gather": _uneven_gather_with_and_without_adjustment()}
+    result["build"] = {bridge_type: _build_check_and_export(bridge_type, checkpoint, root / f"tp2ep2_{bridge_type}")
+                       for bridge_type in BRIDGES}
     steps, batches = 3, dict(micro_batch_size=1, global_batch_size=4)
     reference = _fit(root / "dp4", checkpoint, steps, world_size, export=root / "dp4_export", **batches)
     result["reference"] = [step["lm_loss"] for step in reference.steps]
@@ -381,6 +401,10 @@ def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_p
     results = run_distributed(_expert_tensor_and_pipeline_case, tmp_path, str(tmp_path), str(checkpoints["qwen3_moe"]),
                               world_size=4)
     for result in results:
+        gather = result["uneven_gather"]
+        assert "invalid tensor size" in gather["upstream"]
+        assert torch.equal(gather["gathered"], torch.cat([torch.zeros(2, 4), torch.ones(3, 4)]))
+        assert torch.equal(gather["scattered"], torch.full(([2, 3][gather["rank"]], 4), 2.0))
         for bridge_type in BRIDGES:
             assert result["build"][bridge_type]["logits"] <= 1e-5
             assert result["build"][bridge_type]["export_unequal"] == []

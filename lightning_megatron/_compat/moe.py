@@ -43,6 +43,42 @@ def _install_split_sizes_as_numpy(patches: Patches) -> None:
     patches.setattr(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
 
 
+def _install_uneven_gathers_on_gloo(patches: Patches) -> None:
+    """Under sequence parallelism the dispatcher all-gathers (and in backward reduce-scatters) different numbers of
+    tokens per tensor-parallel rank; gloo's all_gather needs equal sizes and its reduce_scatter takes no split list.
+    Pad to the largest share and gather, or all-reduce and keep this rank's share: the same result."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    @functools.wraps(gather)
+    def gather_along_first_dim(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+                               use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(size) for size in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        shares = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(shares, padded.contiguous(), group=group)
+        return torch.cat([share[:size] for share, size in zip(shares, sizes)])
+
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_along_first_dim(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
+                                       use_global_buffer: bool = False) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        summed = input_.contiguous().clone()
+        dist.all_reduce(summed, group=group)
+        sizes = [int(size) for size in input_split_sizes]
+        start = sum(sizes[: dist.get_rank(group)])
+        return summed[start : start + sizes[dist.get_rank(group)]].contiguous()
+
+    patches.setattr(mappings, "_gather_along_first_dim", gather_along_first_dim)
+    patches.setattr(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_along_first_dim)
+
+
 MEGATRON_CORE_ADJUSTMENTS = (
     Adjustment(
         "moe.cpu_stream_events",
@@ -57,6 +93,13 @@ MEGATRON_CORE_ADJUSTMENTS = (
         "tensor_parallel/mappings.py:460 all_to_all_single gets tensors (TypeError) on CPU",
         _no_cuda,
         _install_split_sizes_as_numpy,
+    ),
+    Adjustment(
+        "moe.gloo_uneven_gathers",
+        "megatron/core/tensor_parallel/mappings.py:154 all_gather of unequal shares (token_dispatcher.py:739 under "
+        "sequence parallelism): 'ProcessGroupGloo::allgather: invalid tensor size'; mappings.py:197 its backward",
+        _no_cuda,
+        _install_uneven_gathers_on_gloo,
     ),
 )
 
