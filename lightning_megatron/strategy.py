@@ -51,6 +51,8 @@ class MegatronStrategy(ParallelStrategy):
     Batch sizes are Megatron's: each DP rank's dataloader yields `micro_batch_size` samples per batch and one
     optimizer step consumes `global_batch_size` samples over all DP ranks (Lightning's `accumulate_grad_batches`
     is replaced by `global_batch_size`, `gradient_clip_val` by `clip_grad`).
+    Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
+    distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
     """
 
     strategy_name = "megatron"
@@ -76,6 +78,7 @@ class MegatronStrategy(ParallelStrategy):
         clip_grad: float = 1.0,
         seed: int = 1234,
         trust_remote_code: bool = False,
+        checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
         accelerator: Accelerator | None = None,
@@ -103,6 +106,7 @@ class MegatronStrategy(ParallelStrategy):
             raise ValueError(f"precision: {precision!r} is not one of 'bf16', 'fp32'")
         if clip_grad < 0:
             raise ValueError(f"clip_grad: {clip_grad} must be >= 0 (0 disables clipping)")
+        megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
         self.hf_checkpoint = hf_checkpoint
         self.bridge_type = bridge_type
         self.tensor_model_parallel_size = tensor_model_parallel_size
@@ -122,6 +126,7 @@ class MegatronStrategy(ParallelStrategy):
         self.clip_grad = clip_grad
         self.seed = seed
         self.trust_remote_code = trust_remote_code
+        self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -471,11 +476,14 @@ class MegatronStrategy(ParallelStrategy):
             raise TypeError("MegatronStrategy.save_checkpoint takes no storage_options (it writes a sharded folder)")
         path = Path(self.broadcast(str(filepath)))
         with_optimizer = "optimizer_states" in checkpoint and bool(self.optimizers)
-        megatron_checkpoint.save(path, self.model_chunks, self.optimizers[0] if with_optimizer else None, checkpoint)
+        megatron_checkpoint.save(path, self.model_chunks, self.optimizers[0] if with_optimizer else None, checkpoint,
+                                 optimizer_sharding=self.checkpoint_optimizer_sharding)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None,
                         **kwargs: Any) -> dict[str, Any]:
-        """Loads model (and, when fitting, optimizer) shards in place; returns Lightning's part of the checkpoint."""
+        """Loads model (and, when fitting, optimizer) shards in place; returns Lightning's part of the checkpoint.
+
+        Always weights-only, whatever `weights_only` says: see `lightning_megatron.safe_load`."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         return megatron_checkpoint.load(Path(checkpoint_path), self.model_chunks, optimizer)

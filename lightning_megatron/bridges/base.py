@@ -91,6 +91,35 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
+def check_remote_code(hf_path: Path, hf_config: dict[str, Any], trust_remote_code: bool) -> None:
+    """Refuse, before any library reads the checkpoint, one whose model only exists as Python code in its folder.
+
+    A config.json with `auto_map` whose `model_type` transformers does not know needs that code: loading it runs
+    the folder's Python files. Without `trust_remote_code` the libraries would fail later with misleading errors.
+    """
+    from transformers import CONFIG_MAPPING
+
+    auto_map = hf_config.get("auto_map")
+    if trust_remote_code or not auto_map or hf_config.get("model_type") in CONFIG_MAPPING:
+        return
+    modules = sorted({reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
+                      for reference in _auto_map_references(auto_map)})
+    raise BridgeError(
+        f"{hf_path / 'config.json'}: model_type {hf_config.get('model_type')!r} is defined by remote code in the "
+        f"checkpoint folder ({', '.join(modules)}, named by auto_map), which runs as Python when loaded. If you trust "
+        "this checkpoint, set trust_remote_code: true under the strategy's init_args "
+        "(trainer.strategy.init_args.trust_remote_code, or MegatronStrategy(trust_remote_code=True))"
+    )
+
+
+def _auto_map_references(auto_map: dict[str, Any]) -> list[str]:
+    """Every "module.Class" an auto_map names (a value may be a list: a tokenizer's slow and fast classes)."""
+    references = []
+    for value in auto_map.values():
+        references += [item for item in (value if isinstance(value, list) else [value]) if isinstance(item, str)]
+    return references
+
+
 def checkpoint_mtp_layers(hf_config: dict[str, Any]) -> int:
     """How many MTP layers an HF config declares (0 when none), whatever key its family uses."""
     return max((int(hf_config.get(key) or 0) for key in MTP_CONFIG_KEYS), default=0)
@@ -128,6 +157,7 @@ class Bridge(ABC):
             raise BridgeError(f"hf_checkpoint: {self.hf_path} has no config.json; point it at an HF checkpoint folder")
         self.trust_remote_code = trust_remote_code
         self.hf_config = read_json(self.hf_path / "config.json")
+        check_remote_code(self.hf_path, self.hf_config, trust_remote_code)
         self.options = ModelOptions()
 
     @property
