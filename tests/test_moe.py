@@ -429,3 +429,32 @@ def test_restoring_an_mtp_head_on_qwen3_moe_gives_the_layout_the_bridge_maps(che
     assert {name: tuple(t.shape) for name, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     assert torch.equal(written["mtp.layers.0.mlp.experts.3.up_proj.weight"],
                        written["model.layers.1.mlp.experts.3.up_proj.weight"])
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_path):
+    """`lightning-megatron fit --config configs/tiny/moe_ep2.yaml`, shortened, writing under tmp_path."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "configs/tiny/moe_ep2.yaml").read_text())
+    config["trainer"].update(max_steps=2, val_check_interval=2, default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
+    config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
+    for callback in config["trainer"]["callbacks"]:
+        if "dirpath" in callback.get("init_args", {}):
+            callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+                                str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
+                               timeout=600, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"lm_loss", "moe_aux_loss", "val_lm_loss"} <= set(header)
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in exported and not any("mtp" in n for n in exported)
