@@ -55,7 +55,6 @@ QWEN3_8B: dict[str, Any] = dict(
     intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
 )
 """The Qwen3-8B shape (untied embeddings in the real model)."""
-"""The Qwen3-8B shape (untied embeddings), in the same arguments."""
 
 _HF_CONFIG_KEYS = {"num_layers": "num_hidden_layers"}
 

@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -44,6 +44,10 @@ class MegatronCLI(LightningCLI):
             help="Write the project's tiny Qwen3+MTP checkpoint (made locally, no download) to "
                  "trainer.strategy.init_args.hf_checkpoint if that folder does not exist yet.",
         )
+        parser.add_argument(
+            "--tiny_checkpoint_family", type=Literal["qwen3", "qwen3_moe"], default="qwen3",
+            help="The family make_tiny_checkpoint writes (with its MTP layer): qwen3, or qwen3_moe (4 experts, top 2).",
+        )
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -64,7 +68,10 @@ class MegatronCLI(LightningCLI):
             if not hf_checkpoint:
                 raise ValueError("make_tiny_checkpoint: true needs trainer.strategy.init_args.hf_checkpoint: the "
                                  "folder to write the tiny checkpoint to")
-            ensure_tiny_checkpoint(Path(hf_checkpoint))
+            from lightning_megatron.testing import make_tiny_checkpoint
+
+            family = config.tiny_checkpoint_family
+            ensure_tiny_checkpoint(Path(hf_checkpoint), make=lambda path: make_tiny_checkpoint(path, family, mtp=True))
 
 
 def ensure_tiny_checkpoint(path: Path, make: Callable[[Path], Path] | None = None) -> Path:

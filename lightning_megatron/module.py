@@ -53,7 +53,8 @@ class SFTModule(MegatronLightningModule):
     Megatron-Core, DeepSeek-V3 and AReaL's joint mode do; `mtp_detach_heads=True` keeps MTP gradients out of it (a
     draft head that must not change the main model). With `enable_mtp` and no MTP training the head is kept
     unchanged (frozen).
-    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`; each
+    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`, and on MoE
+    models `moe_aux_loss` (the load-balancing loss, averaged like Megatron-LM reports it); each
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
     model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations).
     `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
@@ -125,6 +126,7 @@ class SFTModule(MegatronLightningModule):
         strategy = self.megatron_strategy
         metrics = strategy.forward_backward(microbatches, self.forward_step, self.loss_func)
         self.log("lm_loss", metrics["lm_loss"], prog_bar=True)
+        self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
             from lightning_megatron.mtp import read_and_reset_mtp_tracker
 
@@ -132,6 +134,16 @@ class SFTModule(MegatronLightningModule):
             self.log("mtp_loss", mtp_metrics["mtp_loss"], prog_bar=True)
             self.log("mtp_accuracy", mtp_metrics["mtp_accuracy"])
         return metrics["lm_loss"]
+
+    def _log_moe_aux_loss(self, num_microbatches: int) -> None:
+        """`moe_aux_loss`: the routers' load-balancing loss (before its coefficient), apart from `lm_loss`."""
+        from megatron.core.utils import get_model_config
+
+        from lightning_megatron.moe import read_and_reset_moe_aux_loss
+
+        aux_loss = read_and_reset_moe_aux_loss(get_model_config(self.model[0]), num_microbatches)
+        if aux_loss is not None:
+            self.log("moe_aux_loss", aux_loss)
 
     def validation_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
         forward_step, loss_func = self.forward_step, self.loss_func

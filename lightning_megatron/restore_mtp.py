@@ -69,6 +69,8 @@ MTP_LAYOUTS = {
         ),
     ),
 }
+# Qwen3-MoE carries its MTP layer as Qwen3-Next does: Qwen3's names, experts in the layer (lightning_megatron._compat.moe).
+MTP_LAYOUTS["qwen3_moe"] = MTP_LAYOUTS["qwen3"]
 
 
 def restore_mtp_head(

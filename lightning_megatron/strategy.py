@@ -40,6 +40,7 @@ from lightning_megatron.bridges import BridgeType, create_bridge
 from lightning_megatron.bridges.base import parallel_sizes
 from lightning_megatron.data.context_parallel import split_for_context_parallel
 from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, check_microbatch
+from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
@@ -237,6 +238,9 @@ class MegatronStrategy(ParallelStrategy):
                 f"{self.pipeline_model_parallel_size} x context_parallel_size {self.context_parallel_size}); change "
                 "devices/num_nodes or the parallel sizes"
             )
+        check_expert_parallel_world(self.world_size, self.expert_model_parallel_size,
+                                    self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
+                                    self.pipeline_model_parallel_size)
         sizes = {
             "tensor_model_parallel_size": self.tensor_model_parallel_size,
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,

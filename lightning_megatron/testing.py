@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-Family = Literal["qwen3", "qwen2", "llama", "mimo"]
+Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -32,16 +32,24 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen2", False),
     ("llama", False),
     ("mimo", True),
+    ("qwen3_moe", False),
+    ("qwen3_moe", True),
+    ("qwen2_moe", False),
 )
 """Supported ``(family, mtp)`` combinations: MTP exists for Qwen3 (Qwen3-Next-style ``mtp.*`` keys) and MiMo
-(always, ``model.mtp_layers.0.*``); Qwen2 and Llama are plain decoders."""
+(always, ``model.mtp_layers.0.*``); Qwen2 and Llama are plain decoders. Qwen3-MoE and Qwen2-MoE (with its gated
+shared expert) replace every MLP with routed experts (:class:`MoEShape`); a Qwen3-MoE MTP layer is a Qwen3-MoE
+decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out."""
 
 _ARCHITECTURES: dict[Family, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mimo": "MiMoForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
@@ -195,6 +203,7 @@ def make_tiny_checkpoint(
     head_dim: int | None = None,
     max_position_embeddings: int = 512,
     tokenizer: Tokenizer | None = None,
+    moe: MoEShape | None = None,
 ) -> Path:
     """Write a tiny, deterministic HF checkpoint of ``family`` into ``path`` and return ``path``.
 
@@ -219,6 +228,8 @@ def make_tiny_checkpoint(
 
     The checkpoint is built in a temporary directory next to ``path`` and renamed into place, replacing what
     was there, so a reader never sees a half-written checkpoint.
+
+    ``moe``: the experts of the MoE families (default :class:`MoEShape()`); refused for the dense ones.
     """
     if (family, mtp) not in FAMILIES:
         raise ValueError(f"unsupported (family, mtp)=({family!r}, {mtp}); supported: {FAMILIES}")
@@ -233,6 +244,7 @@ def make_tiny_checkpoint(
         max_position_embeddings=max_position_embeddings,
     )
     _check_shape(family, shape, explicit_head_dim=head_dim is not None)
+    moe = _check_moe_shape(family, moe)
     if tokenizer is None:
         tokenizer = _build_tokenizer(vocab_size)
     elif tokenizer.get_vocab_size() > vocab_size:
@@ -247,10 +259,10 @@ def make_tiny_checkpoint(
     tmp.mkdir()
     try:
         ids = {role: tokenizer.token_to_id(token) for role, token in roles.items()}
-        config = _model_config(family, mtp, tied, dtype, shape, ids)
+        config = _model_config(family, mtp, tied, dtype, shape, ids, moe)
         tensors = {
             name: _random_tensor(name, tensor_shape, seed).to(dtype)
-            for name, tensor_shape in _tensor_shapes(family, mtp, tied, shape).items()
+            for name, tensor_shape in _with_experts(family, _tensor_shapes(family, mtp, tied, shape), moe, shape).items()
         }
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", config)
@@ -390,7 +402,7 @@ def _check_shape(family: Family, shape: _Shape, *, explicit_head_dim: bool) -> N
         )
     if shape.head_dim <= 0 or shape.head_dim % 2 != 0:
         raise ValueError(f"head_dim must be positive and even (rotary embeddings), got {shape.head_dim}")
-    if family in ("qwen2", "mimo") and shape.head_dim * shape.num_attention_heads != shape.hidden_size:
+    if family in ("qwen2", "mimo", "qwen2_moe") and shape.head_dim * shape.num_attention_heads != shape.hidden_size:
         raise ValueError(
             f"{family} configs have no head_dim field: head_dim={shape.head_dim} must equal "
             f"hidden_size // num_attention_heads = {shape.hidden_size // shape.num_attention_heads}"
@@ -418,9 +430,10 @@ def _model_config(
     dtype: torch.dtype,
     shape: _Shape,
     special_ids: dict[str, int],
+    moe: MoEShape | None = None,
 ) -> dict[str, Any]:
     """config.json contents, produced by the transformers config class so it reads like a real checkpoint's."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     fields: dict[str, Any] = dict(
         architectures=[_ARCHITECTURES[family]],
@@ -438,12 +451,15 @@ def _model_config(
         eos_token_id=special_ids["eos"],
         dtype=str(dtype).removeprefix("torch."),
     )
-    if family in ("qwen3", "llama"):
+    if family in ("qwen3", "llama", "qwen3_moe"):
         fields["head_dim"] = shape.head_dim
     if mtp:
         # The key megatron-bridge maps to mtp_num_layers (model_bridge.py CONFIG_MAPPING; mimo_bridge.py).
         fields["num_nextn_predict_layers"] = 1
-    config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config}[family]
+    config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config,
+                  "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig}[family]
+    if moe is not None:
+        fields.update(_moe_config_fields(family, moe, shape))
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
     if family == "mimo":
         config["model_type"] = "mimo"
@@ -466,7 +482,7 @@ def _tensor_shapes(family: Family, mtp: bool, tied: bool, shape: _Shape) -> dict
         shapes["lm_head.weight"] = (vocab_size, hidden_size)
     for i in range(shape.num_layers):
         shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape))
-    if family == "qwen3" and mtp:
+    if family in ("qwen3", "qwen3_moe") and mtp:
         shapes.update(
             {
                 "mtp.fc.weight": (hidden_size, 2 * hidden_size),
@@ -505,10 +521,10 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: _Shape) -> dict[st
         f"{prefix}mlp.up_proj.weight": (ffn, hidden_size),
         f"{prefix}mlp.down_proj.weight": (hidden_size, ffn),
     }
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
         shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
-    if family in ("qwen2", "mimo"):
+    if family in ("qwen2", "mimo", "qwen2_moe"):
         shapes[f"{prefix}self_attn.q_proj.bias"] = (q_size,)
         shapes[f"{prefix}self_attn.k_proj.bias"] = (kv_size,)
         shapes[f"{prefix}self_attn.v_proj.bias"] = (kv_size,)
@@ -588,6 +604,81 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     os.rename(tmp, path)
     if old is not None:
         shutil.rmtree(old)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The routed experts of an MoE checkpoint: ``num_experts`` experts of FFN size ``intermediate_size`` (default
+    ``hidden_size // 2``), each token going to ``top_k``; ``norm_topk_prob`` renormalises the chosen experts'
+    probabilities; Qwen2-MoE adds a sigmoid-gated shared expert of size ``shared_expert_intermediate_size``
+    (default ``hidden_size``)."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 1e-3
+    shared_expert_intermediate_size: int | None = None
+
+
+def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
+    if family not in _MOE_FAMILIES:
+        if moe is not None:
+            raise ValueError(f"moe= applies to the MoE families {_MOE_FAMILIES}, not {family!r}")
+        return None
+    moe = moe or MoEShape()
+    if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
+        raise ValueError(f"MoEShape: top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+    return moe
+
+
+def _moe_config_fields(family: Family, moe: MoEShape, shape: _Shape) -> dict[str, Any]:
+    expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
+    fields: dict[str, Any] = dict(
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.norm_topk_prob,
+        router_aux_loss_coef=moe.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    fields["moe_intermediate_size"] = expert_size
+    if family == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = shared_size
+    return fields
+
+
+def _moe_intermediate_sizes(moe: MoEShape, shape: _Shape) -> tuple[int, int]:
+    expert = shape.hidden_size // 2 if moe.intermediate_size is None else moe.intermediate_size
+    shared = shape.hidden_size if moe.shared_expert_intermediate_size is None else moe.shared_expert_intermediate_size
+    return expert, shared
+
+
+def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoEShape | None, shape: _Shape
+                  ) -> dict[str, tuple[int, ...]]:
+    """Every dense MLP (``<layer>.mlp.{gate,up,down}_proj``) replaced by a router and routed experts, in HF naming."""
+    if moe is None:
+        return shapes
+    hidden_size = shape.hidden_size
+    expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
+    result: dict[str, tuple[int, ...]] = {}
+    for name, tensor_shape in shapes.items():
+        if not name.endswith(".mlp.gate_proj.weight"):
+            if not name.endswith((".mlp.up_proj.weight", ".mlp.down_proj.weight")):
+                result[name] = tensor_shape
+            continue
+        mlp = name.removesuffix("gate_proj.weight")
+        result[f"{mlp}gate.weight"] = (moe.num_experts, hidden_size)
+        for expert in range(moe.num_experts):
+            result[f"{mlp}experts.{expert}.gate_proj.weight"] = (expert_size, hidden_size)
+            result[f"{mlp}experts.{expert}.up_proj.weight"] = (expert_size, hidden_size)
+            result[f"{mlp}experts.{expert}.down_proj.weight"] = (hidden_size, expert_size)
+        if family == "qwen2_moe":
+            result[f"{mlp}shared_expert.gate_proj.weight"] = (shared_size, hidden_size)
+            result[f"{mlp}shared_expert.up_proj.weight"] = (shared_size, hidden_size)
+            result[f"{mlp}shared_expert.down_proj.weight"] = (hidden_size, shared_size)
+            result[f"{mlp}shared_expert_gate.weight"] = (1, hidden_size)
+    return result
 
 
 class RandomTokenDataset(torch.utils.data.Dataset):

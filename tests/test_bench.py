@@ -100,6 +100,19 @@ def test_attention_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
+def test_moe_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.moe", "--tiny")
+    for figures in (result["moe"], result["dense_equivalent"]):
+        _check_throughput(figures)
+    assert result["moe"]["mlp_backend"] == "SequentialMLP" and result["dense_equivalent"]["mlp_backend"] == "MLP"
+    # the same active FLOPs (the router's h x experts projection is left out)
+    assert result["moe"]["model_tflop_per_step"] == result["dense_equivalent"]["model_tflop_per_step"]
+    assert result["moe"]["parameters"] > result["dense_equivalent"]["parameters"]
+    assert result["moe_over_dense_step_time"] == pytest.approx(result["moe"]["step_s"]
+                                                               / result["dense_equivalent"]["step_s"])
+
+
+@pytest.mark.slow
 def test_plain_megatron_loop_runs_tiny(tmp_path):
     _run(tmp_path, "bench.megatron_loop", "--steps", "2")
     stdout = (tmp_path / "stdout.txt").read_text()

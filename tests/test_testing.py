@@ -46,11 +46,18 @@ MIMO_MTP_KEYS = {
     "model.mtp_layers.0.self_attn.k_proj.bias",
     "model.mtp_layers.0.self_attn.v_proj.bias",
 }
+# Qwen3-MoE's MTP layer (Qwen3-Next's layout): a router and 4 experts in place of the dense MLP.
+QWEN3_MOE_MTP_KEYS = {name for name in QWEN3_MTP_KEYS if ".mlp." not in name} | {
+    "mtp.layers.0.mlp.gate.weight",
+    *(f"mtp.layers.0.mlp.experts.{expert}.{projection}_proj.weight"
+      for expert in range(4) for projection in ("gate", "up", "down")),
+}
 IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 250, 383]])
 
 
 def _mtp_keys(family: str, mtp: bool) -> set[str]:
-    return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS}.get((family, mtp), set())
+    return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS,
+            ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS}.get((family, mtp), set())
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +111,10 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # Qwen3ForCausalLM has no MTP module: it skips exactly the MTP tensors. MiMo's remote code loads everything.
     expected_unexpected = QWEN3_MTP_KEYS if (family, mtp) == ("qwen3", True) else set()
-    assert set(info["unexpected_keys"]) == expected_unexpected
+    if family == "qwen3_moe":  # transformers names the MTP experts it skips in its fused layout
+        assert bool(info["unexpected_keys"]) is mtp and all(key.startswith("mtp.") for key in info["unexpected_keys"])
+    else:
+        assert set(info["unexpected_keys"]) == expected_unexpected
     assert config.get("num_nextn_predict_layers") == (1 if mtp else None)
     assert model.config.tie_word_embeddings is tied
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tied
@@ -120,9 +130,12 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     names = set(load_file(checkpoints[family, mtp, tied] / "model.safetensors"))
     assert ("lm_head.weight" in names) is not tied
     assert {n for n in names if "mtp" in n} == _mtp_keys(family, mtp)
-    has_bias = family in ("qwen2", "mimo")
+    has_bias = family in ("qwen2", "mimo", "qwen2_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
-    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family == "qwen3")
+    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family in ("qwen3", "qwen3_moe"))
+    is_moe = family in ("qwen3_moe", "qwen2_moe")
+    assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
+    assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family == "qwen2_moe")
 
 
 def test_dtype_and_sizes_follow_the_arguments(tmp_path: Path) -> None:

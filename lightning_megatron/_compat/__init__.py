@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from lightning_megatron._compat import context_parallel, cpu, no_te, vl
+from lightning_megatron._compat import context_parallel, cpu, moe, no_te, vl
 from lightning_megatron._compat._adjustment import Adjustment
 
 
@@ -19,7 +19,8 @@ def prepare_megatron_core() -> list[str]:
 
     The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too).
     """
-    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS)
+    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
+                   *moe.MEGATRON_CORE_ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 
@@ -28,14 +29,15 @@ def import_megatron_bridge() -> ModuleType:
 
     Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
     """
-    for adjustment in (*no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *vl.MEGATRON_BRIDGE_ADJUSTMENTS):
+    for adjustment in (*no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *vl.MEGATRON_BRIDGE_ADJUSTMENTS,
+                       *moe.MEGATRON_BRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("megatron.bridge")
 
 
 def import_mbridge() -> ModuleType:
     """`mbridge`, working against megatron-core 0.19 and transformers 5, with local layer specs when TE is missing."""
-    for adjustment in no_te.MBRIDGE_ADJUSTMENTS:
+    for adjustment in (*no_te.MBRIDGE_ADJUSTMENTS, *moe.MBRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("mbridge")
 

@@ -8,6 +8,7 @@ Bridges know nothing of Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,14 @@ from lightning_megatron.bridges.hf_io import (
 )
 from lightning_megatron.checkpoint import move_into_place
 from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
+from lightning_megatron.moe import (
+    check_expert_parallel,
+    check_router_matches,
+    check_moe_sequence_parallel,
+    checkpoint_num_experts,
+    moe_config_overrides,
+    start_moe_metrics,
+)
 from lightning_megatron.mtp import check_mtp_training_options
 from lightning_megatron.tree_rotary import install_depth_rotary
 
@@ -167,6 +176,7 @@ class Bridge(ABC):
     name: ClassVar[BridgeType]
     supports_mtp_training: ClassVar[bool]
     supports_lora: ClassVar[bool]
+    moe_model_types: ClassVar[tuple[str, ...]] = ()  # the MoE families whose experts this bridge maps
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         self.hf_path = Path(hf_path)
@@ -208,13 +218,42 @@ class Bridge(ABC):
         if vl_model_type(self.hf_config) is not None:
             check_vl_options(self.hf_config, bridge_name=self.name, attention_backend=options.attention_backend,
                              context_parallel_size=parallel_sizes()["context_parallel_size"])
+        self._validate_moe(options)
+
+    def _validate_moe(self, options: ModelOptions) -> None:
+        from megatron.core import parallel_state
+
+        model_type = self.hf_config.get("model_type")
+        if checkpoint_num_experts(self.hf_config) and model_type not in self.moe_model_types:
+            others = "mbridge" if self.name == "megatron-bridge" else "megatron-bridge"
+            raise BridgeError(f"bridge_type: {self.name} does not map the experts of {model_type!r} checkpoints "
+                              f"(it maps {', '.join(self.moe_model_types)}); set bridge_type: {others} if it does")
+        try:
+            moe_config_overrides(self.hf_config, options.config_overrides)
+        except ValueError as error:
+            raise BridgeError(str(error)) from None
+        if parallel_state.model_parallel_is_initialized():
+            sizes = parallel_sizes()
+            try:
+                check_expert_parallel(self.hf_config, sizes["expert_model_parallel_size"] or 1,
+                                      sizes["expert_tensor_parallel_size"] or 1)
+                check_moe_sequence_parallel(self.hf_config, sizes["tensor_model_parallel_size"] or 1,
+                                            options.sequence_parallel)
+            except ValueError as error:
+                raise BridgeError(str(error)) from None
 
     def build(self, options: ModelOptions, *, load_weights: bool = True) -> list[torch.nn.Module]:
         """Model chunks for the current Megatron parallel state (one per virtual pipeline stage), HF weights loaded,
         with rotary embeddings that follow the depth of tree-packed rows (`tree_rotary`)."""
+        from megatron.core.utils import get_model_config
+
         self.validate(options)
         self.options = options
-        chunks = self._build(options, load_weights=load_weights and not options.random_weights)
+        overrides = moe_config_overrides(self.hf_config, options.config_overrides)
+        chunks = self._build(dataclasses.replace(options, config_overrides=overrides),
+                             load_weights=load_weights and not options.random_weights)
+        check_router_matches(get_model_config(chunks[0]), self.hf_config, options.config_overrides)
+        start_moe_metrics(get_model_config(chunks[0]))
         install_depth_rotary(chunks)  # tree-packed rows: rotary embeddings at each token's depth
         return chunks
 

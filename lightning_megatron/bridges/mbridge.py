@@ -17,6 +17,7 @@ class MBridge(Bridge):
     name = "mbridge"
     supports_mtp_training = False
     supports_lora = False
+    moe_model_types = ("qwen3_moe", "qwen2_moe")
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         super().__init__(hf_path, trust_remote_code=trust_remote_code)

@@ -19,6 +19,7 @@ class MegatronBridge(Bridge):
     name = "megatron-bridge"
     supports_mtp_training = True
     supports_lora = True
+    moe_model_types = ("qwen3_moe",)
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         super().__init__(hf_path, trust_remote_code=trust_remote_code)

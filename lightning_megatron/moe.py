@@ -1,0 +1,163 @@
+"""What "MoE" means for the project, in one place: the router an HF checkpoint asks for, the expert-parallel sizes it
+allows, and the load-balancing loss as a per-step metric.
+
+Each bridge derives Megatron's router settings from the HF config its own way (mbridge hard-codes pre-softmax
+routing and no load balancing for Qwen3-MoE; megatron-bridge hard-codes the aux-loss coefficient), so the project
+derives them once from the HF config, hands them to the bridge as config overrides and checks the built model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Router fields an HF checkpoint fixes: a different value computes a different model.
+CHECKPOINT_ROUTER_FIELDS = (
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+)
+# The load-balancing losses Megatron-Core's router records in its MoE metrics tracker (moe/router.py).
+LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
+_MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+def checkpoint_num_experts(hf_config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer declared by an HF config (0 for a dense model)."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers 5 writes num_local_experts
+    return next((int(hf_config[key]) for key in keys if hf_config.get(key)), 0)
+
+
+def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Megatron `TransformerConfig` MoE fields equivalent to an HF MoE config; empty for a dense one.
+
+    Qwen-MoE routes with a softmax over all experts, keeps the top k and, with `norm_topk_prob`, renormalises them:
+    Megatron's `moe_router_pre_softmax=False` (softmax over the top-k logits) is that renormalised softmax,
+    `True` the plain one. The HF load-balancing coefficient `router_aux_loss_coef` becomes Megatron's `aux_loss`.
+    """
+    if not checkpoint_num_experts(hf_config):
+        return {}
+    model_type = hf_config.get("model_type")
+    if model_type not in _MOE_MODEL_TYPES:
+        raise ValueError(f"hf_checkpoint: MoE model_type {model_type!r} is not supported; the MoE families are "
+                         f"{', '.join(_MOE_MODEL_TYPES)}")
+    if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError("hf_checkpoint: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
+                         "are not mapped by the bridges; use a checkpoint whose every layer is MoE")
+    settings: dict[str, Any] = {
+        "num_moe_experts": checkpoint_num_experts(hf_config),
+        "moe_router_topk": int(hf_config["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": int(hf_config["moe_intermediate_size"]),
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not hf_config.get("norm_topk_prob", False),
+        "moe_router_enable_expert_bias": False,
+        "moe_shared_expert_intermediate_size": None,
+        "moe_shared_expert_gate": False,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(hf_config.get("router_aux_loss_coef", 0.0)),
+        "moe_token_dispatcher_type": "alltoall",
+    }
+    if model_type == "qwen2_moe":
+        settings["moe_shared_expert_intermediate_size"] = int(hf_config["shared_expert_intermediate_size"])
+        settings["moe_shared_expert_gate"] = True
+    return settings
+
+
+def moe_config_overrides(hf_config: dict[str, Any], config_overrides: dict[str, Any]) -> dict[str, Any]:
+    """`config_overrides` with the checkpoint's router settings added; refuses overrides that contradict it."""
+    settings = router_settings(hf_config)
+    if not settings:
+        return config_overrides
+    for field in CHECKPOINT_ROUTER_FIELDS:
+        if field in config_overrides and config_overrides[field] != settings[field]:
+            raise ValueError(f"config_overrides.{field}: {config_overrides[field]!r} contradicts the checkpoint, "
+                             f"whose config.json asks for {settings[field]!r}; remove the override")
+    return {**settings, **config_overrides}
+
+
+def check_router_matches(model_config: Any, hf_config: dict[str, Any], config_overrides: dict[str, Any]) -> None:
+    """Raise when a bridge built a router other than the one the checkpoint and the overrides ask for."""
+    expected = moe_config_overrides(hf_config, config_overrides)
+    for field in (*CHECKPOINT_ROUTER_FIELDS, "moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if field in expected and getattr(model_config, field, None) != expected[field]:
+            raise RuntimeError(f"the bridge built {field}={getattr(model_config, field, None)!r} but the "
+                               f"checkpoint asks for {expected[field]!r}; the model would not be the checkpoint's")
+
+
+def start_moe_metrics(model_config: Any) -> None:
+    """A fresh MoE metrics tracker for a newly built model: Megatron-Core's is process-global and sizes its per-layer
+    buffers by the first model that records (a later model with more layers, e.g. an MTP layer, overruns them)."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    if model_config.num_moe_experts:
+        destroy_moe_metrics_tracker()
+
+
+def check_expert_parallel(hf_config: dict[str, Any], expert_model_parallel_size: int,
+                          expert_tensor_parallel_size: int) -> None:
+    """What expert parallelism needs from the checkpoint, checked before the model is built."""
+    num_experts = checkpoint_num_experts(hf_config)
+    if expert_model_parallel_size > 1 and not num_experts:
+        raise ValueError(f"expert_model_parallel_size: {expert_model_parallel_size} needs an MoE checkpoint; this "
+                         "one has no experts (num_experts in config.json); set expert_model_parallel_size: 1")
+    if num_experts and num_experts % expert_model_parallel_size:
+        raise ValueError(f"expert_model_parallel_size: {expert_model_parallel_size} must divide the checkpoint's "
+                         f"{num_experts} experts (num_experts in config.json); use a divisor of {num_experts}")
+    moe_ffn = int(hf_config.get("moe_intermediate_size") or 0)
+    if num_experts and moe_ffn % expert_tensor_parallel_size:
+        raise ValueError(f"expert_tensor_parallel_size: {expert_tensor_parallel_size} must divide the experts' "
+                         f"FFN size {moe_ffn} (moe_intermediate_size in config.json)")
+
+
+def check_moe_sequence_parallel(hf_config: dict[str, Any], tensor_model_parallel_size: int,
+                                sequence_parallel: bool) -> None:
+    """Megatron-Core's MoE layer refuses to train with tensor parallelism but no sequence parallelism
+    (moe/moe_layer.py), after the model is built and loaded: refuse it first."""
+    if checkpoint_num_experts(hf_config) and tensor_model_parallel_size > 1 and not sequence_parallel:
+        raise ValueError("sequence_parallel: an MoE model with tensor_model_parallel_size: "
+                         f"{tensor_model_parallel_size} trains only with sequence parallelism in Megatron-Core; "
+                         "set sequence_parallel: true")
+
+
+def check_expert_parallel_world(world_size: int, expert_model_parallel_size: int, expert_tensor_parallel_size: int,
+                                pipeline_model_parallel_size: int) -> None:
+    """Megatron lays experts out over EP x ETP ranks in each pipeline stage; they must tile the world."""
+    expert_ranks = expert_model_parallel_size * expert_tensor_parallel_size * pipeline_model_parallel_size
+    if world_size % expert_ranks:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of expert_model_parallel_size x expert_tensor_parallel_size "
+            f"x pipeline_model_parallel_size = {expert_model_parallel_size} x {expert_tensor_parallel_size} x "
+            f"{pipeline_model_parallel_size}; change devices/num_nodes or expert_model_parallel_size"
+        )
+
+
+def read_and_reset_moe_aux_loss(model_config: Any, num_microbatches: int) -> torch.Tensor | None:
+    """Megatron-Core's MoE metrics tracker (summed over microbatches and layers until reported) as one metric.
+
+    The load-balancing loss(es) before their coefficient, averaged over MoE layers, microbatches and data-parallel
+    ranks, as Megatron-LM reports them (`MoEMetricsTracker.report`); every microbatch routes the same number of
+    tokens, so this is the mean over all routed tokens. Every rank must call it; None when the router records none.
+    """
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    if not model_config.num_moe_experts:
+        return None
+    load_balancing_type = model_config.moe_router_load_balancing_type
+    types = load_balancing_type if isinstance(load_balancing_type, list) else [load_balancing_type]
+    names = [name for name, kind in zip(LOAD_BALANCING_LOSSES, ("aux_loss", "seq_aux_loss", "global_aux_loss"))
+             if kind in types]
+    if not names:
+        return None
+    totals: dict[str, Any] = {}
+    get_moe_metrics_tracker().report(
+        loss_scale=1 / num_microbatches, iteration=0, force_initialize=True, track_names=names,
+        num_layers=model_config.num_layers, moe_layer_freq=model_config.moe_layer_freq,
+        mtp_num_layers=model_config.mtp_num_layers, total_loss_dict=totals,
+    )
+    return sum(torch.as_tensor(totals[name], dtype=torch.float32).cpu() for name in names)
