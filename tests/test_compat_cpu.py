@@ -141,8 +141,9 @@ def test_rng_tracker(model_parallel):
 
 
 @pytest.mark.gpu
-def test_only_the_no_apex_adjustments_apply_with_cuda():
-    assert prepare_megatron_core() == [adjustment.name for adjustment in no_te.MEGATRON_CORE_ADJUSTMENTS]
+def test_only_the_no_apex_and_context_parallel_adjustments_apply_with_cuda():
+    assert prepare_megatron_core() == [adjustment.name for adjustment in (*no_te.MEGATRON_CORE_ADJUSTMENTS,
+                                                                          *context_parallel.ADJUSTMENTS)]
 
 
 def test_a_fresh_distributed_optimizer_has_a_state_dict_to_load_a_checkpoint_into(model_parallel):
