@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.attention import _device, _measure, _random_microbatches
+from bench.attention import _measure, _random_microbatches, device, trainable
 from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny
 from lightning_megatron.demo import init_single_process
 
@@ -52,12 +52,9 @@ def _parse_args() -> argparse.Namespace:
 
 
 def _build(args: argparse.Namespace, moe: bool) -> tuple[torch.nn.Module, Any]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
 
     from lightning_megatron.attention import with_core_attention
 
@@ -80,17 +77,8 @@ def _build(args: argparse.Namespace, moe: bool) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = GPTModel(config, with_core_attention(spec, "sdpa"), vocab_size=args.vocab, max_sequence_length=args.seq,
                      position_embedding_type="rope", rotary_base=1_000_000,
-                     share_embeddings_and_output_weights=True).to(_device())
-    if bf16:
-        model = Float16Module(config, model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                        use_distributed_optimizer=True), model)
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-5, bf16=bf16, use_distributed_optimizer=True, clip_grad=1.0), [ddp]
-    )
-    return ddp, optimizer
+                     share_embeddings_and_output_weights=True).to(device())
+    return trainable(config, model, bf16=bf16)
 
 
 def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
@@ -105,7 +93,7 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
     if moe:
         experts = type(unwrap_model(model).decoder.layers[0].mlp.experts).__name__
     microbatches = _random_microbatches(args)
-    positions = torch.arange(args.seq, device=_device()).expand(args.micro_batch, args.seq)
+    positions = torch.arange(args.seq, device=device()).expand(args.micro_batch, args.seq)
     forward_backward = get_forward_backward_func()
 
     def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

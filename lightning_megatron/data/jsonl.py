@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -21,6 +22,8 @@ PREDICT_ROW_HELP = (
     "(a conversation that ends with a turn to answer)."
 )
 _SHOWN_ERRORS = 5
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,17 @@ def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Exampl
     Blank lines are skipped (line numbers still count them); keys other than ``messages``, ``prompt`` and
     ``response`` are ignored, so rows may carry ids or metadata. ``for_prediction`` accepts rows without an answer.
     """
+    help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
+    return read_rows(path, lambda line, source: _parse_row(line, source, for_prediction), help_text)
+
+
+def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: str) -> list[T]:
+    """Every non-blank row of ``path`` parsed by ``parse_row(line, source)``; all problems raised together as one
+    :class:`DataValidationError`, each as ``path:line: what`` (``parse_row`` raises ``ValueError`` for a bad row)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
-    examples: list[Example] = []
+    examples: list[T] = []
     problems: list[str] = []
     rows = 0
     with path.open("rb") as handle:
@@ -83,12 +93,11 @@ def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Exampl
             rows += 1
             source = f"{path}:{line_number}"
             try:
-                examples.append(_parse_row(raw.decode("utf-8"), source, for_prediction))
+                examples.append(parse_row(raw.decode("utf-8"), source))
             except UnicodeDecodeError:
                 problems.append(f"{source}: not valid UTF-8")
             except ValueError as error:
                 problems.append(f"{source}: {error}")
-    help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
     if rows == 0:
         raise DataValidationError(f"{path} has no rows. {help_text}")
     raise_for_bad_rows(problems, rows, help_text)

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.datamodule import SFTDataModule
-from lightning_megatron.data.jsonl import ROLES, DataValidationError, raise_for_bad_rows
+from lightning_megatron.data.jsonl import ROLES, raise_for_bad_rows, read_rows
 from lightning_megatron.data.packing import SEQUENCE_KEYS, first_fit, pack_examples, pad_example, sequence_alignment
 from lightning_megatron.data.tokenize import TokenizedExample
 
@@ -64,27 +64,7 @@ def read_vl_jsonl(path: str | Path) -> list[VLExample]:
     or unreadable image also names the path as written and as resolved).
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
-    examples: list[VLExample] = []
-    problems: list[str] = []
-    rows = 0
-    with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            rows += 1
-            source = f"{path}:{line_number}"
-            try:
-                examples.append(_parse_vl_row(raw.decode("utf-8"), source, path.parent))
-            except UnicodeDecodeError:
-                problems.append(f"{source}: not valid UTF-8")
-            except ValueError as error:
-                problems.append(f"{source}: {error}")
-    if rows == 0:
-        raise DataValidationError(f"{path} has no rows. {VALID_VL_ROW_HELP}")
-    raise_for_bad_rows(problems, rows, VALID_VL_ROW_HELP)
-    return examples
+    return read_rows(path, lambda line, source: _parse_vl_row(line, source, path.parent), VALID_VL_ROW_HELP)
 
 
 def _parse_vl_row(line: str, source: str, folder: Path) -> VLExample:
