@@ -382,6 +382,8 @@ def good_file(tmp_path: Path) -> str:
         ('{"messages": []}', "'messages' must be a non-empty list"),
         ('{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role 'bot' is unknown"),
         ('{"messages": [{"role": "user", "content": 5}]}', "messages[0].content must be a string"),
+        ('{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]}',
+         "image + text rows are read by VLSFTDataModule; run `lightning-megatron-vl fit`"),
         ('{"messages": [{"role": "user"}]}', "messages[0] is missing key 'content'"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
         ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}', "empty content"),

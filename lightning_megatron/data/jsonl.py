@@ -154,6 +154,10 @@ def _parse_messages(messages: Any, for_prediction: bool, answer_has_ids: bool = 
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"{where} is missing key {key!r}")
+            if key == "content" and isinstance(message[key], list):
+                raise ValueError(f"{where}.content is a list of items (images and text): image + text rows are read by "
+                                 "VLSFTDataModule; run `lightning-megatron-vl fit` with a Qwen2.5-VL or Qwen3-VL "
+                                 "checkpoint, or give the content as a string")
             if not isinstance(message[key], str):
                 raise ValueError(f"{where}.{key} must be a string, got {_type_name(message[key])}")
         if message["role"] not in ROLES:
