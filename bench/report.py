@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -271,11 +272,19 @@ def tree_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             "| recompiles after warm-up | source |", "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
+def portable(command: str) -> str:
+    """A recorded command without the measuring machine's folders: the output folder becomes `$OUT`, a checkpoint
+    path `$CHECKPOINT`, so the README names what to type rather than where one run happened to write."""
+    command = re.sub(r"--out \S*/([^/\s]+)", r"--out $OUT/\1", command)
+    command = re.sub(r"\bOUT=\S+", "OUT=$OUT", command)
+    return re.sub(r"(--checkpoint|--qwen3-8b) /\S+", r"\1 $CHECKPOINT", command)
+
+
 def _source_line(number: int, name: str, data: dict[str, Any]) -> str:
     versions = ", ".join(f"{package} {version}" for package, version in (data.get("versions") or {}).items()
                          if version is not None)
-    driver = f" (run by `{data['driver']}`)" if data.get("driver") else ""
-    return (f"[{number}] `{name}`: `{data.get('command', 'command not recorded')}`{driver}; "
+    driver = f" (run by `{portable(data['driver'])}`)" if data.get("driver") else ""
+    return (f"[{number}] `{name}`: `{portable(data.get('command', 'command not recorded'))}`{driver}; "
             f"{data.get('device', 'device not recorded')}; {versions}; {data.get('date', 'date not recorded')}")
 
 

@@ -381,3 +381,11 @@ def test_mtp_memory_breakdown_on_the_gpu(tmp_path):
     runs = result["shapes"]["qwen3_8b"]["runs"]
     assert runs["mtp_only"]["peak_memory_gib"] > 0
     assert runs["plain_mtp_only"]["memory_at_start_gib"][0] < 0.01  # the Lightning run before it was released
+
+
+def test_report_names_no_folder_of_the_machine_that_measured():
+    command = "python3 -m bench.hf_io --checkpoint /tmp/qwen3-0.6b-mtp --repeats 3 --out /root/out/r/hf_io.json"
+    assert report.portable(command) == (
+        "python3 -m bench.hf_io --checkpoint $CHECKPOINT --repeats 3 --out $OUT/hf_io.json")
+    driver = 'OUT=/tmp/b STEPS="tree" bash bench/run_h200.sh'
+    assert report.portable(driver) == 'OUT=$OUT STEPS="tree" bash bench/run_h200.sh'
