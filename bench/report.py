@@ -277,7 +277,7 @@ def portable(command: str) -> str:
     path `$CHECKPOINT`, so the README names what to type rather than where one run happened to write."""
     command = re.sub(r"--out \S*/([^/\s]+)", r"--out $OUT/\1", command)
     command = re.sub(r"\bOUT=\S+", "OUT=$OUT", command)
-    return re.sub(r"(--checkpoint|--qwen3-8b) /\S+", r"\1 $CHECKPOINT", command)
+    return re.sub(r"(--checkpoint|--qwen3-8b) \S+", r"\1 $CHECKPOINT", command)
 
 
 def _source_line(number: int, name: str, data: dict[str, Any]) -> str:

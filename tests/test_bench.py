@@ -384,8 +384,8 @@ def test_mtp_memory_breakdown_on_the_gpu(tmp_path):
 
 
 def test_report_names_no_folder_of_the_machine_that_measured():
-    command = "python3 -m bench.hf_io --checkpoint /tmp/qwen3-0.6b-mtp --repeats 3 --out /root/out/r/hf_io.json"
+    command = "python3 -m bench.hf_io --checkpoint ckpt/qwen3-0.6b-mtp --repeats 3 --out runs/b/hf_io.json"
     assert report.portable(command) == (
         "python3 -m bench.hf_io --checkpoint $CHECKPOINT --repeats 3 --out $OUT/hf_io.json")
-    driver = 'OUT=/tmp/b STEPS="tree" bash bench/run_h200.sh'
+    driver = 'OUT=runs/b STEPS="tree" bash bench/run_h200.sh'
     assert report.portable(driver) == 'OUT=$OUT STEPS="tree" bash bench/run_h200.sh'
