@@ -87,6 +87,15 @@ def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
     return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True, dtype=torch.bfloat16, **QWEN3_0_6B)
 
 
+def reshape_config(folder: Path, shape: dict[str, Any]) -> None:
+    """Give a tiny checkpoint's config.json the `make_tiny_checkpoint`-style `shape` (without its per-layer
+    `layer_types`, which transformers >= 5.17 refuses when its count differs from the layers)."""
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("layer_types", None)
+    config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = False,
                           dtype: torch.dtype = torch.bfloat16, **shape: Any) -> Path:
     """A random-weight Qwen3 HF checkpoint of any size, made in seconds and reused when already there.
@@ -107,13 +116,7 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     staging = path.with_name(f".{path.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     small = make_tiny_checkpoint(staging, "qwen3", mtp=mtp, tied=tied, dtype=dtype)  # config layout, tokenizer
-    config = json.loads((small / "config.json").read_text())
-    config.pop("layer_types", None)  # one entry per tiny layer; transformers >= 5.17 refuses a count that differs
-    config.update(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
-                  intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_layers"],
-                  num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
-                  head_dim=shape["head_dim"], max_position_embeddings=shape["max_position_embeddings"])
-    (small / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    reshape_config(small, shape)
     (small / "model.safetensors").unlink()
     shapes = _tensor_shapes("qwen3", mtp, tied, _Shape(**shape))
     sizes = {name: math.prod(dims) * torch.empty((), dtype=dtype).element_size() for name, dims in shapes.items()}
@@ -142,10 +145,7 @@ def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied
     for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
         weights.unlink()
     if not tiny:
-        config = json.loads((path / "config.json").read_text())
-        config.pop("layer_types", None)  # one entry per tiny layer; transformers >= 5.17 refuses a count that differs
-        config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        reshape_config(path, shape)
     return path
 
 
