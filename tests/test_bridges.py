@@ -299,3 +299,39 @@ def test_threaded_sharded_writer_gives_safetensors_that_load_bit_for_bit(tmp_pat
         with safe_open(tmp_path / index["weight_map"][name], framework="pt") as reader:
             loaded = reader.get_tensor(name)
         assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor), name
+
+
+def _collective_write(rank: int, world_size: int, root: str) -> dict[str, object]:
+    import time
+
+    from lightning_megatron.bridges import base
+
+    move = base.move_into_place
+
+    def slow_move(staging: Path, path: Path) -> None:  # the leader renames late; the others must wait for it
+        time.sleep(1.0)
+        move(staging, path)
+
+    def failing_move(staging: Path, path: Path) -> None:
+        raise OSError("disk full")
+
+    def write(folder: Path) -> None:
+        (folder / f"rank{rank}.txt").write_text(str(rank))
+
+    base.move_into_place = slow_move
+    base.write_atomically(Path(root) / "done", write, every_rank=True)
+    present = sorted(path.name for path in (Path(root) / "done").iterdir())
+    base.move_into_place = failing_move
+    try:
+        base.write_atomically(Path(root) / "failed", write, every_rank=True)
+        failure = ""
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        failure = str(error)
+    return {"present": present, "failure": failure}
+
+
+def test_a_collective_write_returns_on_every_rank_only_once_the_folder_is_in_place(tmp_path):
+    results = run_distributed(_collective_write, tmp_path, str(tmp_path))
+    assert [result["present"] for result in results] == [["rank0.txt", "rank1.txt"]] * 2
+    assert results[0]["failure"] == "disk full" and "rank 0 failed: OSError: disk full" in results[1]["failure"]
+    assert not (tmp_path / "failed").exists() and not list(tmp_path.glob(".failed.partial-*"))

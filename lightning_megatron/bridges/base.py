@@ -357,7 +357,7 @@ def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> Non
     """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced.
 
     `every_rank`: all ranks call it and `write` on the same folder (global rank 0 makes and renames it); when one
-    rank fails, every rank raises and nothing is left behind.
+    rank fails, every rank raises and nothing is left behind; every rank returns only once the folder is in place.
     """
     collective = every_rank and dist.is_initialized() and dist.get_world_size() > 1
     leader = not collective or dist.get_rank() == 0
@@ -378,7 +378,11 @@ def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> Non
     try:
         agree_on_failure(error, collective=collective)
         if leader:
-            move_into_place(staging, path)
+            try:
+                move_into_place(staging, path)
+            except BaseException as caught:
+                error = caught
+        agree_on_failure(error, collective=collective)
     except BaseException:
         if leader:
             shutil.rmtree(staging, ignore_errors=True)
