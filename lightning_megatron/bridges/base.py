@@ -26,6 +26,7 @@ from safetensors import safe_open
 from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
 from lightning_megatron.bridges.hf_io import (
     SAFETENSORS_DTYPES,
+    LoadReport,
     plan_shards,
     shard_file_names,
     write_index,
@@ -261,8 +262,14 @@ class Bridge(ABC):
     def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]: ...
 
     @abstractmethod
-    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
-        """Copy an HF checkpoint's tensors (default: this bridge's) into existing chunks."""
+    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None, *,
+                        sliced: bool = True) -> LoadReport:
+        """Copy an HF checkpoint's tensors (default: this bridge's) into existing chunks.
+
+        Each rank reads only the slices of the checkpoint its parameters hold, on several threads
+        (`sliced_load`); `sliced=False` runs the library's own loader instead (the reference the sliced load is
+        tested against, bit for bit).
+        """
 
     @abstractmethod
     def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True

@@ -1,22 +1,35 @@
-"""Fast safetensors writing shared by the bridges: shard plans, and shards written by several threads (and ranks).
+"""Fast safetensors I/O shared by the bridges: sharded writes by several threads (and ranks), sliced reads.
 
-The safetensors library serialises a whole shard in one call that holds the GIL; here each shard file is written
-by its own thread straight from the tensors' memory (a header, then each tensor's bytes, `write` releasing the
-GIL), so an 8B model's shards reach the disk in parallel. The files are ordinary safetensors files.
+Writing: the safetensors library serialises a whole shard in one call that holds the GIL; here each shard file is
+written by its own thread straight from the tensors' memory (a header, then each tensor's bytes, `write`
+releasing the GIL), so an 8B model's shards reach the disk in parallel. The files are ordinary safetensors files.
+
+Reading: `CheckpointReader` opens every file of a checkpoint once and hands out the tensors, or only the rows or
+columns a rank owns, through safetensors' slice API (views of the memory-mapped file: nothing is read until the
+bytes are copied); `Copier` copies such slices into parameters on several threads (`copy_` releases the GIL), so
+reading the page cache or disk overlaps with the copies into the parameters (host or device).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 
 SHARD_BYTES = 4 * 1024**3
 WRITER_THREADS = 8
+READER_THREADS = 8
+STAGING_BYTES = 16 * 1024**2
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "U8": torch.uint8,
                       "I8": torch.int8, "BOOL": torch.bool}
@@ -92,3 +105,227 @@ def write_safetensors(folder: Path, tensors: Mapping[str, torch.Tensor], shard_b
     files = {file: {name: tensors[name] for name in shard} for file, shard in zip(names, shards)}
     write_shard_files(folder, files)
     write_index(folder, shards, sizes)
+
+
+@dataclass
+class LoadReport:
+    """What an HF load did on this rank: bytes read from the checkpoint's files, parameters filled straight from
+    (slices of) checkpoint tensors, parameters filled through the library's own conversion of whole tensors, or
+    `library`: the library's own loader did it all."""
+
+    bytes_read: int = 0
+    sliced: int = 0
+    converted: int = 0
+    library: bool = False
+
+
+@dataclass(frozen=True)
+class Source:
+    """Part of one checkpoint tensor: the whole tensor (`dim` None), or indices [start, stop) along `dim`; viewed
+    as `shape` when given (a contiguous run of rows regrouped, e.g. into attention heads)."""
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+    shape: tuple[int, ...] | None = None
+
+    def result_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...] | None:
+        """The shape `CheckpointReader.read` gives for this source of a tensor of `tensor_shape`; None when the
+        source does not fit the tensor (indices past its end, or a view that regroups a non-contiguous slice)."""
+        shape = list(tensor_shape)
+        if self.dim is not None:
+            if not (0 <= self.dim < len(shape) and 0 <= self.start < self.stop <= shape[self.dim]):
+                return None
+            shape[self.dim] = self.stop - self.start
+        if self.shape is None:
+            return tuple(shape)
+        if self.dim not in (None, 0) or math.prod(shape) != math.prod(self.shape):
+            return None
+        return self.shape
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A view into a parameter and what fills it: a checkpoint `Source`, or zeros (`source` None: the padding rows
+    of a vocabulary that Megatron rounds up)."""
+
+    target: torch.Tensor
+    source: Source | None
+
+
+class CheckpointReader:
+    """Every tensor of an HF checkpoint folder by name, each safetensors file opened once.
+
+    `read` gives a whole tensor or one slice of it; `bytes_read` counts the bytes of all that was read, which is
+    what a rank pulls from the files (the slices are views of the memory map until copied).
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+        files = sorted(set(weight_map.values())) if weight_map else sorted(p.name for p in self.folder.glob("*.safetensors"))
+        self._handles: dict[str, Any] = {}
+        for file in files:
+            handle = safe_open(str(self.folder / file), framework="pt", device="cpu")
+            for name in handle.keys():
+                if weight_map and weight_map.get(name) != file:
+                    continue
+                if name in self._handles:
+                    raise ValueError(f"{self.folder}: {name} is in more than one safetensors file and there is no "
+                                     "model.safetensors.index.json to say which one counts; remove the duplicate")
+                self._handles[name] = handle
+        missing = sorted(set(weight_map) - set(self._handles))
+        if missing:
+            raise ValueError(f"{index} names {len(missing)} tensor(s) its files lack, e.g. {missing[:3]}")
+        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._handles
+
+    def names(self) -> list[str]:
+        return sorted(self._handles)
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._handles:
+            raise KeyError(f"{name} is in no safetensors file of {self.folder}")
+        return self._handles[name]
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """Shape and dtype (None for one torch has no name for here) from the file header; reads no tensor data."""
+        if name not in self._specs:
+            tensor_slice = self._handle(name).get_slice(name)
+            self._specs[name] = (tuple(tensor_slice.get_shape()), SAFETENSORS_DTYPES.get(tensor_slice.get_dtype()))
+        return self._specs[name]
+
+    def read(self, source: Source, *, count: bool = True) -> torch.Tensor:
+        """The tensor or slice `source` names (a view of the file where safetensors gives one); `count=False` for a
+        look that may not be used (`count` it if it is)."""
+        handle = self._handle(source.name)
+        if source.dim is None:
+            tensor = handle.get_tensor(source.name)
+        else:
+            index = (slice(None),) * source.dim + (slice(source.start, source.stop),)
+            tensor = handle.get_slice(source.name)[index]
+        if source.shape is not None:
+            tensor = tensor.view(source.shape)
+        if count:
+            self.count([tensor])
+        return tensor
+
+    def count(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Add tensors read from the files to `bytes_read`."""
+        with self._lock:
+            self.bytes_read += sum(tensor.nbytes for tensor in tensors)
+
+
+def reader_threads() -> int:
+    """Reader threads per process: up to `READER_THREADS`, sharing the cores with the other local ranks."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(READER_THREADS, (os.cpu_count() or 1) // max(1, local_ranks)))
+
+
+class _DeviceStaging:
+    """One reader thread's way onto the GPU: its own CUDA stream and two pinned host buffers, so that the host copy
+    of one chunk (from the memory-mapped file) overlaps the transfer of the chunk before (a pageable copy would do
+    both in turn, in the driver)."""
+
+    def __init__(self, nbytes: int, after: torch.cuda.Event) -> None:
+        self.stream = torch.cuda.Stream()
+        self.stream.wait_event(after)  # what the caller queued on the parameters before the load comes first
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """`target.copy_(source)` chunk by chunk along dim 0; done once `stream` is synchronised."""
+        row_bytes = source.nbytes // source.shape[0]
+        rows = self.buffers[0].nbytes // row_bytes
+        with torch.cuda.stream(self.stream):
+            for start in range(0, source.shape[0], rows):
+                count = min(rows, source.shape[0] - start)
+                index, self.turn = self.turn, 1 - self.turn
+                if self.events[index] is not None:
+                    self.events[index].synchronize()  # its previous chunk has reached the GPU
+                staged = self.buffers[index][:count * row_bytes].view(source.dtype).view(count, *source.shape[1:])
+                staged.copy_(source.narrow(0, start, count))
+                target.narrow(0, start, count).copy_(staged, non_blocking=True)
+                self.events[index] = torch.cuda.Event()
+                self.events[index].record(self.stream)
+
+
+class Copier:
+    """Fills parameters from checkpoint slices on several threads while the caller goes on planning the next ones.
+
+    Parameters on a GPU are filled through pinned buffers (`_DeviceStaging`, `staging_bytes` each, two per thread).
+    Use as a context manager: leaving it waits for every copy and raises the first failure.
+    """
+
+    def __init__(self, reader: CheckpointReader, threads: int | None = None,
+                 staging_bytes: int = STAGING_BYTES) -> None:
+        self.reader = reader
+        self.staging_bytes = staging_bytes
+        self._pool = ThreadPoolExecutor(max_workers=threads or reader_threads(), thread_name_prefix="hf-load")
+        self._futures: list[Future] = []
+        self._thread = threading.local()
+        self._stagings: list[_DeviceStaging] = []
+        self._submitted: torch.cuda.Event | None = None
+
+    def __enter__(self) -> Copier:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            for future in self._futures:
+                if exc_info[0] is None:
+                    future.result()
+                else:
+                    future.cancel()
+        finally:
+            self._pool.shutdown(wait=True)
+            for staging in self._stagings:
+                staging.stream.synchronize()
+
+    def submit(self, pieces: Sequence[Piece]) -> None:
+        for piece in pieces:
+            if piece.target.is_cuda and self._submitted is None:
+                self._submitted = torch.cuda.Event()
+                self._submitted.record(torch.cuda.current_stream(piece.target.device))
+            self._futures.append(self._pool.submit(self._copy, piece))
+
+    def _copy(self, piece: Piece) -> None:
+        target = piece.target
+        if piece.source is None:
+            target.zero_()
+            return
+        source = self.reader.read(piece.source)
+        if target.is_cuda and source.ndim and source.numel() and source.nbytes // source.shape[0] <= self.staging_bytes:
+            self._staging(target.device).copy(target, source)
+        else:
+            target.copy_(source)
+
+    def _staging(self, device: torch.device) -> _DeviceStaging:
+        staging = getattr(self._thread, "staging", None)
+        if staging is None:
+            with torch.cuda.device(device):
+                staging = self._thread.staging = _DeviceStaging(self.staging_bytes, self._submitted)
+            self._stagings.append(staging)
+        return staging
+
+
+def checked_pieces(pieces: Sequence[Piece] | None, parameter: torch.Tensor,
+                   reader: CheckpointReader) -> Sequence[Piece] | None:
+    """`pieces` when they fill all of `parameter` with sources of exactly their shapes, else None (the caller then
+    falls back to the library's own conversion: a plan that does not add up never loads)."""
+    if pieces is None or sum(piece.target.numel() for piece in pieces) != parameter.numel():
+        return None
+    for piece in pieces:
+        if piece.source is None:
+            continue
+        shape, dtype = reader.spec(piece.source.name)
+        if dtype is None or piece.source.result_shape(shape) != tuple(piece.target.shape):
+            return None
+    return pieces

@@ -11,6 +11,8 @@ import torch
 from lightning_megatron._compat import import_mbridge
 from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, ModelOptions
+from lightning_megatron.bridges.hf_io import LoadReport
+from lightning_megatron.bridges.sliced_load import load_mbridge
 
 
 class MBridge(Bridge):
@@ -48,8 +50,12 @@ class MBridge(Bridge):
             self.load_hf_weights(chunks)
         return chunks
 
-    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
-        self._auto_bridge.load_weights(chunks, str(hf_path or self.hf_path))
+    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None, *,
+                        sliced: bool = True) -> LoadReport:
+        if not sliced:
+            self._auto_bridge.load_weights(chunks, str(hf_path or self.hf_path))
+            return LoadReport(library=True)
+        return load_mbridge(self._auto_bridge, chunks, hf_path or self.hf_path)
 
     def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
                           ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,6 +11,8 @@ import torch
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, ModelOptions, apply_parallel_state
+from lightning_megatron.bridges.hf_io import LoadReport
+from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.mtp import check_mtp_training_versions
 
@@ -66,8 +68,15 @@ class MegatronBridge(Bridge):
             self.load_hf_weights(chunks)
         return chunks
 
-    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None) -> None:
-        self.auto_bridge.load_hf_weights(chunks, None if hf_path is None else str(hf_path))
+    def load_hf_weights(self, chunks: list[torch.nn.Module], hf_path: str | Path | None = None, *,
+                        sliced: bool = True) -> LoadReport:
+        if not sliced:
+            self.auto_bridge.load_hf_weights(chunks, None if hf_path is None else str(hf_path))
+            return LoadReport(library=True)
+        pretrained = self.auto_bridge.hf_pretrained if hf_path is None else (
+            self.auto_bridge._pretrained_wrapper_cls.from_pretrained(str(hf_path),
+                                                                     trust_remote_code=self.trust_remote_code))
+        return load_megatron_bridge(self.auto_bridge, chunks, hf_path or self.hf_path, pretrained)
 
     def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
                           ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,155 @@
+"""The sliced HF load of both bridges gives bit for bit what each library's own loader gives, every rank reading
+only the slices of the checkpoint it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_megatron.bridges import ModelOptions, create_bridge
+from lightning_megatron.bridges.base import checkpoint_tensor_specs
+from lightning_megatron.testing import make_tiny_checkpoint
+from tests._distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sliced_load")
+    return {
+        "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3"),
+        "qwen3_tied": make_tiny_checkpoint(root / "qwen3_tied", "qwen3", tied=True),
+        "qwen3_mtp": make_tiny_checkpoint(root / "qwen3_mtp", "qwen3", mtp=True),
+        "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2"),
+        "mimo": make_tiny_checkpoint(root / "mimo", "mimo", mtp=True),
+        "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe"),
+        "qwen2_moe": make_tiny_checkpoint(root / "qwen2_moe", "qwen2_moe"),
+    }
+
+
+def _load(bridge: Any, chunks: list[torch.nn.Module], *, sliced: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Every parameter set to NaN, then loaded: one the load misses can never compare equal."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for parameter in chunk.parameters():
+                parameter.fill_(float("nan"))
+    report = bridge.load_hf_weights(chunks, sliced=sliced)
+    return report, {f"{index}.{name}": parameter.detach().clone()
+                    for index, chunk in enumerate(chunks) for name, parameter in chunk.named_parameters()}
+
+
+def _compare_loads(bridge_type: str, checkpoint: str | Path, mtp: bool = False) -> dict[str, Any]:
+    """The sliced load and the library's own load into the same model (current parallel state)."""
+    from megatron.core import parallel_state
+
+    bridge = create_bridge(bridge_type, checkpoint, trust_remote_code=Path(checkpoint).name == "mimo")
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1 and "moe" in Path(checkpoint).name
+    chunks = bridge.build(ModelOptions(mtp=mtp, sequence_parallel=sequence_parallel))
+    report, sliced = _load(bridge, chunks, sliced=True)
+    library_report, library = _load(bridge, chunks, sliced=False)
+    return {"report": report, "library_report": library_report, "parameters": sorted(library),
+            "unequal": [name for name in library if not torch.equal(sliced[name], library[name])],
+            "mtp_parameters": [name for name in library if ".mtp." in name]}
+
+
+def _assert_same_as_library(result: dict[str, Any]) -> None:
+    assert result["unequal"] == []
+    assert result["parameters"]
+    assert result["library_report"].library and not result["report"].library
+    assert result["report"].sliced > 0
+
+
+# one process ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bridge_type", "name", "mtp"), [
+    ("mbridge", "qwen3", False),
+    ("mbridge", "qwen3_tied", False),
+    ("mbridge", "qwen2", False),  # QKV biases
+    ("mbridge", "qwen2_moe", False),  # shared expert, per-expert tensors
+    ("mbridge", "qwen3_moe", False),
+    ("megatron-bridge", "qwen3", False),
+    ("megatron-bridge", "qwen3_tied", False),
+    ("megatron-bridge", "qwen3_mtp", True),
+    ("megatron-bridge", "mimo", True),  # MiMo's bridge rewrites input_proj as it loads: that one through the library
+    ("megatron-bridge", "qwen3_moe", False),
+])
+def test_sliced_load_equals_the_library_load(model_parallel, checkpoints, bridge_type, name, mtp):
+    result = _compare_loads(bridge_type, checkpoints[name], mtp)
+    _assert_same_as_library(result)
+    assert bool(result["mtp_parameters"]) == mtp
+    report = result["report"]
+    if name == "mimo":
+        assert report.converted == 1  # mtp.layers.0.eh_proj.weight, from the swapped input_proj halves
+    else:
+        assert report.converted == 0  # every stock mapping is read as slices
+    total = sum(spec.nbytes for spec in checkpoint_tensor_specs(checkpoints[name]).values())
+    assert report.bytes_read == total  # one process reads each tensor once
+
+
+@pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
+def test_hf_path_loads_another_checkpoint_into_the_built_model(model_parallel, checkpoints, tmp_path, bridge_type):
+    other = make_tiny_checkpoint(tmp_path / "qwen3_seed1", "qwen3", seed=1)
+    bridge = create_bridge(bridge_type, checkpoints["qwen3"])
+    chunks = bridge.build(ModelOptions())
+    built = {name: parameter.detach().clone() for name, parameter in chunks[0].named_parameters()}
+    report = bridge.load_hf_weights(chunks, other)
+    sliced = {name: parameter.detach().clone() for name, parameter in chunks[0].named_parameters()}
+    bridge.load_hf_weights(chunks, other, sliced=False)
+    assert report.sliced and all(torch.equal(sliced[name], parameter) for name, parameter in chunks[0].named_parameters())
+    assert not any(torch.equal(sliced[name], built[name]) for name in built if name.endswith("linear_fc1.weight"))
+
+
+# two processes -------------------------------------------------------------------------------------------------------
+
+_DISTRIBUTED_CASES = {  # (bridge, checkpoint, mtp) per layout
+    "tp2": [("mbridge", "qwen3", False), ("mbridge", "qwen3_tied", False), ("megatron-bridge", "qwen3_mtp", True),
+            ("megatron-bridge", "qwen3_tied", False)],
+    "pp2": [("mbridge", "qwen3", False), ("mbridge", "qwen3_tied", False), ("megatron-bridge", "qwen3_mtp", True),
+            ("megatron-bridge", "qwen3_tied", False)],
+    "ep2": [("mbridge", "qwen3_moe", False), ("megatron-bridge", "qwen3_moe", False)],
+}
+_LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2),
+            "ep2": dict(expert_model_parallel_size=2)}
+
+
+def _compare_in_each_layout(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, Any]:
+    from megatron.core import parallel_state, tensor_parallel
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    prepare_megatron_core()
+    results: dict[str, Any] = {}
+    for layout, cases in _DISTRIBUTED_CASES.items():
+        parallel_state.initialize_model_parallel(**_LAYOUTS[layout])
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        for bridge_type, name, mtp in cases:
+            results[layout, bridge_type, name] = _compare_loads(bridge_type, paths[name], mtp)
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.mark.slow
+def test_sliced_load_equals_the_library_load_on_two_ranks_reading_their_own_slices(checkpoints, tmp_path):
+    """TP=2, PP=2 and EP=2 in the same two processes; with TP=2 each rank reads half of every matrix (and each
+    norm whole), so both ranks together read the checkpoint's matrices once."""
+    results = run_distributed(_compare_in_each_layout, tmp_path, {name: str(path) for name, path in checkpoints.items()})
+    for key in results[0]:
+        for result in results:
+            _assert_same_as_library(result[key])
+            assert result[key]["report"].converted == 0
+        layout, bridge_type, name = key
+        mtp = name == "qwen3_mtp"
+        if layout != "pp2":
+            assert all(bool(result[key]["mtp_parameters"]) == mtp for result in results)
+        else:  # the MTP head lives on the last stage
+            assert [bool(result[key]["mtp_parameters"]) for result in results] == [False, mtp]
+        if layout == "tp2":
+            specs = checkpoint_tensor_specs(checkpoints[name]).values()
+            matrices = sum(spec.nbytes for spec in specs if len(spec.shape) > 1)
+            norms = sum(spec.nbytes for spec in specs if len(spec.shape) == 1)
+            read = [result[key]["report"].bytes_read for result in results]
+            assert sum(read) == matrices + 2 * norms, key
+            assert max(read) < 0.6 * (matrices + norms), key
