@@ -2,17 +2,22 @@
 
 For each bridge: `build` (model creation without random init, HF weights loaded) and `save_hf` (a complete HF
 checkpoint written atomically), against reading the same tensors raw with safetensors onto the device the bridge
-puts the model on, and writing them raw from there. megatron-bridge loads and saves the MTP head when the checkpoint
+puts the model on, and writing them raw from there. The load alone into the built model is timed twice: the
+package's sliced load (`load_s`, what `build` uses: each rank reads its slices on several threads) and the
+library's own loader (`library_load_s`); `load_report` says how the sliced load filled the parameters (all from
+slices, `converted` 0, for the stock Qwen3 mappings). megatron-bridge loads and saves the MTP head when the checkpoint
 has one; mbridge cannot build MTP heads, so its model, and its raw baseline, leave the MTP tensors out. Times are
 medians over `--repeats` runs in one process after one warm-up (imports and first-call set-up excluded); ratios
 are against raw (targets: load within 1.5x, save within 1.2x). `--tiny` (also the default without `--checkpoint`): a
 tiny checkpoint made locally; `--checkpoint` for a real one (the 0.6B benchmark checkpoint: `python -m
 bench.make_checkpoint`); `--qwen3-8b PATH`: the Qwen3-8B-shaped one (made on the GPU in seconds, reused after).
+`--load-only` leaves the saves out (the 8B loads then fit in a few minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,7 +58,8 @@ def _model_device(chunks: list[torch.nn.Module]) -> torch.device:
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: int) -> dict[str, Any]:
+def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: int, save: bool = True
+                   ) -> dict[str, Any]:
     from lightning_megatron.bridges import ModelOptions, create_bridge
 
     files = sorted(checkpoint.glob("*.safetensors"))
@@ -71,22 +77,31 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
     tensors = _raw_read(files, names, device)
     size = sum(tensor.nbytes for tensor in tensors.values())
     raw_read_s = median_seconds(lambda: _raw_read(files, names, device), repeats)
-    raw_write_s = median_seconds(lambda: save_file(tensors, workdir / f"raw-{bridge_type}.safetensors"), repeats)
+    if save:
+        raw_write_s = median_seconds(lambda: save_file(tensors, workdir / f"raw-{bridge_type}.safetensors"), repeats)
     del tensors
-    load_s = median_seconds(lambda: bridge.build(options), repeats)
-    save_s = median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
-    return {
+    build_s = median_seconds(lambda: bridge.build(options), repeats)
+    sliced_load_s = median_seconds(lambda: bridge.load_hf_weights(chunks), repeats)
+    library_load_s = median_seconds(lambda: bridge.load_hf_weights(chunks, sliced=False), repeats)
+    result = {
         "mtp": mtp,
         "tensors": len(names),
         "bytes": size,
         "device": str(device),
         "raw_read_s": raw_read_s,
-        "raw_write_s": raw_write_s,
-        "build_and_load_s": load_s,
-        "save_s": save_s,
-        "load_vs_raw_read": load_s / raw_read_s,
-        "save_vs_raw_write": save_s / raw_write_s,
+        "build_and_load_s": build_s,
+        "load_vs_raw_read": build_s / raw_read_s,
+        "load_s": sliced_load_s,
+        "library_load_s": library_load_s,
+        "sliced_load_vs_raw_read": sliced_load_s / raw_read_s,
+        "library_load_vs_raw_read": library_load_s / raw_read_s,
+        "load_report": dataclasses.asdict(bridge.load_hf_weights(chunks)),
     }
+    result.update(raw_write_s=None, save_s=None, save_vs_raw_write=None)  # `--load-only`: the report says n/a
+    if save:
+        save_s = median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
+        result.update(raw_write_s=raw_write_s, save_s=save_s, save_vs_raw_write=save_s / raw_write_s)
+    return result
 
 
 def main() -> None:
@@ -97,6 +112,7 @@ def main() -> None:
                         help="the Qwen3-8B-shaped checkpoint (untied, one MTP layer) at PATH, made there once")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bridges", nargs="+", default=["mbridge", "megatron-bridge"])
+    parser.add_argument("--load-only", action="store_true", help="time the loads only, not the saves")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     if sum(map(bool, (args.tiny, args.checkpoint, args.qwen3_8b))) > 1:
@@ -114,7 +130,7 @@ def main() -> None:
         "repeats": args.repeats,
         "target_vs_raw": 1.5,
         "target_save_vs_raw": 1.2,
-        "bridges": {bridge_type: measure_bridge(bridge_type, checkpoint, workdir, args.repeats)
+        "bridges": {bridge_type: measure_bridge(bridge_type, checkpoint, workdir, args.repeats, not args.load_only)
                     for bridge_type in args.bridges},
     }
     emit(result, args.out)

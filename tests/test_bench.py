@@ -83,6 +83,8 @@ def test_hf_io_benchmark_runs_tiny(tmp_path):
         assert timings["build_and_load_s"] > 0 and timings["save_s"] > 0
         assert timings["raw_read_s"] > 0 and timings["raw_write_s"] > 0
         assert timings["load_vs_raw_read"] == pytest.approx(timings["build_and_load_s"] / timings["raw_read_s"])
+        assert timings["load_s"] > 0 and timings["library_load_s"] > 0
+        assert timings["load_report"]["converted"] == 0 and timings["load_report"]["sliced"] > 0  # all from slices
 
 
 @pytest.mark.slow
