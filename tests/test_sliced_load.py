@@ -12,6 +12,7 @@ import torch
 from lightning_megatron.bridges import ModelOptions, create_bridge
 from lightning_megatron.bridges.base import checkpoint_tensor_specs
 from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.testing_vl import VL_FAMILIES, make_tiny_vl_checkpoint
 from tests._distributed import run_distributed
 
 
@@ -89,6 +90,13 @@ def test_sliced_load_equals_the_library_load(model_parallel, checkpoints, bridge
     assert report.bytes_read == total  # one process reads each tensor once
 
 
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_sliced_load_of_a_vision_language_model_equals_the_library_load(model_parallel, tmp_path, family):
+    result = _compare_loads("megatron-bridge", make_tiny_vl_checkpoint(tmp_path / family, family))
+    _assert_same_as_library(result)
+    assert any(".vision" in name or "visual" in name for name in result["parameters"])
+
+
 @pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
 def test_hf_path_loads_another_checkpoint_into_the_built_model(model_parallel, checkpoints, tmp_path, bridge_type):
     other = make_tiny_checkpoint(tmp_path / "qwen3_seed1", "qwen3", seed=1)
@@ -98,8 +106,28 @@ def test_hf_path_loads_another_checkpoint_into_the_built_model(model_parallel, c
     report = bridge.load_hf_weights(chunks, other)
     sliced = {name: parameter.detach().clone() for name, parameter in chunks[0].named_parameters()}
     bridge.load_hf_weights(chunks, other, sliced=False)
-    assert report.sliced and all(torch.equal(sliced[name], parameter) for name, parameter in chunks[0].named_parameters())
+    assert report.sliced
+    assert all(torch.equal(sliced[name], parameter) for name, parameter in chunks[0].named_parameters())
     assert not any(torch.equal(sliced[name], built[name]) for name in built if name.endswith("linear_fc1.weight"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staging_bytes", [2048, 16 * 1024**2])
+def test_sliced_load_onto_the_gpu_equals_the_library_load(model_parallel, checkpoints, monkeypatch, staging_bytes):
+    """Through the pinned staging buffers: 2 KiB ones copy each tensor in many chunks (and send rows bigger than a
+    buffer straight), 16 MiB ones each tiny tensor in one."""
+    from lightning_megatron.bridges import hf_io
+
+    monkeypatch.setattr(hf_io, "STAGING_BYTES", staging_bytes)
+    for bridge_type, name, mtp in [("mbridge", "qwen3_tied", False), ("megatron-bridge", "qwen3_mtp", True)]:
+        for params_dtype in (torch.float32, torch.bfloat16):  # bf16: rounded on the GPU here, on the host there
+            bridge = create_bridge(bridge_type, checkpoints[name])
+            chunks = bridge.build(ModelOptions(mtp=mtp, params_dtype=params_dtype))
+            assert next(chunks[0].parameters()).is_cuda
+            report, sliced = _load(bridge, chunks, sliced=True)
+            _, library = _load(bridge, chunks, sliced=False)
+            assert report.converted == 0
+            assert [name for name in library if not torch.equal(sliced[name], library[name])] == []
 
 
 # two processes -------------------------------------------------------------------------------------------------------
@@ -135,7 +163,8 @@ def _compare_in_each_layout(rank: int, world_size: int, paths: dict[str, str]) -
 def test_sliced_load_equals_the_library_load_on_two_ranks_reading_their_own_slices(checkpoints, tmp_path):
     """TP=2, PP=2 and EP=2 in the same two processes; with TP=2 each rank reads half of every matrix (and each
     norm whole), so both ranks together read the checkpoint's matrices once."""
-    results = run_distributed(_compare_in_each_layout, tmp_path, {name: str(path) for name, path in checkpoints.items()})
+    paths = {name: str(path) for name, path in checkpoints.items()}
+    results = run_distributed(_compare_in_each_layout, tmp_path, paths)
     for key in results[0]:
         for result in results:
             _assert_same_as_library(result[key])

@@ -165,7 +165,7 @@ class CheckpointReader:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
-        files = sorted(set(weight_map.values())) if weight_map else sorted(p.name for p in self.folder.glob("*.safetensors"))
+        files = sorted(set(weight_map.values()) if weight_map else {p.name for p in self.folder.glob("*.safetensors")})
         self._handles: dict[str, Any] = {}
         for file in files:
             handle = safe_open(str(self.folder / file), framework="pt", device="cpu")
@@ -264,10 +264,9 @@ class Copier:
     Use as a context manager: leaving it waits for every copy and raises the first failure.
     """
 
-    def __init__(self, reader: CheckpointReader, threads: int | None = None,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, reader: CheckpointReader, threads: int | None = None, staging_bytes: int | None = None) -> None:
         self.reader = reader
-        self.staging_bytes = staging_bytes
+        self.staging_bytes = staging_bytes or STAGING_BYTES
         self._pool = ThreadPoolExecutor(max_workers=threads or reader_threads(), thread_name_prefix="hf-load")
         self._futures: list[Future] = []
         self._thread = threading.local()
