@@ -62,6 +62,27 @@ def _assert_same_as_library(result: dict[str, Any]) -> None:
     assert result["report"].sliced > 0
 
 
+def test_reader_slices_count_their_bytes_and_a_plan_that_does_not_add_up_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from lightning_megatron.bridges.hf_io import CheckpointReader, Piece, Source, checked_pieces
+
+    weight = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    save_file({"w": weight}, tmp_path / "model.safetensors")
+    reader = CheckpointReader(tmp_path)
+    assert torch.equal(reader.read(Source("w", 0, 2, 4)), weight[2:4])
+    assert torch.equal(reader.read(Source("w", 1, 1, 3)), weight[:, 1:3])
+    assert torch.equal(reader.read(Source("w", 0, 0, 4, (2, 2, 4))), weight[:4].view(2, 2, 4))
+    assert reader.bytes_read == (8 + 12 + 16) * 4
+    target = torch.empty(3, 4)
+    assert checked_pieces([Piece(target, Source("w", 0, 3, 6))], target, reader) is not None
+    assert checked_pieces([Piece(target[:2], Source("w", 0, 0, 2))], target, reader) is None  # leaves a row out
+    assert checked_pieces([Piece(target, Source("w", 0, 4, 7))], target, reader) is None  # past the end
+    assert checked_pieces([Piece(target, Source("w", 1, 0, 3))], target, reader) is None  # wrong shape
+    with pytest.raises(KeyError, match="missing"):
+        reader.read(Source("missing"))
+
+
 # one process ------------------------------------------------------------------------------------------------------
 
 
