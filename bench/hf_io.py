@@ -4,13 +4,14 @@ For each bridge: `build` (model creation without random init, HF weights loaded)
 checkpoint written atomically), against reading the same tensors raw with safetensors onto the device the bridge
 puts the model on, and writing them raw from there. The load alone into the built model is timed twice: the
 package's sliced load (`load_s`, what `build` uses: each rank reads its slices on several threads) and the
-library's own loader (`library_load_s`); `load_report` says how the sliced load filled the parameters (all from
-slices, `converted` 0, for the stock Qwen3 mappings). megatron-bridge loads and saves the MTP head when the checkpoint
-has one; mbridge cannot build MTP heads, so its model, and its raw baseline, leave the MTP tensors out. Times are
-medians over `--repeats` runs in one process after one warm-up (imports and first-call set-up excluded); ratios
-are against raw (targets: load within 1.5x, save within 1.2x). `--tiny` (also the default without `--checkpoint`): a
-tiny checkpoint made locally; `--checkpoint` for a real one (the 0.6B benchmark checkpoint: `python -m
-bench.make_checkpoint`); `--qwen3-8b PATH`: the Qwen3-8B-shaped one (made on the GPU in seconds, reused after).
+library's own loader (`library_load_s`, one run); `load_report` says how the sliced load filled the parameters
+(all from slices, `converted` 0, for the stock Qwen3 mappings). megatron-bridge loads and saves the MTP head when
+the checkpoint has one; mbridge cannot build MTP heads, so its model, and its raw baseline, leave the MTP tensors
+out. Times are medians over `--repeats` runs in one process after one warm-up (imports and first-call set-up
+excluded); ratios are against raw (targets: load within 1.5x, save within 1.2x). `--tiny` (also the default without
+`--checkpoint`): a tiny checkpoint made locally; `--checkpoint` for a real one (the 0.6B benchmark checkpoint:
+`python -m bench.make_checkpoint`); `--qwen3-8b PATH`: the Qwen3-8B-shaped one (made on the GPU in seconds, reused
+after).
 `--load-only` leaves the saves out (the 8B loads then fit in a few minutes).
 """
 
@@ -94,7 +95,7 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
     del tensors
     build_s = _median_build_seconds(bridge, options, repeats)
     sliced_load_s = median_seconds(lambda: bridge.load_hf_weights(chunks), repeats)
-    library_load_s = median_seconds(lambda: bridge.load_hf_weights(chunks, sliced=False), repeats)
+    library_load_s = median_seconds(lambda: bridge.load_hf_weights(chunks, sliced=False), 1)  # the slow reference
     result = {
         "mtp": mtp,
         "tensors": len(names),
