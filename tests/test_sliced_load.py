@@ -3,6 +3,8 @@ only the slices of the checkpoint it holds."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3"),
         "qwen3_tied": make_tiny_checkpoint(root / "qwen3_tied", "qwen3", tied=True),
+        "qwen3_bf16": make_tiny_checkpoint(root / "qwen3_bf16", "qwen3", dtype=torch.bfloat16),
         "qwen3_mtp": make_tiny_checkpoint(root / "qwen3_mtp", "qwen3", mtp=True),
         "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2"),
         "mimo": make_tiny_checkpoint(root / "mimo", "mimo", mtp=True),
@@ -41,14 +44,47 @@ def _load(bridge: Any, chunks: list[torch.nn.Module], *, sliced: bool) -> tuple[
                     for index, chunk in enumerate(chunks) for name, parameter in chunk.named_parameters()}
 
 
-def _compare_loads(bridge_type: str, checkpoint: str | Path, mtp: bool = False) -> dict[str, Any]:
+@contextlib.contextmanager
+def _an_unknown_bridge_class(bridge: Any) -> Iterator[None]:
+    """The library's bridge class for this model overrides how HF tensors become Megatron ones (with the same code,
+    or handing back copies): the package cannot know such a conversion, so every parameter must go through the
+    library's own."""
+    if bridge.name == "mbridge":
+        library_class, name = type(bridge._auto_bridge), "_weight_to_mcore_format"
+        convert = library_class._weight_to_mcore_format
+
+        def override(self: Any, mcore_name: str, hf_weights: list[torch.Tensor]) -> torch.Tensor:
+            return convert(self, mcore_name, hf_weights)
+    else:
+        library_class, name = type(bridge.auto_bridge._model_bridge), "maybe_modify_loaded_hf_weight"
+        load = library_class.maybe_modify_loaded_hf_weight
+
+        def override(self: Any, hf_param: Any, state: Any) -> Any:
+            weights = load(self, hf_param, state)
+            return {key: value.clone() for key, value in weights.items()} if isinstance(weights, dict) \
+                else weights.clone()
+    had_own = name in vars(library_class)
+    original = vars(library_class).get(name)
+    setattr(library_class, name, override)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(library_class, name, original)
+        else:
+            delattr(library_class, name)
+
+
+def _compare_loads(bridge_type: str, checkpoint: str | Path, mtp: bool = False,
+                   params_dtype: torch.dtype = torch.float32, unknown_class: bool = False) -> dict[str, Any]:
     """The sliced load and the library's own load into the same model (current parallel state)."""
     from megatron.core import parallel_state
 
     bridge = create_bridge(bridge_type, checkpoint, trust_remote_code=Path(checkpoint).name == "mimo")
     sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1 and "moe" in Path(checkpoint).name
-    chunks = bridge.build(ModelOptions(mtp=mtp, sequence_parallel=sequence_parallel))
-    report, sliced = _load(bridge, chunks, sliced=True)
+    chunks = bridge.build(ModelOptions(mtp=mtp, sequence_parallel=sequence_parallel, params_dtype=params_dtype))
+    with _an_unknown_bridge_class(bridge) if unknown_class else contextlib.nullcontext():
+        report, sliced = _load(bridge, chunks, sliced=True)
     library_report, library = _load(bridge, chunks, sliced=False)
     return {"report": report, "library_report": library_report, "parameters": sorted(library),
             "unequal": [name for name in library if not torch.equal(sliced[name], library[name])],
@@ -86,6 +122,16 @@ def test_reader_slices_count_their_bytes_and_a_plan_that_does_not_add_up_is_refu
 # one process ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
+def test_sliced_load_casts_as_the_library_does(model_parallel, checkpoints, bridge_type, params_dtype):
+    """bf16 weights into fp32 parameters (exact) and fp32 weights into bf16 ones (rounded): the same bits."""
+    name = "qwen3_bf16" if params_dtype == torch.float32 else "qwen3"
+    result = _compare_loads(bridge_type, checkpoints[name], params_dtype=params_dtype)
+    _assert_same_as_library(result)
+    assert result["report"].converted == 0
+
+
 @pytest.mark.parametrize(("bridge_type", "name", "mtp"), [
     ("mbridge", "qwen3", False),
     ("mbridge", "qwen3_tied", False),
@@ -109,6 +155,13 @@ def test_sliced_load_equals_the_library_load(model_parallel, checkpoints, bridge
         assert report.converted == 0  # every stock mapping is read as slices
     total = sum(spec.nbytes for spec in checkpoint_tensor_specs(checkpoints[name]).values())
     assert report.bytes_read == total  # one process reads each tensor once
+
+
+@pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
+def test_a_conversion_the_package_does_not_know_goes_through_the_library(model_parallel, checkpoints, bridge_type):
+    result = _compare_loads(bridge_type, checkpoints["qwen3_tied"], unknown_class=True)
+    assert result["unequal"] == [] and result["parameters"]
+    assert result["report"].sliced == 0 and result["report"].converted == len(result["parameters"])
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)
@@ -155,7 +208,8 @@ def test_sliced_load_onto_the_gpu_equals_the_library_load(model_parallel, checkp
 
 _DISTRIBUTED_CASES = {  # (bridge, checkpoint, mtp) per layout
     "tp2": [("mbridge", "qwen3", False), ("mbridge", "qwen3_tied", False), ("megatron-bridge", "qwen3_mtp", True),
-            ("megatron-bridge", "qwen3_tied", False)],
+            ("megatron-bridge", "qwen3_tied", False), ("mbridge", "unknown_class", False),
+            ("megatron-bridge", "unknown_class", False)],
     "pp2": [("mbridge", "qwen3", False), ("mbridge", "qwen3_tied", False), ("megatron-bridge", "qwen3_mtp", True),
             ("megatron-bridge", "qwen3_tied", False)],
     "ep2": [("mbridge", "qwen3_moe", False), ("megatron-bridge", "qwen3_moe", False)],
@@ -175,7 +229,10 @@ def _compare_in_each_layout(rank: int, world_size: int, paths: dict[str, str]) -
         parallel_state.initialize_model_parallel(**_LAYOUTS[layout])
         tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
         for bridge_type, name, mtp in cases:
-            results[layout, bridge_type, name] = _compare_loads(bridge_type, paths[name], mtp)
+            unknown_class = name == "unknown_class"  # every parameter through the library's conversion and scatter
+            checkpoint = paths["qwen3" if unknown_class else name]
+            results[layout, bridge_type, name] = _compare_loads(bridge_type, checkpoint, mtp,
+                                                                unknown_class=unknown_class)
         parallel_state.destroy_model_parallel()
     return results
 
@@ -187,10 +244,13 @@ def test_sliced_load_equals_the_library_load_on_two_ranks_reading_their_own_slic
     paths = {name: str(path) for name, path in checkpoints.items()}
     results = run_distributed(_compare_in_each_layout, tmp_path, paths)
     for key in results[0]:
+        layout, bridge_type, name = key
+        if name == "unknown_class":
+            assert all(result[key]["unequal"] == [] and result[key]["report"].sliced == 0 for result in results)
+            continue
         for result in results:
             _assert_same_as_library(result[key])
             assert result[key]["report"].converted == 0
-        layout, bridge_type, name = key
         mtp = name == "qwen3_mtp"
         if layout != "pp2":
             assert all(bool(result[key]["mtp_parameters"]) == mtp for result in results)

@@ -122,13 +122,15 @@ class LoadReport:
 @dataclass(frozen=True)
 class Source:
     """Part of one checkpoint tensor: the whole tensor (`dim` None), or indices [start, stop) along `dim`; viewed
-    as `shape` when given (a contiguous run of rows regrouped, e.g. into attention heads)."""
+    as `shape` when given (a contiguous run of rows regrouped, e.g. into attention heads); cast to `via` before
+    the parameter's own dtype when given (a library that rounds through the model's dtype first)."""
 
     name: str
     dim: int | None = None
     start: int = 0
     stop: int = 0
     shape: tuple[int, ...] | None = None
+    via: torch.dtype | None = None
 
     def result_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...] | None:
         """The shape `CheckpointReader.read` gives for this source of a tensor of `tensor_shape`; None when the
@@ -301,6 +303,8 @@ class Copier:
             target.zero_()
             return
         source = self.reader.read(piece.source)
+        if piece.source.via is not None:
+            source = source.to(piece.source.via)
         if target.is_cuda and source.ndim and source.numel() and source.nbytes // source.shape[0] <= self.staging_bytes:
             self._staging(target.device).copy(target, source)
         else:

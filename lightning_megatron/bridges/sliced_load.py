@@ -20,6 +20,7 @@ with the bridges and not in `_compat`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,11 +85,6 @@ def qkv_pieces(target: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequ
     return pieces
 
 
-def _same_rounding(source: torch.dtype | None, staged: torch.dtype | None, target: torch.dtype) -> bool:
-    """Whether casting straight to `target` gives what casting to `staged` first gives."""
-    return staged is None or source == staged or staged == target
-
-
 # mbridge -----------------------------------------------------------------------------------------------------------
 
 
@@ -117,6 +113,7 @@ def load_mbridge(bridge: Any, chunks: list[torch.nn.Module], folder: str | Path)
                 parts, rank = ((bridge.mpu.etp_size, bridge.mpu.etp_rank) if expert
                                else (bridge.mpu.tp_size, bridge.mpu.tp_rank))
                 plan = _mbridge_plan(bridge, local_name, hf_names, parameter, reader, parts, rank) if stock else None
+                plan = _rounded_as_mbridge(bridge, local_name, plan, parameter, reader)
                 pieces = checked_pieces(plan, parameter, reader)
                 if pieces is not None:
                     copier.submit(pieces)
@@ -131,11 +128,7 @@ def load_mbridge(bridge: Any, chunks: list[torch.nn.Module], folder: str | Path)
 def _mbridge_plan(bridge: Any, name: str, hf_names: list[str], parameter: torch.Tensor, reader: CheckpointReader,
                   parts: int, rank: int) -> Plan:
     """The pieces of mbridge's stock `_weight_to_mcore_format` + `_weight_split_across_tp`, or None."""
-    specs = [reader.spec(hf_name) for hf_name in hf_names]
-    shapes = [shape for shape, _ in specs]
-    staged = None if "expert_bias" in name else getattr(bridge, "dtype", None)
-    if not all(_same_rounding(dtype, staged, parameter.dtype) for _, dtype in specs):
-        return None
+    shapes = [reader.spec(hf_name)[0] for hf_name in hf_names]
     if hf_names[0] in ("lm_head.weight", "model.embed_tokens.weight") and parameter.shape[0] == 1:
         return None  # a value model's head: the library decides whether to skip it
     qkv = "self_attention.linear_qkv." in name and "layer_norm" not in name
@@ -170,6 +163,16 @@ def _mbridge_plan(bridge: Any, name: str, hf_names: list[str], parameter: torch.
     return split_pieces(parameter, hf_name, shape, differing[0], parts, rank) if differing else None
 
 
+def _rounded_as_mbridge(bridge: Any, name: str, plan: Plan, parameter: torch.Tensor, reader: CheckpointReader) -> Plan:
+    """mbridge casts every HF tensor to its model dtype before the parameter's (norms kept in fp32 by the local
+    spec see fp32 weights rounded to bf16 first): the pieces do so too where that rounds differently."""
+    staged = None if "expert_bias" in name else getattr(bridge, "dtype", None)
+    if plan is None or staged is None or staged == parameter.dtype:
+        return plan
+    return [piece if piece.source is None or reader.spec(piece.source.name)[1] in (staged, None)
+            else Piece(piece.target, dataclasses.replace(piece.source, via=staged)) for piece in plan]
+
+
 def _split_halves(parameter: torch.Tensor, halves: list[Source], shape: Sequence[int], parts: int,
                   rank: int) -> Plan:
     if shape[0] % (2 * parts):
@@ -184,7 +187,7 @@ def _mbridge_convert(bridge: Any, name: str, hf_names: list[str], parameter: tor
                      reader: CheckpointReader, parts: int, rank: int) -> None:
     """One parameter through mbridge's own conversion and split, on whole tensors (what its loader does on TP rank
     0 before scattering; here every rank keeps its own part, so no collective is needed)."""
-    mcore_weight = bridge._weight_to_mcore_format(name, [reader.tensor(hf_name) for hf_name in hf_names])
+    mcore_weight = bridge._weight_to_mcore_format(name, [reader.read(Source(hf_name)) for hf_name in hf_names])
     if (hf_names[0] in ("lm_head.weight", "model.embed_tokens.weight") and parameter.shape[0] == 1
             and mcore_weight.shape[0] != 1):
         return  # the library leaves a value model's head alone
