@@ -8,11 +8,11 @@ them straight from the memory-mapped files (`hf_io.Copier`): no host-side concat
 opened once.
 
 A plan is made only for the conversions whose layout is known exactly: a tensor copied whole or split evenly along
-one dimension (with zero rows past the vocabulary), QKV interleaved by query group, gate and up stacked; and only
-when the library's own code for it is the stock one (a subclass overriding a conversion, a dtype that would be
-rounded twice, a shape that does not add up: the parameter goes through the library's own conversion instead, on
-whole tensors from the same reader). So the parameters are bit for bit what the library's loader gives (tests
-compare every parameter).
+one dimension (with zero rows past the vocabulary), QKV interleaved by query group, gate and up stacked, each cast
+as the library casts it; and only when the library's own code for it is the stock one (a subclass overriding a
+conversion, a mapping type not listed here, a shape that does not add up: the parameter goes through the library's
+own conversion instead, on whole tensors from the same reader). So the parameters are bit for bit what the
+library's loader gives (tests compare every parameter).
 
 This is a faster path through library internals, not a workaround of a CPU/Transformer Engine limit, so it lives
 with the bridges and not in `_compat`.
@@ -99,6 +99,7 @@ def load_mbridge(bridge: Any, chunks: list[torch.nn.Module], folder: str | Path)
         return LoadReport(library=True)
     stock = all(getattr(kind, name) is getattr(Bridge, name)
                 for name in ("_weight_to_mcore_format", "_weight_split_across_tp"))
+    bridge.safetensor_io = bridge._get_safetensor_io(str(folder))  # as its loader leaves it (its save_weights uses it)
     report = LoadReport()
     reader = CheckpointReader(folder)
     with Copier(reader) as copier:
