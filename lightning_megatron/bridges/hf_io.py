@@ -227,7 +227,8 @@ class CheckpointReader:
 def reader_threads() -> int:
     """Reader threads per process: up to `READER_THREADS`, sharing the cores with the other local ranks."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(READER_THREADS, (os.cpu_count() or 1) // max(1, local_ranks)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(READER_THREADS, cores // max(1, local_ranks)))
 
 
 class _DeviceStaging:
