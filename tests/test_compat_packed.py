@@ -300,3 +300,28 @@ def test_mtp_roll_applied_only_while_upstream_rolls_sequence_by_sequence(process
         assert not ROLL_ADJUSTMENT.apply()
         monkeypatch.undo()
     assert multi_token_prediction._roll_tensor_packed_seq is packed_mtp_roll.roll_packed_sequences
+
+
+@pytest.mark.gpu
+@without_te
+def test_no_device_sync_on_cuda(process_group):
+    """On the GPU, with `cu_seqlens` there too: both replacements run under CUDA's sync check (which upstream's RoPE
+    fails) and equal upstream bit for bit."""
+    upstream_rope, upstream_roll = _upstream_thd(), _upstream_roll()
+    group = _CpGroup(2, 1)
+    t, cu_seqlens, freqs = (x.cuda() for x in _case(LENGTHS[2], 2, 1, False, HEAD_DIM, torch.bfloat16, 0))
+    params = _packed_params([5, 1, 7, 3])
+    params.cu_seqlens_q = params.cu_seqlens_q.cuda()
+    tokens = _roll_inputs((1, 16), seed=0)[0].cuda()
+    expected = upstream_rope(t, cu_seqlens, freqs, cp_group=group), upstream_roll(tokens, -1, -1, params)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        actual = (packed_rope.apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group),
+                  packed_mtp_roll.roll_packed_sequences(tokens, -1, -1, params))
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            upstream_rope(t, cu_seqlens, freqs, cp_group=group)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(actual[0], expected[0])
+    _assert_rolls_equal(actual[1], expected[1])
