@@ -33,8 +33,8 @@ def _loops_over_sequences_without_fused_kernel() -> bool:
         "for x in sequence_splits" in inspect.getsource(rope_utils._apply_rotary_pos_emb_thd)
 
 
-def thd_freqs_index(cu_seqlens: torch.Tensor, tokens: int, freqs_length: int, cp_size: int, cp_rank: int
-                    ) -> torch.Tensor:
+def _thd_freqs_index(cu_seqlens: torch.Tensor, tokens: int, freqs_length: int, cp_size: int, cp_rank: int
+                     ) -> torch.Tensor:
     """Index into `freqs` (dim 0) of each of this CP rank's `tokens` packed tokens, as upstream's
     `_get_thd_freqs_on_this_cp_rank` slices it per sequence; `cu_seqlens` are the whole row's boundaries."""
     cu_seqlens = cu_seqlens.long()
@@ -47,7 +47,8 @@ def thd_freqs_index(cu_seqlens: torch.Tensor, tokens: int, freqs_length: int, cp
     if cp_size > 1:
         chunk = length // 2
         second_chunk = in_sequence >= chunk
-        # chunk cp_rank, then chunk 2 * cp_size - 1 - cp_rank, which starts at cp_size * length - (cp_rank + 2) * chunk
+        # chunk cp_rank, then chunk 2 * cp_size - 1 - cp_rank, which starts at cp_size * length - (cp_rank + 1) * chunk
+        # and holds this rank's tokens from in_sequence = chunk on
         in_sequence = torch.where(second_chunk, cp_size * length - (cp_rank + 2) * chunk + in_sequence,
                                   cp_rank * chunk + in_sequence)
     # freqs of the whole packed batch (upstream's `has_packed_freqs`): each sequence starts at its cu_seqlens offset
@@ -68,7 +69,7 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
         mla_rotary_interleaved = multi_latent_attention
     if cp_group is None:
         raise ValueError("cp_group must be provided for THD format RoPE")
-    index = thd_freqs_index(cu_seqlens, t.size(0), freqs.size(0), cp_group.size(), cp_group.rank())
+    index = _thd_freqs_index(cu_seqlens, t.size(0), freqs.size(0), cp_group.size(), cp_group.rank())
     return _apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         freqs.index_select(0, index.to(freqs.device)),
