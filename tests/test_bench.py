@@ -213,8 +213,10 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
 def test_packing_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.packing", "--tiny")
     layouts = result["layouts"]
-    assert set(layouts) == {"packed", "padded", "full"}
+    assert set(layouts) == {"packed", "padded", "full", "packed_upstream_rope"} and result["vectorized_thd_rope"]
     assert layouts["packed"]["real_tokens_per_step"] == layouts["padded"]["real_tokens_per_step"]
+    # the vectorized THD RoPE gives upstream's training steps
+    assert layouts["packed"]["last_loss"] == layouts["packed_upstream_rope"]["last_loss"]
     assert layouts["packed"]["rows"] < layouts["padded"]["rows"] == result["sequences"]
     # the same sequences, labels and masks, packed or padded: the same training steps
     assert layouts["packed"]["last_loss"] == pytest.approx(layouts["padded"]["last_loss"], abs=1e-4)
