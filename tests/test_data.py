@@ -106,6 +106,13 @@ def test_prompt_response_row_is_a_user_and_an_assistant_turn_with_a_chat_templat
     assert tokenizer.decode(tokenized.input_ids) == tokenizer.apply_chat_template(expected, tokenize=False)
 
 
+def test_a_prompt_completion_row_trl_style_is_a_prompt_response_row(tmp_path: Path) -> None:
+    completion = {"prompt": PROMPT_RESPONSE["prompt"], "completion": PROMPT_RESPONSE["response"]}
+    (ours,) = read_jsonl(write_jsonl(tmp_path / "pr.jsonl", [PROMPT_RESPONSE]))
+    (trl,) = read_jsonl(write_jsonl(tmp_path / "pc.jsonl", [completion]))
+    assert (trl.prompt, trl.response, trl.messages) == (ours.prompt, ours.response, ours.messages)
+
+
 def test_prompt_response_row_without_a_chat_template_is_prompt_response_eos(tmp_path: Path, checkpoint: Path) -> None:
     plain = _tokenizer_with_template(checkpoint, None)
     (example,) = read_jsonl(write_jsonl(tmp_path / "pr.jsonl", [PROMPT_RESPONSE]))
@@ -388,6 +395,8 @@ def good_file(tmp_path: Path) -> str:
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
         ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}', "empty content"),
         ('{"messages": [], "prompt": "x"}', "has both"),
+        ('{"prompt": "Hi", "response": "a", "completion": "b"}', "has both 'response' and 'completion'"),
+        ('{"prompt": "Hi", "completion": 7}', "'completion' must be a string, got a number"),
     ],
 )
 def test_a_malformed_row_stops_setup_with_its_line_number(
