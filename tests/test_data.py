@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from transformers import AutoTokenizer
 
 from lightning_megatron.data import (
@@ -410,6 +411,15 @@ def test_a_malformed_row_stops_setup_with_its_line_number(
     assert f"{train}:3: " in message and problem in message
     assert "1 of 3 rows are malformed" in message and "A valid row is" in message
     assert "train" not in datamodule.datasets
+
+
+@pytest.mark.parametrize("stage", [TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING])
+def test_a_stage_without_its_file_names_the_field_to_set(tmp_path: Path, checkpoint: Path, stage: TrainerFn) -> None:
+    datamodule = SFTDataModule(good_file(tmp_path), hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1)
+    split = {"validate": "val", "test": "test", "predict": "predict"}[stage.value]
+    with pytest.raises(ValueError, match=rf"^{split}_path is not set, but trainer.{stage.value}\(\) needs it: set "
+                                         rf"data.{split}_path \(SFTDataModule\({split}_path=...\)\)$"):
+        datamodule.setup(stage)
 
 
 def test_malformed_rows_are_listed_first_few_with_a_count(tmp_path: Path, checkpoint: Path) -> None:
