@@ -11,6 +11,10 @@ Reported per layout: real (non-pad) tokens/s, step time, peak memory; and the ra
 packed / padded next to the padding fraction (the targets: packed >= 0.95x full, and packed beats padded by at least
 the padding fraction, packed / padded >= 1 + padding fraction; removing all padding would give 1 / (1 - fraction)).
 
+Without Transformer Engine, Megatron-Core's THD rotary embedding is replaced by a vectorized one
+(`lightning_megatron._compat.packed_rope`); the packed layout then runs a second time with upstream's, side by side
+(`packed_upstream_rope`), and `vectorized_thd_rope` in the JSON says whether the replacement was active.
+
 Context parallelism needs two GPUs; instead a two-process gloo run on the CPU (a small model, `--cp-*` options)
 records the bytes each rank all-gathers (K and V of every layer, forward; the backward reduce-scatters as many),
 checks them against the formula `2 * (cp - 1) / cp * tokens * kv_groups * head_dim * bytes` per layer and step,
@@ -20,6 +24,7 @@ and the formula gives the figures for the benchmarked shape at CP 2, 4 and 8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -33,6 +38,7 @@ import torch.multiprocessing as mp
 
 from bench.attention import add_shape_options, device, gpt_model, trainable
 from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
+from lightning_megatron._compat import packed_rope
 from lightning_megatron.demo import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=128, min_length=8,
@@ -202,9 +208,13 @@ def main() -> None:
     real_tokens = sum(int(s.numel()) for s in sequences)
     rows = layouts(args, sequences)
     init_single_process()
+    (vectorized_rope,) = packed_rope.ADJUSTMENTS
+    if vectorized_rope.active:
+        rows["packed_upstream_rope"] = rows["packed"]
     results: dict[str, Any] = {}
     for name, microbatches in rows.items():
-        run = train_steps(args, microbatches)
+        with vectorized_rope.suspended() if name == "packed_upstream_rope" else contextlib.nullcontext():
+            run = train_steps(args, microbatches)
         tokens = real_tokens if name != "full" else len(microbatches) * args.seq
         results[name] = {**run, "rows": len(microbatches), "real_tokens_per_step": tokens,
                          "real_tokens_per_s": tokens / run["step_s"]}
@@ -220,10 +230,13 @@ def main() -> None:
         "target_packed_over_padded": 1 + padding_fraction,
         "ideal_packed_over_padded": 1 / (1 - padding_fraction),
     }
+    if "packed_upstream_rope" in speed:
+        summary["packed_over_packed_upstream_rope_tokens_per_s"] = speed["packed"] / speed["packed_upstream_rope"]
     emit({**environment(), "benchmark": "P5 packing", "shape": {key: getattr(args, key) for key in (
         "hidden", "layers", "heads", "kv_groups", "head_dim", "ffn", "vocab", "seq", "dtype")},
         "sequences": args.sequences, "lengths": [args.min_length, args.max_length], "layouts": results,
-        "summary": summary, "context_parallel": cp_communication(args)}, args.out)
+        "vectorized_thd_rope": vectorized_rope.active, "summary": summary,
+        "context_parallel": cp_communication(args)}, args.out)
 
 
 if __name__ == "__main__":

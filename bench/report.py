@@ -242,7 +242,8 @@ def _tree_loss_cells(loss: dict[str, Any]) -> list[str]:
         fp32_cell = (f"{fp32['per_sequence']['tree_minus_flat_mean_max_abs']:.1e} "
                      f"({fp32['per_sequence']['sequences']} sequences)")
     return [
-        f"{loss['tree_minus_flat_mean']:+.1e} vs {loss['flat_band']:.1e} ({loss['flat_layouts']} layouts): "
+        f"{loss['tree_minus_flat_mean']:+.1e} vs {loss['flat_band']:.1e} ({loss['flat_layouts']} flat, "
+        f"{loss.get('tree_layouts', 1)} tree layouts): "
         + verdict(loss["tree_within_flat_noise"]),
         f"{per_sequence['tree_minus_flat_mean_max_abs']:.1e} vs {furthest_flat:.1e}: "
         + verdict(per_sequence["tree_within_flat_noise"]),

@@ -21,8 +21,13 @@ seeded permutations, each first-fit into THD rows, plus one padded row per seque
 so what varies among them is only the bf16 reduction order that a layout implies. Reported for every layout: the
 token-weighted batch loss and each sequence's own loss (the mean over its trained labels, read where the layout put
 its tokens; in a tree row a node's label is the same for every sequence through it, so the tree gives per-sequence
-losses too). Then, for the batch loss: the flat mean, the band (max - min over the flat layouts), the tree's
-distance to the flat mean, and `tree_within_flat_noise` = that distance <= the band. Per sequence, a stronger
+losses too). The tree too is run in the file order and in the same `--permutations` orders (each order builds
+other tries, so branches and whole tries land at other offsets and rows). In bf16 the tree's batch loss is noisier
+than a flat layout's: the responses to one prompt all read the same single computation of that prompt, so their
+rounding errors move together instead of averaging out over the responses. Averaging over the tree layouts
+removes that noise but not a bias. Then, for the batch loss: the flat mean, the band (max - min over the flat
+layouts), the distance of the tree layouts' mean to the flat mean, and `tree_within_flat_noise` = that distance <=
+the band (the file-order tree alone and the tree layouts' band are reported too). Per sequence, a stronger
 check: the tree's largest distance to the flat mean of a sequence, against the same figure for each flat layout
 (its largest distance to the mean of the other flat layouts): `tree_within_flat_noise` = the tree strays no further
 than the furthest flat layout. The same check runs in fp32 on the first `--fp32-prompts` prompts (a second model
@@ -113,17 +118,20 @@ def flat_layout(examples: Sequence[TokenizedExample], seq_length: int, pad_id: i
 def equivalent_layouts(examples: Sequence[TokenizedExample], tree: TreePacking, seq_length: int, pad_id: int,
                        permutations: int) -> dict[str, Layout]:
     """The flat layouts (file order, `permutations` seeded permutations, one padded row per sequence) and the tree
-    of exactly these sequences."""
+    layouts (`tree`, in file order, and the trees built from the same permutations) of exactly these sequences."""
     layouts = {"flat": flat_layout(examples, seq_length, pad_id)}
+    trees = {"tree": Layout(tree.rows, tree.paths)}
     for seed in range(permutations):
         order = list(range(len(examples)))
         random.Random(seed).shuffle(order)
         layouts[f"flat_permutation{seed}"] = flat_layout(examples, seq_length, pad_id, order)
+        permuted = build_tree_rows([examples[index] for index in order], seq_length, pad_id)
+        paths = dict(zip(order, permuted.paths))
+        trees[f"tree_permutation{seed}"] = Layout(permuted.rows, [paths[index] for index in range(len(examples))])
     longest = max(len(example) for example in examples)
     layouts["padded"] = Layout([pad_example(example, longest, pad_id) for example in examples],
                                [(index, torch.arange(len(example))) for index, example in enumerate(examples)])
-    layouts["tree"] = Layout(tree.rows, tree.paths)
-    return layouts
+    return layouts | trees
 
 
 def sequence_losses(per_token_losses: list[torch.Tensor], layout: Layout,
@@ -235,11 +243,14 @@ def loss_check(model: list[torch.nn.Module], module: SFTModule, examples: Sequen
 
 
 def noise_summary(batch_losses: dict[str, float], per_sequence: dict[str, list[float]]) -> dict[str, Any]:
-    """The tree's losses against the flat layouts' (every layout but `tree`) spread; see the module docstring."""
-    flat_names = [name for name in batch_losses if name != "tree"]
+    """The tree layouts' losses (names starting with `tree`) against the flat layouts' spread; see the module
+    docstring. Per sequence, the file-order `tree` is compared."""
+    flat_names = [name for name in batch_losses if not name.startswith("tree")]
     flat = torch.tensor([batch_losses[name] for name in flat_names], dtype=torch.float64)
+    trees = torch.tensor([value for name, value in batch_losses.items() if name.startswith("tree")],
+                         dtype=torch.float64)
     flat_mean, band = float(flat.mean()), float(flat.max() - flat.min())
-    tree_minus_mean = batch_losses["tree"] - flat_mean
+    tree_minus_mean = float(trees.mean()) - flat_mean
 
     flat_sequences = torch.tensor([per_sequence[name] for name in flat_names], dtype=torch.float64)  # [layouts, seqs]
     sequence_mean = flat_sequences.mean(0)
@@ -253,7 +264,10 @@ def noise_summary(batch_losses: dict[str, float], per_sequence: dict[str, list[f
         "flat_mean": flat_mean,
         "flat_band": band,
         "flat_std": float(flat.std()) if len(flat_names) > 1 else 0.0,
+        "tree_layouts": len(trees),
+        "tree_band": float(trees.max() - trees.min()),
         "tree_minus_flat_mean": tree_minus_mean,
+        "tree_file_order_minus_flat_mean": batch_losses["tree"] - flat_mean,
         "tree_within_flat_noise": abs(tree_minus_mean) <= band,
         "per_sequence": {
             "sequences": len(sequence_mean),
@@ -280,7 +294,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="steps left out at the start of each run")
     parser.add_argument("--permutations", type=int, default=6,
-                        help="seeded permutations of the sequences packed as extra flat layouts for the noise band")
+                        help="seeded permutations of the sequences packed as extra flat and tree layouts for the "
+                             "noise band")
     parser.add_argument("--fp32-prompts", type=int, default=1,
                         help="prompts (with their responses) of the fp32 loss check on a second model; 0: none")
     args = parse_with_tiny(parser, dict(prompts=2, responses=4, prompt_tokens=24, response_tokens=8, seq_length=128,

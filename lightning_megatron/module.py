@@ -150,7 +150,8 @@ class SFTModule(MegatronLightningModule):
         if self.enable_mtp:
             forward_step, loss_func = self._forward_step_capturing_logits, self._loss_func_counting_acceptance
         metrics = self.megatron_strategy.forward_backward(microbatches, forward_step, loss_func, forward_only=True)
-        self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True)
+        # already reduced over the ranks by the strategy: sync_dist averages equal values (one scalar per epoch)
+        self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True, sync_dist=True)
         if self.enable_mtp:
             self.log("val_mtp_acceptance", self.val_mtp_acceptance, on_step=False, on_epoch=True, prog_bar=True)
         return metrics["lm_loss"]
@@ -199,7 +200,7 @@ class SFTModule(MegatronLightningModule):
     def test_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
         metrics = self.megatron_strategy.forward_backward(microbatches, self.forward_step, self.loss_func,
                                                           forward_only=True)
-        self.log("test_lm_loss", metrics["lm_loss"])
+        self.log("test_lm_loss", metrics["lm_loss"], sync_dist=True)
         return metrics["lm_loss"]
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -452,13 +452,18 @@ class MegatronStrategy(ParallelStrategy):
         return container[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """A reduced copy of `tensor`: `reduce_op` "mean"/"avg" (None too; an integer tensor stays integer, as in
+        Lightning's DDP), "sum", "max", "min", or a `torch.distributed.ReduceOp`."""
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
             return tensor
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        if reduce_op in ("mean", "avg", None):
-            tensor /= dist.get_world_size(group)
-        return tensor
+        name = "mean" if reduce_op is None else reduce_op.lower() if isinstance(reduce_op, str) else None
+        mean = name in ("mean", "avg")
+        op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, name.upper()) if name else reduce_op
+        result = tensor.clone()
+        dist.all_reduce(result, op=op, group=group)
+        if mean:
+            result.copy_(result / dist.get_world_size(group))
+        return result
 
     def model_to_device(self) -> None:
         """The bridge built the chunks on the right device in `setup_environment`; this moves the rest of the

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import report
 from bench.common import JOINT, MTP_ONLY, ModelShape, Passes, model_flops
@@ -214,8 +215,10 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
 def test_packing_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.packing", "--tiny")
     layouts = result["layouts"]
-    assert set(layouts) == {"packed", "padded", "full"}
+    assert set(layouts) == {"packed", "padded", "full", "packed_upstream_rope"} and result["vectorized_thd_rope"]
     assert layouts["packed"]["real_tokens_per_step"] == layouts["padded"]["real_tokens_per_step"]
+    # the vectorized THD RoPE gives upstream's training steps
+    assert layouts["packed"]["last_loss"] == layouts["packed_upstream_rope"]["last_loss"]
     assert layouts["packed"]["rows"] < layouts["padded"]["rows"] == result["sequences"]
     # the same sequences, labels and masks, packed or padded: the same training steps
     assert layouts["packed"]["last_loss"] == pytest.approx(layouts["padded"]["last_loss"], abs=1e-4)
@@ -253,6 +256,7 @@ def test_tree_benchmark_runs_tiny(tmp_path):
     # per-sequence losses; each layout's per-sequence losses, weighted by trained tokens, give its batch loss
     loss = result["loss"]
     assert loss["flat_layouts"] == result["settings"]["permutations"] + 2
+    assert loss["tree_layouts"] == result["settings"]["permutations"] + 1 and loss["tree_band"] < 1e-5
     assert loss["per_sequence"]["sequences"] == batch["sequences"]
     for check in (loss, loss["fp32"]):
         per_sequence = check["per_sequence"]
@@ -265,6 +269,22 @@ def test_tree_benchmark_runs_tiny(tmp_path):
     assert result["recompiles_after_warmup"] == 0
     table = report.render([("tree.json", result)])
     assert "**Tree packing vs flat packing (P6)**" in table and "(>= 3x)" in table
+
+
+def test_tree_benchmark_permuted_trees_hold_every_sequence_elsewhere():
+    from bench.tree import equivalent_layouts, grpo_batch
+    from lightning_megatron.data.tree import build_tree_rows
+
+    examples = grpo_batch(prompts=3, responses=4, prompt_tokens=12, response_tokens=5, vocab_size=50)
+    layouts = equivalent_layouts(examples, build_tree_rows(examples, 64, 0), 64, 0, permutations=2)
+    trees = {name: layout for name, layout in layouts.items() if name.startswith("tree")}
+    assert sorted(trees) == ["tree", "tree_permutation0", "tree_permutation1"]
+    for layout in trees.values():  # each sequence's tokens, read where the layout put them, are the sequence
+        for (row, positions), example in zip(layout.paths, examples):
+            assert torch.equal(layout.rows[row]["input_ids"][positions], example.input_ids)
+    placements = {name: [(row, int(positions[-1])) for row, positions in layout.paths]
+                  for name, layout in trees.items()}
+    assert len({tuple(placement) for placement in placements.values()}) == 3  # three different layouts
 
 
 @pytest.mark.slow
@@ -286,8 +306,8 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny")
     assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
     small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
-    assert small["order"] == ["joint", "mtp_only", "plain_mtp_only"] and large["order"] == ["mtp_only",
-                                                                                            "plain_mtp_only"]
+    assert small["order"] == ["joint", "mtp_only", "mtp_only_whole_logits", "plain_mtp_only"]
+    assert large["order"] == ["mtp_only", "mtp_only_whole_logits", "plain_mtp_only"]
     assert (small["tied"], large["tied"]) == (True, False)
     for shape in (small, large):
         for figures in shape["runs"].values():
@@ -300,6 +320,10 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
         assert ours["losses"][0] == pytest.approx(plain["losses"][0], abs=1e-5)
         assert ours["mtp_losses"][0] == pytest.approx(plain["mtp_losses"][0], abs=1e-5)
         assert ours["frozen_bit_identical"] is True
+        whole = shape["runs"]["mtp_only_whole_logits"]  # token chunks change the time, not the losses
+        assert whole["losses"][0] == pytest.approx(ours["losses"][0], abs=1e-5)
+        assert whole["mtp_losses"][0] == pytest.approx(ours["mtp_losses"][0], abs=1e-5)
+        assert shape["figures"]["mtp_only_over_whole_logits_step_time"] > 0
         assert shape["figures"]["mtp_only_peak_memory_gib"] is None  # no peak memory on the CPU
         assert all(met is None for figure, met in shape["met"].items() if "memory" in figure)
     joint = small["runs"]["joint"]

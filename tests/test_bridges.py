@@ -229,6 +229,11 @@ def _sharded_build_and_export(rank: int, world_size: int, bridge_type: str, tp: 
     result = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "parameters": parameters,
               "chunk_layers": chunk_layers}
+    if tp > 1:  # a vocabulary that TP does not divide is named before any model is built
+        odd = make_tiny_checkpoint(Path(out).parent / f"vocab_391_rank{rank}", "llama", vocab_size=391)
+        with pytest.raises(BridgeError) as refused:
+            create_bridge(bridge_type, odd).build(ModelOptions())
+        result["odd_vocabulary"] = str(refused.value)
     parallel_state.destroy_model_parallel()
     return result
 
@@ -244,6 +249,10 @@ def test_sharded_ranks_hold_their_slice_and_export_the_original(checkpoints, tmp
     for result in results:
         parameters, tp_rank, pp_rank = result["parameters"], result["tp_rank"], result["pp_rank"]
         if tp == 2:
+            assert result["odd_vocabulary"].startswith("tensor_model_parallel_size: 2 must divide the checkpoint's "
+                                                       "vocab_size (391, ")
+            assert result["odd_vocabulary"].endswith("391 has no factor from 2 to 8, so use "
+                                                     "tensor_model_parallel_size: 1")
             rows = slice(tp_rank * HIDDEN, (tp_rank + 1) * HIDDEN)  # column-parallel: output rows split
             columns = slice(tp_rank * HIDDEN // 2, (tp_rank + 1) * HIDDEN // 2)  # row-parallel: input columns split
             assert torch.equal(parameters["decoder.layers.1.mlp.linear_fc2.weight"],

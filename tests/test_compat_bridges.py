@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -138,6 +139,23 @@ def test_megatron_bridge_imports_without_transformer_engine_in_sys_modules(megat
     assert not isinstance(torch.nn.Linear(2, 2), (lora_layers.te.Linear, lora_layers.te.LayerNormLinear))
     with pytest.raises(ModuleNotFoundError, match="needs Transformer Engine"):
         lora_layers.te.ops.Sequential()
+
+
+def test_megatron_bridge_quiet_missing_te_imports(megatron_bridge: ModuleType, caplog) -> None:
+    from megatron.bridge.utils.import_utils import safe_import_from
+
+    def reports() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron.bridge.utils.import_utils"):
+            _, found = safe_import_from("megatron.core.extensions.transformer_engine", "FP8GlobalStateManager")
+        assert not found
+        return [record.getMessage() for record in caplog.records]
+
+    with ADJUSTMENTS["megatron_bridge.quiet_missing_te_imports"].suspended():
+        (upstream,) = reports()
+    assert upstream.startswith("Import of FP8GlobalStateManager from megatron.core.extensions.transformer_engine "
+                               "failed with: Traceback")
+    assert reports() == []
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ import contextlib
 import pytest
 import torch
 
-from lightning_megatron._compat import context_parallel, cpu, moe, no_te, prepare_megatron_core
+from lightning_megatron._compat import (context_parallel, cpu, moe, no_te, packed_mtp_roll, packed_rope,
+                                       prepare_megatron_core)
 from tests._megatron import token_batch, tiny_gpt
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adjustments apply only without CUDA")
@@ -36,7 +37,9 @@ def test_all_apply_once_and_are_idempotent(process_group):
     stack_depth = len(torch.overrides._get_current_function_mode_stack())
     expected = [*ADJUSTMENTS, *(adjustment.name for adjustment in (*no_te.MEGATRON_CORE_ADJUSTMENTS,
                                                                     *context_parallel.ADJUSTMENTS,
-                                                                    *moe.MEGATRON_CORE_ADJUSTMENTS))]
+                                                                    *moe.MEGATRON_CORE_ADJUSTMENTS,
+                                                                    *packed_rope.ADJUSTMENTS,
+                                                                    *packed_mtp_roll.ADJUSTMENTS))]
     assert prepare_megatron_core() == expected
     assert prepare_megatron_core() == expected
     assert len(torch.overrides._get_current_function_mode_stack()) == stack_depth

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from transformers import AutoTokenizer
 
 from lightning_megatron.data import (
@@ -104,6 +105,13 @@ def test_prompt_response_row_is_a_user_and_an_assistant_turn_with_a_chat_templat
     expected = [{"role": "user", "content": PROMPT_RESPONSE["prompt"]},
                 {"role": "assistant", "content": PROMPT_RESPONSE["response"]}]
     assert tokenizer.decode(tokenized.input_ids) == tokenizer.apply_chat_template(expected, tokenize=False)
+
+
+def test_a_prompt_completion_row_trl_style_is_a_prompt_response_row(tmp_path: Path) -> None:
+    completion = {"prompt": PROMPT_RESPONSE["prompt"], "completion": PROMPT_RESPONSE["response"]}
+    (ours,) = read_jsonl(write_jsonl(tmp_path / "pr.jsonl", [PROMPT_RESPONSE]))
+    (trl,) = read_jsonl(write_jsonl(tmp_path / "pc.jsonl", [completion]))
+    assert (trl.prompt, trl.response, trl.messages) == (ours.prompt, ours.response, ours.messages)
 
 
 def test_prompt_response_row_without_a_chat_template_is_prompt_response_eos(tmp_path: Path, checkpoint: Path) -> None:
@@ -388,6 +396,8 @@ def good_file(tmp_path: Path) -> str:
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
         ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}', "empty content"),
         ('{"messages": [], "prompt": "x"}', "has both"),
+        ('{"prompt": "Hi", "response": "a", "completion": "b"}', "has both 'response' and 'completion'"),
+        ('{"prompt": "Hi", "completion": 7}', "'completion' must be a string, got a number"),
     ],
 )
 def test_a_malformed_row_stops_setup_with_its_line_number(
@@ -401,6 +411,15 @@ def test_a_malformed_row_stops_setup_with_its_line_number(
     assert f"{train}:3: " in message and problem in message
     assert "1 of 3 rows are malformed" in message and "A valid row is" in message
     assert "train" not in datamodule.datasets
+
+
+@pytest.mark.parametrize("stage", [TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING])
+def test_a_stage_without_its_file_names_the_field_to_set(tmp_path: Path, checkpoint: Path, stage: TrainerFn) -> None:
+    datamodule = SFTDataModule(good_file(tmp_path), hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1)
+    split = {"validate": "val", "test": "test", "predict": "predict"}[stage.value]
+    with pytest.raises(ValueError, match=rf"^{split}_path is not set, but trainer.{stage.value}\(\) needs it: set "
+                                         rf"data.{split}_path \(SFTDataModule\({split}_path=...\)\)$"):
+        datamodule.setup(stage)
 
 
 def test_malformed_rows_are_listed_first_few_with_a_count(tmp_path: Path, checkpoint: Path) -> None:

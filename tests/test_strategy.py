@@ -99,12 +99,24 @@ def test_one_process_matches_the_plain_megatron_loop(process_group, checkpoints,
 
 
 def _distributed_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, parallel: dict) -> dict:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_megatron.callbacks import HFExport, TrainingCurves
+
     steps = 4
     reference = _reference(Path(hf_checkpoint), steps, **parallel)["losses"]
-    ours = _fit(Path(tmp) / f"rank{rank}", Path(hf_checkpoint), steps, devices=world_size,
-                trainer_kwargs=dict(num_sanity_val_steps=1, limit_val_batches=2, val_check_interval=2),
+    # a logger, then callbacks whose end-of-fit work is collective (Trainer.log_dir broadcasts; the export gathers)
+    callbacks = (TrainingCurves(), HFExport(dirpath=str(Path(tmp) / "export")))
+    ours = _fit(Path(tmp) / f"rank{rank}", Path(hf_checkpoint), steps, devices=world_size, callbacks=callbacks,
+                trainer_kwargs=dict(num_sanity_val_steps=1, limit_val_batches=2, val_check_interval=2,
+                                    logger=CSVLogger(Path(tmp) / "logs")),
                 validate=True, **parallel)
-    return {"ours": ours["losses"], "reference": reference, "val_lm_loss": ours["val_lm_loss"]}
+    strategy = ours["trainer"].strategy
+    reduced = {op: strategy.reduce(torch.tensor([rank + 1, 4 * rank]), reduce_op=op).tolist()
+               for op in ("mean", "sum", "max", "min", torch.distributed.ReduceOp.MAX)}
+    return {"ours": ours["losses"], "reference": reference, "val_lm_loss": ours["val_lm_loss"],
+            "curves": sorted(path.name for path in (Path(tmp) / "logs").rglob("curves.*")),
+            "reduced": {str(op): value for op, value in reduced.items()}}
 
 
 @pytest.mark.slow
@@ -122,6 +134,11 @@ def test_two_processes_match_the_plain_megatron_loop(checkpoints, tmp_path, para
     assert results[0]["ours"] == results[1]["ours"]  # every rank logs the same, reduced loss
     # sanity check and in-fit validation ran through the forward-only schedule, pipelined ones included
     assert results[0]["val_lm_loss"] == results[1]["val_lm_loss"] > 0
+    assert results[0]["curves"] == ["curves.json", "curves.png"]  # rank 0 wrote them, and no rank hung
+    for result in results:  # what Lightning's sync_dist asks of the strategy, an integer mean included
+        assert result["reduced"] == {"mean": [1, 2], "sum": [3, 4], "max": [2, 4], "min": [1, 0],
+                                     str(torch.distributed.ReduceOp.MAX): [2, 4]}
+    assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
 class StopAfter(pl.Callback):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from lightning_megatron._compat import context_parallel, cpu, moe, no_te, vl
+from lightning_megatron._compat import context_parallel, cpu, moe, no_te, packed_mtp_roll, packed_rope, vl
 from lightning_megatron._compat._adjustment import Adjustment
 
 
@@ -20,7 +20,7 @@ def prepare_megatron_core() -> list[str]:
     The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too).
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
-                   *moe.MEGATRON_CORE_ADJUSTMENTS)
+                   *moe.MEGATRON_CORE_ADJUSTMENTS, *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 

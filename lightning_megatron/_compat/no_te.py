@@ -16,6 +16,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -310,7 +311,26 @@ def _install_llama_local_fusions(patches: Patches) -> None:
     patches.setattr(LlamaBridge, "provider_bridge", provider_bridge_with_local_fusions)
 
 
+def _drop_missing_transformer_engine_reports(patches: Patches) -> None:
+    """Without TE every TE symbol megatron-bridge tries is reported at INFO with a full traceback, twice (its own
+    handler and the root logger megatron.training sets to INFO): expected failures that read like crashes. Only
+    the records about transformer_engine are dropped."""
+    logger = logging.getLogger("megatron.bridge.utils.import_utils")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "transformer_engine" not in record.getMessage()
+
+    logger.addFilter(keep)
+    patches.on_revert(lambda: logger.removeFilter(keep))
+
+
 MEGATRON_BRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_bridge.quiet_missing_te_imports",
+        "megatron/bridge/utils/import_utils.py:333 logs each failed TE import at INFO with its traceback",
+        _no_transformer_engine,
+        _drop_missing_transformer_engine_reports,
+    ),
     Adjustment(
         "megatron_bridge.lora_layers_import",
         "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine.pytorch, so `import megatron.bridge` fails",

@@ -220,6 +220,24 @@ class Bridge(ABC):
             check_vl_options(self.hf_config, bridge_name=self.name, attention_backend=options.attention_backend,
                              context_parallel_size=parallel_sizes()["context_parallel_size"])
         self._validate_moe(options)
+        self._validate_vocabulary()
+
+    def _validate_vocabulary(self) -> None:
+        """Neither bridge pads the vocabulary: tensor parallelism splits the embedding and output rows evenly."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        vocab_size = self.hf_config.get("vocab_size") or self.hf_config.get("text_config", {}).get("vocab_size")
+        tensor_parallel = parallel_sizes()["tensor_model_parallel_size"] or 1
+        if vocab_size and vocab_size % tensor_parallel:
+            divisors = [size for size in range(2, 9) if vocab_size % size == 0]
+            fix = (f"use a tensor_model_parallel_size that divides it (e.g. {', '.join(map(str, divisors))})"
+                   if divisors else f"{vocab_size} has no factor from 2 to 8, so use tensor_model_parallel_size: 1")
+            raise BridgeError(
+                f"tensor_model_parallel_size: {tensor_parallel} must divide the checkpoint's vocab_size "
+                f"({vocab_size}, {self.hf_path / 'config.json'}): the embedding and output rows are split evenly "
+                f"and the bridges do not pad them; {fix}")
 
     def _validate_moe(self, options: ModelOptions) -> None:
         from megatron.core import parallel_state

@@ -64,9 +64,10 @@ class TrainingCurves(pl.Callback):
             self._record(trainer, VALIDATION_METRICS)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # every rank asks: `Trainer.log_dir` broadcasts from rank 0, a collective the other ranks must join
+        directory = Path(self.dirpath or (trainer.log_dir if trainer.loggers else None) or trainer.default_root_dir)
         if not trainer.is_global_zero:
             return
-        directory = Path(self.dirpath or (trainer.log_dir if trainer.loggers else None) or trainer.default_root_dir)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "curves.json").write_text(json.dumps(self.steps, indent=1) + "\n")
         plot_curves(self.steps).savefig(directory / "curves.png", dpi=100)

@@ -98,7 +98,8 @@ class SFTDataModule(pl.LightningDataModule):
         for split, path in paths.items():
             if path is None:
                 if split != "val" or stage == "validate":  # validation during fit is optional
-                    raise ValueError(f"{split}_path is not set, but trainer.{stage}() needs it")
+                    raise ValueError(f"{split}_path is not set, but trainer.{getattr(stage, 'value', stage)}() needs "
+                                     f"it: set data.{split}_path (SFTDataModule({split}_path=...))")
                 continue
             if split not in self.datasets:
                 self.datasets[split] = self._build_dataset(split, path)

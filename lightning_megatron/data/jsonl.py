@@ -14,7 +14,8 @@ VALID_ROW_HELP = (
     "A valid row is one JSON object per line, either "
     '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]} '
     f"(roles: {', '.join(ROLES)}; the loss is on every assistant turn) "
-    'or {"prompt": "...", "response": "..."} (the loss is on the response); either may add '
+    'or {"prompt": "...", "response": "..."} (the loss is on the response; "completion", TRL\'s name, works as '
+    '"response"); either may add '
     '"response_token_ids": [...], the answer\'s exact token ids, trained on instead of its re-tokenized text.'
 )
 PREDICT_ROW_HELP = (
@@ -71,7 +72,8 @@ def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Exampl
     """Read and validate every row of ``path``; raise :class:`DataValidationError` if any row is malformed.
 
     Blank lines are skipped (line numbers still count them); keys other than ``messages``, ``prompt`` and
-    ``response`` are ignored, so rows may carry ids or metadata. ``for_prediction`` accepts rows without an answer.
+    ``response`` (or TRL's ``completion``) are ignored, so rows may carry ids or metadata. ``for_prediction`` accepts
+    rows without an answer.
     """
     help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
     return read_rows(path, lambda line, source: _parse_row(line, source, for_prediction), help_text)
@@ -111,8 +113,11 @@ def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
         raise ValueError(f"invalid JSON ({error.msg} at column {error.colno})") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {_type_name(row)}")
-    if "messages" in row and ("prompt" in row or "response" in row):
+    if "messages" in row and ("prompt" in row or "response" in row or "completion" in row):
         raise ValueError("has both 'messages' and 'prompt'/'response'; use one format per row")
+    if "response" in row and "completion" in row:
+        raise ValueError("has both 'response' and 'completion' (the same field under two names); keep one")
+    answer_key = "completion" if "completion" in row else "response"
     token_ids = _parse_token_ids(row["response_token_ids"]) if "response_token_ids" in row else None
     if "messages" in row:
         messages = _parse_messages(row["messages"], for_prediction, answer_has_ids=token_ids is not None)
@@ -124,15 +129,15 @@ def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
     prompt = row["prompt"]
     if not isinstance(prompt, str):
         raise ValueError(f"'prompt' must be a string, got {_type_name(prompt)}")
-    if "response" not in row:
+    if answer_key not in row:
         if for_prediction:
             return Example(source, prompt=prompt)
         raise ValueError("missing key 'response'")
-    response = row["response"]
+    response = row[answer_key]
     if not isinstance(response, str):
-        raise ValueError(f"'response' must be a string, got {_type_name(response)}")
+        raise ValueError(f"{answer_key!r} must be a string, got {_type_name(response)}")
     if not response.strip() and token_ids is None:
-        raise ValueError("'response' is empty")
+        raise ValueError(f"{answer_key!r} is empty")
     return Example(source, prompt=prompt, response=response, response_token_ids=token_ids)
 
 
