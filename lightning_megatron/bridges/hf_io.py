@@ -300,6 +300,8 @@ class Copier:
 
     def _copy(self, piece: Piece) -> None:
         target = piece.target
+        if target.is_cuda:  # a new thread's current device is cuda:0, whatever this rank's is
+            torch.cuda.set_device(target.device)
         if piece.source is None:
             target.zero_()
             return
