@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -114,6 +115,9 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
     if save:
         save_s = median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
         result.update(raw_write_s=raw_write_s, save_s=save_s, save_vs_raw_write=save_s / raw_write_s)
+        # what this bridge wrote goes before the next one writes: at 8B each copy is 17 GB of a 64 GB disk
+        (workdir / f"raw-{bridge_type}.safetensors").unlink()
+        shutil.rmtree(workdir / f"export-{bridge_type}")
     return result
 
 

@@ -59,12 +59,14 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
     engine_start = ThreadPoolExecutor(1).submit(spawn_receiver, checkpoint, device=str(device), timeout_s=600,
                                                 log=workdir / "receiver.log")
     exported = dict(bridge.export_hf_tensors(chunks, on_host=False))
-    raw_write_s = _median(partial(save_file, exported, str(workdir / "raw.safetensors")), repeats)
+    raw_file = workdir / "raw.safetensors"
+    raw_write_s = _median(partial(save_file, exported, str(raw_file)), repeats)
     del exported  # the raw write's copy of the model; the syncs below hold at most a bucket
+    raw_file.unlink()  # the disk holds the checkpoint and at most two versions (keep_last=1) at 8B: 3 x 17 GB
     root = workdir / "versions"
     versions = iter(range(1, 1000))
     disk_sync_s = _median(lambda: disk.sync_to_disk(lambda path: bridge.save_hf(chunks, path), root, next(versions),
-                                                    keep_last=2, is_leader=True), repeats)
+                                                    keep_last=1, is_leader=True), repeats)
 
     process, url = engine_start.result()
     try:
