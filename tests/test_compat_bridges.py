@@ -11,6 +11,7 @@ import json
 import logging
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -126,6 +127,26 @@ def test_megatron_bridge_import_fails_without_adjustment() -> None:
     assert result.returncode != 0
     assert "ModuleNotFoundError: No module named 'transformer_engine'" in result.stderr
     assert "megatron/bridge/peft/lora_layers.py" in result.stderr
+
+
+def test_megatron_training_root_logger_level() -> None:
+    """In a process that configured no logging: upstream's import turns the root logger to INFO, ours leaves it."""
+    code = textwrap.dedent("""
+        import logging, sys
+        import megatron.training.training
+        upstream = logging.getLogger().level
+        root = logging.getLogger()  # back to an unconfigured process, and the module imported anew below
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.setLevel(logging.WARNING)
+        del sys.modules["megatron.training.training"]
+        from lightning_megatron._compat import import_megatron_bridge, root_logger
+        import_megatron_bridge()
+        print(upstream, root.level, root_logger.ADJUSTMENTS[0].active)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.split() == ["20", "30", "True"], result.stderr[-2000:]
 
 
 def test_megatron_bridge_imports_without_transformer_engine_in_sys_modules(megatron_bridge: ModuleType) -> None:

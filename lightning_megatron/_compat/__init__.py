@@ -10,7 +10,16 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from lightning_megatron._compat import context_parallel, cpu, moe, no_te, packed_mtp_roll, packed_rope, vl
+from lightning_megatron._compat import (
+    context_parallel,
+    cpu,
+    moe,
+    no_te,
+    packed_mtp_roll,
+    packed_rope,
+    root_logger,
+    vl,
+)
 from lightning_megatron._compat._adjustment import Adjustment
 
 
@@ -29,8 +38,8 @@ def import_megatron_bridge() -> ModuleType:
 
     Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
     """
-    for adjustment in (*no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *vl.MEGATRON_BRIDGE_ADJUSTMENTS,
-                       *moe.MEGATRON_BRIDGE_ADJUSTMENTS):
+    for adjustment in (*root_logger.ADJUSTMENTS, *no_te.MEGATRON_BRIDGE_ADJUSTMENTS,
+                       *vl.MEGATRON_BRIDGE_ADJUSTMENTS, *moe.MEGATRON_BRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("megatron.bridge")
 
