@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(PY) -m lightning_megatron.quickstart
+	$(PY) -m lightning_megatron.cli.quickstart
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | grep -vE '^(megatron-bridge|mbridge)==' > requirements/lock.txt

@@ -33,7 +33,7 @@ from bench.common import (
     peak_memory_gib,
     throughput,
 )
-from lightning_megatron.demo import init_single_process
+from lightning_megatron.distributed import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=64, micro_batch=2,
             microbatches=2, steps=2, warmup=1, dtype="fp32")

@@ -80,7 +80,7 @@ def parse_with_tiny(parser: argparse.ArgumentParser, tiny_defaults: dict[str, An
 
 def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
     """The benchmark checkpoint: Qwen3 with one MTP layer, tied embeddings; bf16 0.6B shape, or tiny fp32."""
-    from lightning_megatron.testing import make_tiny_checkpoint
+    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
     if tiny:
         return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True)
@@ -106,8 +106,8 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     """
     import shutil
 
-    from lightning_megatron.bridges.hf_io import plan_shards, shard_file_names, write_index, write_shard_files
-    from lightning_megatron.testing import _Shape, _tensor_shapes, make_tiny_checkpoint
+    from lightning_megatron.hf_io import plan_shards, shard_file_names, write_index, write_shard_files
+    from lightning_megatron.testing.checkpoints import _Shape, _tensor_shapes, make_tiny_checkpoint
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -139,7 +139,7 @@ def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied
     """A Qwen3+MTP checkpoint folder of `shape` without weights (config, tokenizer, generation config): what a model
     built with `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the
     tiny shape itself (CPU runs)."""
-    from lightning_megatron.testing import make_tiny_checkpoint
+    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(path, "qwen3", mtp=True, tied=tied)
     for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:

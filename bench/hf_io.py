@@ -39,7 +39,7 @@ from bench.common import (
     make_large_checkpoint,
     median_seconds,
 )
-from lightning_megatron.demo import init_single_process
+from lightning_megatron.distributed import init_single_process
 
 
 def _raw_read(files: list[Path], names: set[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -74,7 +74,8 @@ def _median_build_seconds(bridge: Any, options: Any, repeats: int) -> float:
 
 def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: int, save: bool = True
                    ) -> dict[str, Any]:
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
 
     files = sorted(checkpoint.glob("*.safetensors"))
     dtypes = {}

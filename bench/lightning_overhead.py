@@ -50,8 +50,8 @@ from bench.common import (
     allocated_gib,
     emit,
     environment,
-    import_megatron_bridge_first,
     fresh_memory,
+    import_megatron_bridge_first,
     make_checkpoint,
     model_flops,
     own_gib,
@@ -62,9 +62,9 @@ from bench.common import (
     throughput,
 )
 from lightning_megatron import SFTModule
-from lightning_megatron.bridges import ModelOptions
-from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
-from lightning_megatron.testing import RandomTokenDataset
+from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import RandomTokenDataset
 
 VARIANTS = ("plain", "lightning", "mtp_only")
 TINY = dict(seq=32, micro_batch=2, microbatches=2, steps=2, warmup=1, rounds=2, precision="fp32")
@@ -240,7 +240,7 @@ def main() -> None:
     args = _parse_args()
     if args.tiny:
         torch.set_num_threads(1)
-    from lightning_megatron.demo import init_single_process
+    from lightning_megatron.distributed import init_single_process
 
     checkpoint = args.checkpoint or make_checkpoint(Path(tempfile.mkdtemp(prefix="bench_ckpt_")) / "qwen3-mtp",
                                                     tiny=args.tiny)

@@ -1,7 +1,7 @@
 """Write the benchmark checkpoint (Qwen3-0.6B shape, one MTP layer, tied embeddings, random bf16 weights).
 
 `python -m bench.make_checkpoint checkpoints/qwen3-0.6b-mtp` (about 30 s on one CPU core; `--tiny` for the tiny fp32 one).
-The same command always writes the same bytes (`lightning_megatron.testing.make_tiny_checkpoint`).
+The same command always writes the same bytes (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`).
 """
 
 from __future__ import annotations

@@ -88,8 +88,9 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
     from megatron.core.utils import get_model_config
 
     from lightning_megatron._compat import prepare_megatron_core
-    from lightning_megatron.bridges import ModelOptions, create_bridge
-    from lightning_megatron.mtp import freeze_non_mtp_parameters
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters
+    from lightning_megatron.options import ModelOptions
 
     prepare_megatron_core()
     parallel_state.destroy_model_parallel()
@@ -224,8 +225,8 @@ def main() -> None:
     args = parser.parse_args()
     import tempfile
 
-    from lightning_megatron.demo import init_single_process
-    from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+    from lightning_megatron.distributed import init_single_process
+    from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
 
     init_single_process()
     checkpoint = args.checkpoint or str(make_tiny_checkpoint(tempfile.mkdtemp() + "/qwen3", "qwen3"))

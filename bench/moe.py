@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from bench.attention import _measure, _random_microbatches, device, trainable
 from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny
-from lightning_megatron.demo import init_single_process
+from lightning_megatron.distributed import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, experts=4, top_k=2, moe_ffn=32, vocab=512,
             seq=64, micro_batch=2, microbatches=2, steps=2, warmup=1, dtype="fp32")

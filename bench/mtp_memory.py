@@ -263,7 +263,7 @@ def main() -> None:
     args = _parse_args()
     if args.tiny:
         torch.set_num_threads(1)
-    from lightning_megatron.demo import init_single_process
+    from lightning_megatron.distributed import init_single_process
 
     init_single_process()
     import_megatron_bridge_first()

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from bench.attention import add_shape_options, device, gpt_model, trainable
 from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
 from lightning_megatron._compat import packed_rope
-from lightning_megatron.demo import init_single_process
+from lightning_megatron.distributed import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=128, min_length=8,
             max_length=64, sequences=12, steps=2, warmup=1, dtype="fp32")
@@ -93,7 +93,7 @@ def train_steps(args: argparse.Namespace, microbatches: list[dict[str, torch.Ten
     """Median step time of Megatron training steps over `microbatches` (one global batch), and peak memory."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from lightning_megatron.layout import model_inputs
+    from lightning_megatron.microbatch import model_inputs
     from lightning_megatron.module import masked_token_loss
 
     fresh_memory()
@@ -141,8 +141,7 @@ def _cp_worker(rank: int, world_size: int, port: int, args: argparse.Namespace, 
 
     from lightning_megatron._compat import prepare_megatron_core
     from lightning_megatron.attention import SDPAttention
-    from lightning_megatron.data.context_parallel import split_for_context_parallel
-    from lightning_megatron.layout import model_inputs
+    from lightning_megatron.microbatch import model_inputs, split_for_context_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")  # gloo on the CPU
     torch.set_num_threads(1)
@@ -177,7 +176,7 @@ def _cp_worker(rank: int, world_size: int, port: int, args: argparse.Namespace, 
 
 def cp_communication(args: argparse.Namespace) -> dict[str, Any]:
     """The gloo CP=2 run's all-gather volume against the formula, and the formula at the benchmarked shape."""
-    from lightning_megatron.demo import _free_port
+    from lightning_megatron.distributed import free_port as _free_port
 
     cp = 2
     with tempfile.TemporaryDirectory() as folder:

@@ -65,7 +65,7 @@ from bench.common import (
 from lightning_megatron.data.packing import first_fit, pack_examples, pad_example
 from lightning_megatron.data.tokenize import TokenizedExample
 from lightning_megatron.data.tree import TreePacking, build_tree_rows
-from lightning_megatron.layout import SEQUENCE_KEYS, SUBTREE_END
+from lightning_megatron.microbatch import SEQUENCE_KEYS, SUBTREE_END
 from lightning_megatron.module import SFTModule
 
 ORDER = ("flat", "tree", "tree", "flat")
@@ -157,7 +157,8 @@ def build_model(checkpoint: Path, bf16: bool) -> list[torch.nn.Module]:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.utils import get_model_config
 
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     overrides = {"calculate_per_token_loss": True} | ({} if bf16 else {"cross_entropy_loss_fusion": False})
@@ -303,7 +304,7 @@ def main() -> None:
     if args.permutations < 0 or not 0 <= args.fp32_prompts <= args.prompts:
         parser.error(f"--permutations ({args.permutations}) must be >= 0 and --fp32-prompts ({args.fp32_prompts}) "
                      f"between 0 and --prompts ({args.prompts})")
-    from lightning_megatron.demo import init_single_process
+    from lightning_megatron.distributed import init_single_process
 
     init_single_process()
     bf16 = not args.tiny

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
-from lightning_megatron.data.multimodal import PackedVLDataset, PaddedVLDataset, VLTokenizedExample, collate_vl
-from lightning_megatron.demo import init_single_process
+from lightning_megatron.distributed import init_single_process
+from lightning_megatron.vl.data import PackedVLDataset, PaddedVLDataset, VLTokenizedExample, collate_vl
 
 QWEN25_VL_3B: dict[str, Any] = dict(
     num_layers=36, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008,
@@ -87,7 +87,7 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 def _run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[dict[str, torch.Tensor]],
          args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_megatron.vl_module import VLSFTModule
+    from lightning_megatron.vl.module import VLSFTModule
 
     module = VLSFTModule()
     device = next(model.parameters()).device
@@ -118,9 +118,10 @@ def _run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[di
 
 
 def main() -> None:
-    from lightning_megatron.bridges import ModelOptions, create_bridge
-    from lightning_megatron.bridges.base import read_json
-    from lightning_megatron.testing_vl import make_tiny_vl_checkpoint
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.hf_io import read_json
+    from lightning_megatron.options import ModelOptions
+    from lightning_megatron.testing.vl import make_tiny_vl_checkpoint
 
     args = _parse_args()
     init_single_process()

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import QWEN3_8B, emit, environment, make_large_checkpoint, median_seconds
-from lightning_megatron.demo import init_single_process
+from lightning_megatron.distributed import init_single_process
 
 
 def _median(action: Callable[[], Any], repeats: int) -> float:
@@ -41,7 +41,8 @@ def _median(action: Callable[[], Any], repeats: int) -> float:
 
 
 def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: float, collective: bool) -> dict:
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
     from lightning_megatron.serving import CollectiveSender, ColocatedSender, disk
     from lightning_megatron.serving.protocol import post_json
     from lightning_megatron.serving.receiver import spawn_receiver
@@ -127,7 +128,7 @@ def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: i
     from torch.utils.data import DataLoader
 
     from lightning_megatron import MegatronStrategy, SFTModule, WeightSync
-    from lightning_megatron.testing import RandomTokenDataset
+    from lightning_megatron.testing.checkpoints import RandomTokenDataset
 
     class StepTimes(pl.Callback):
         def __init__(self) -> None:
@@ -185,7 +186,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     init_single_process()
     if args.tiny:
-        from lightning_megatron.testing import make_tiny_checkpoint
+        from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
         checkpoint = make_tiny_checkpoint(workdir / "tiny-qwen3-mtp", "qwen3", mtp=True)
         step_checkpoint = checkpoint

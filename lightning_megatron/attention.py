@@ -2,7 +2,7 @@
 
 Megatron-Core's local `DotProductAttention` materialises the full [b, heads, sq, sk] score matrix and softmax,
 and runs neither packed (THD) sequences nor context parallelism. `SDPAttention` has the same constructor and
-forward, so TP, PP and the MTP layer use it unchanged, and serves every layout of `lightning_megatron.layout`:
+forward, so TP, PP and the MTP layer use it unchanged, and serves every layout of `lightning_megatron.microbatch`:
 
 - padded rows (no structure, CP=1): `scaled_dot_product_attention` with `is_causal` or the explicit bool mask; its
   flash / memory-efficient / cuDNN kernels never hold the scores.
@@ -29,14 +29,14 @@ import functools
 import importlib.util
 import math
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -45,10 +45,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
-from lightning_megatron.layout import context_parallel_positions, packed_row_bounds
-
-AttentionBackend = Literal["auto", "sdpa", "local"]
-ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "sdpa", "local")
+from lightning_megatron.microbatch import context_parallel_positions, packed_row_bounds
+from lightning_megatron.options import ATTENTION_BACKENDS, AttentionBackend
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -61,7 +59,7 @@ class SDPAttention(MegatronModule):
     given, as the local attention does; with `padding_causal` the causal mask is added to it, as Transformer Engine
     does. A query row that masks every key gets zeros (the local attention averages all values there). An integer
     `attention_mask` [b, s] is a `subtree_end` structure, and `packed_seq_params` (THD) a packed row, as
-    `lightning_megatron.layout` defines them; with CP > 1 the inputs are this rank's tokens in Megatron's
+    `lightning_megatron.microbatch` defines them; with CP > 1 the inputs are this rank's tokens in Megatron's
     load-balanced layout and the layouts' positions are the whole row's.
     """
 

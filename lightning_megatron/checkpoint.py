@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import shutil
 import zlib
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.atomic import move_into_place
 from lightning_megatron.safe_load import UnsafeFileError, load_dcp_metadata, load_torch_file, weights_only_everywhere
 
 COMPLETE_MARKER = "COMPLETE"
@@ -264,7 +264,7 @@ def _describe(file: Path) -> dict[str, int]:
 def _parallel_layout() -> dict[str, int | None]:
     from megatron.core import parallel_state
 
-    from lightning_megatron.bridges.base import parallel_sizes
+    from lightning_megatron.distributed import parallel_sizes
 
     return {**parallel_sizes(), "data_parallel_size": parallel_state.get_data_parallel_world_size()}
 
@@ -343,13 +343,3 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
 
-
-def move_into_place(staging: Path, path: Path) -> None:
-    """Rename the finished staging folder to `path`, replacing an earlier checkpoint of the same name."""
-    if path.exists():
-        retired = path.parent / f".{path.name}.old-{os.getpid()}"
-        os.replace(path, retired)
-        os.replace(staging, path)
-        shutil.rmtree(retired)
-    else:
-        os.replace(staging, path)

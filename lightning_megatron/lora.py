@@ -21,7 +21,8 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import save_file
 
-from lightning_megatron.bridges.base import BridgeError, write_atomically
+from lightning_megatron.atomic import write_atomically
+from lightning_megatron.bridges.base import BridgeError
 
 if TYPE_CHECKING:
     from lightning_megatron.strategy import MegatronStrategy

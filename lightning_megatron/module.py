@@ -12,14 +12,48 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
-from lightning_megatron.bridges import ModelOptions
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
-from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, model_inputs, whole_rows
-from lightning_megatron.metrics import MTPAcceptanceAccuracy
+from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs, whole_rows
+from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy
+from lightning_megatron.options import ModelOptions
 
 __all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
+
+
+class MegatronLightningModule(pl.LightningModule):
+    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
+
+    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
+    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters. `forward_step` and
+    `loss_func` receive the microbatch as this rank holds it (cut for context parallelism by the strategy).
+    """
+
+    model: torch.nn.ModuleList
+
+    def model_options(self) -> ModelOptions:
+        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
+        from lightning_megatron.options import ModelOptions
+
+        return ModelOptions()
+
+    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
+        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
+        raise NotImplementedError
+
+    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
+        raise NotImplementedError
+
+    @property
+    def megatron_strategy(self) -> Any:
+        strategy = self.trainer.strategy
+        if getattr(strategy, "strategy_name", None) != "megatron":
+            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
+        return strategy
+
 
 
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
@@ -110,7 +144,7 @@ class SFTModule(MegatronLightningModule):
             hf_checkpoint = self.megatron_strategy.hf_checkpoint
             self.generation_eos_token_ids = eos_token_ids(hf_checkpoint, AutoTokenizer.from_pretrained(hf_checkpoint))
         if self.enable_mtp and not self.enable_mtp_training:
-            from lightning_megatron.mtp import mtp_parameter_flags
+            from lightning_megatron.mtp.parameters import mtp_parameter_flags
 
             for _, parameter, is_mtp in mtp_parameter_flags(list(self.model)).values():
                 if is_mtp:
@@ -128,7 +162,7 @@ class SFTModule(MegatronLightningModule):
         self.log("lm_loss", metrics["lm_loss"], prog_bar=True)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
-            from lightning_megatron.mtp import read_and_reset_mtp_tracker
+            from lightning_megatron.mtp.parameters import read_and_reset_mtp_tracker
 
             mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device)
             self.log("mtp_loss", mtp_metrics["mtp_loss"], prog_bar=True)

@@ -35,13 +35,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_megatron import checkpoint as megatron_checkpoint
-from lightning_megatron.attention import AttentionBackend
-from lightning_megatron.bridges import BridgeType, create_bridge
-from lightning_megatron.bridges.base import parallel_sizes
-from lightning_megatron.data.context_parallel import split_for_context_parallel
-from lightning_megatron.layout import LossOutput, MegatronLightningModule, Microbatch, check_microbatch
+from lightning_megatron.bridges import create_bridge
+from lightning_megatron.distributed import parallel_sizes
+from lightning_megatron.microbatch import LossOutput, Microbatch, check_microbatch, split_for_context_parallel
+from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
+from lightning_megatron.options import AttentionBackend, BridgeType
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 
@@ -312,7 +312,11 @@ class MegatronStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _wrap(self, chunks: list[torch.nn.Module], *, train: bool) -> list[torch.nn.Module]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config
 

@@ -5,7 +5,7 @@ sequence through it, not its flat index in the row. Megatron-Core's ``GPTModel``
 ``position_ids``: ``rotary_pos_emb(seq_len)`` returns the table of positions ``0..seq_len-1`` (``[s, 1, 1, d]``),
 which every layer of the decoder and of the MTP block then applies by flat index. :func:`install_depth_rotary`
 hooks every chunk so that, while a tree microbatch runs (Megatron's ``attention_mask`` is then the integer
-``subtree_end`` of the layout contract, ``lightning_megatron.layout``), the table is gathered at ``position_ids``
+``subtree_end`` of the layout contract, ``lightning_megatron.microbatch``), the table is gathered at ``position_ids``
 instead. Other microbatches are left exactly as they were. The hooks sit on the model the bridge built, so they work
 for every bridge.
 

@@ -21,15 +21,16 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from torch.utils.data import default_collate
 
 from lightning_megatron.attention import SDPAttention, core_attention_class, with_core_attention
-from lightning_megatron.bridges import BridgeError, ModelOptions, create_bridge
+from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
 from lightning_megatron.data.tokenize import TokenizedExample
-from lightning_megatron.layout import model_inputs
-from lightning_megatron.testing import hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.microbatch import model_inputs
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits, make_tiny_checkpoint
 from tests._distributed import run_distributed
-from torch.utils.data import default_collate
 from tests._megatron import SEQ, VOCAB, token_batch
 
 HEADS, HEAD_DIM, BATCH, LENGTH = 4, 8, 2, 16

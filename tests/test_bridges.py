@@ -10,9 +10,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from lightning_megatron.bridges import BridgeError, ModelOptions, create_bridge
-from lightning_megatron.mtp import check_mtp_training_versions
-from lightning_megatron.testing import hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.bridges import BridgeError, create_bridge
+from lightning_megatron.mtp.parameters import check_mtp_training_versions
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits, make_tiny_checkpoint
 from tests._distributed import run_distributed
 
 SEQ = 16
@@ -288,7 +289,7 @@ def test_virtual_pipeline_chunks_export_the_original(checkpoints, tmp_path, brid
 def test_threaded_sharded_writer_gives_safetensors_that_load_bit_for_bit(tmp_path):
     from safetensors import safe_open
 
-    from lightning_megatron.bridges.hf_io import write_safetensors
+    from lightning_megatron.hf_io import write_safetensors
 
     generator = torch.Generator().manual_seed(0)
     tensors = {  # odd byte counts next to wider dtypes: every tensor must still land aligned

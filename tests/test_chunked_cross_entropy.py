@@ -4,7 +4,7 @@ plain steps; with its jit-fused ones to one rounding (torch.compile may generate
 import pytest
 import torch
 
-from lightning_megatron.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
+from lightning_megatron.mtp.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

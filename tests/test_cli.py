@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_megatron.cli import MegatronCLI
-from lightning_megatron.testing import make_tiny_checkpoint
-from lightning_megatron.vl_cli import VLMegatronCLI
+from lightning_megatron.cli.megatron_cli import MegatronCLI
+from lightning_megatron.cli.vl import VLMegatronCLI
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli.megatron_cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=_env())
 
 
@@ -174,9 +174,9 @@ def test_validation_acceptance_equals_the_hf_reference(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
     from lightning_megatron import MegatronStrategy, SFTDataModule, SFTModule
-    from lightning_megatron.metrics import MTPAcceptanceAccuracy
+    from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy
     from lightning_megatron.speculative import load_target
-    from lightning_megatron.testing import hf_mtp_reference_logits
+    from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits
 
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", mtp=True)
     rows = [{"prompt": "What is the capital of France?", "response": "The capital of France is Paris."},
@@ -204,7 +204,7 @@ def test_validation_acceptance_equals_the_hf_reference(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_main_job_raises_acceptance_on_held_out_prompts(tmp_path: Path) -> None:
     """README command 1, shortened: continuations, MTP-only fit, acceptance before < after, identical outputs."""
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.quickstart", "--workdir", str(tmp_path),
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli.quickstart", "--workdir", str(tmp_path),
                                 "--max-steps", "60"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                                env=_env())
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

@@ -5,9 +5,16 @@ import contextlib
 import pytest
 import torch
 
-from lightning_megatron._compat import (context_parallel, cpu, moe, no_te, packed_mtp_roll, packed_rope,
-                                       prepare_megatron_core)
-from tests._megatron import token_batch, tiny_gpt
+from lightning_megatron._compat import (
+    context_parallel,
+    cpu,
+    moe,
+    no_te,
+    packed_mtp_roll,
+    packed_rope,
+    prepare_megatron_core,
+)
+from tests._megatron import tiny_gpt, token_batch
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adjustments apply only without CUDA")
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_megatron._compat import moe
-from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests.test_compat_bridges import (  # noqa: F401  (fixtures)
     _assert_matches_hf,
     _logits,

@@ -185,7 +185,7 @@ def test_packed_gpt_with_mtp_gives_upstreams_losses_and_gradients(model_parallel
     """A packed row through a local-spec GPT and its MTP layer (RoPE in every layer, MTP included; the MTP rolls
     of input ids, position ids, labels and loss mask): per-token losses and every gradient bit-identical with and
     without the adjustment."""
-    from lightning_megatron.layout import model_inputs
+    from lightning_megatron.microbatch import model_inputs
     from tests.test_attention import _tiny_mtp_gpt  # imported here: the spawned ranks of the CP test need neither
 
     lengths = [7, 1, 12, 5, 3, 4]

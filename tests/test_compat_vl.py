@@ -11,7 +11,7 @@ import torch
 
 from lightning_megatron import _compat
 from lightning_megatron._compat import vl
-from lightning_megatron.testing_vl import make_tiny_vl_checkpoint, make_tiny_vl_data
+from lightning_megatron.testing.vl import make_tiny_vl_checkpoint, make_tiny_vl_data
 
 ADJUSTMENTS = {adjustment.name: adjustment for adjustment in vl.MEGATRON_BRIDGE_ADJUSTMENTS}
 
@@ -31,11 +31,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, process_group: None) -
 def _build(path: Path) -> torch.nn.Module:
     """What `MegatronBridge.build` does, without its `import_megatron_bridge()` (which would re-apply a suspended
     adjustment)."""
-    from lightning_megatron.attention import with_core_attention
-    from lightning_megatron.bridges.base import read_json
-    from lightning_megatron.bridges.vl import prepare_vl_provider
-
     from megatron.bridge import AutoBridge  # imported with the adjustments by the fixture
+
+    from lightning_megatron.attention import with_core_attention
+    from lightning_megatron.hf_io import read_json
+    from lightning_megatron.vl.bridge import prepare_vl_provider
 
     auto_bridge = AutoBridge.from_hf_pretrained(str(path))
     provider = auto_bridge.to_megatron_provider(load_weights=False)
@@ -82,7 +82,7 @@ def test_qwen3_vl_builds_from_local_specs_without_transformer_engine(checkpoints
 def test_qwen3_vl_patch_mergers_use_hugging_faces_exact_gelu(checkpoints, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from lightning_megatron.data.multimodal import load_image_processor, read_vl_jsonl, tokenize_vl_example
+    from lightning_megatron.vl.data import load_image_processor, read_vl_jsonl, tokenize_vl_example
 
     path = checkpoints["qwen3_vl"]
     data = make_tiny_vl_data(tmp_path, 1, text_only_every=0)
@@ -109,7 +109,7 @@ def test_packed_context_parallel_indices_without_transformer_engine(checkpoints)
     Engine's kernel; without TE the torch version gives each rank the chunks the data pipeline's split gives it."""
     from megatron.core import utils
 
-    from lightning_megatron.layout import context_parallel_positions
+    from lightning_megatron.microbatch import context_parallel_positions
 
     adjustment = ADJUSTMENTS["megatron_core.thd_partitioned_indices"]
     bounds = [0, 8, 24, 32]

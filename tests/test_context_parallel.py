@@ -19,15 +19,15 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron._compat.context_parallel import ADJUSTMENTS as CONTEXT_PARALLEL_ADJUSTMENTS
-from lightning_megatron.bridges.base import safetensors_files
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
 from lightning_megatron.data.tokenize import TokenizedExample
-from lightning_megatron.layout import check_microbatch
+from lightning_megatron.hf_io import safetensors_files
+from lightning_megatron.microbatch import check_microbatch
 from lightning_megatron.module import SFTModule
-from lightning_megatron.mtp import is_mtp_parameter
+from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
 
 VOCAB, ROW, STEPS = 384, 32, 5

@@ -21,7 +21,7 @@ from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.checkpoint import CheckpointError
 from lightning_megatron.safe_load import UnsafeFileError
-from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
 from tests.test_strategy import _fit
 
@@ -239,7 +239,7 @@ def _offline_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> d
 
     from lightning_megatron import MegatronStrategy, SFTDataModule, SFTModule
     from lightning_megatron.callbacks import ContinuationWriter
-    from lightning_megatron.restore_mtp import restore_mtp_head
+    from lightning_megatron.mtp.restore import restore_mtp_head
 
     work = Path(tmp)
     rows = [{"prompt": f"What is {index} + 1?", "response": f"{index + 1}."} for index in range(4)]

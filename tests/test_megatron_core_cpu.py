@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._distributed import run_distributed
-from tests._megatron import token_batch, tiny_gpt
+from tests._megatron import tiny_gpt, token_batch
 
 
 def _masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,14 @@ import transformers
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from lightning_megatron.bridges import BridgeError, ModelOptions, create_bridge
+from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.module import SFTModule
 from lightning_megatron.moe import router_settings
-from lightning_megatron.mtp import is_mtp_parameter
+from lightning_megatron.mtp.parameters import is_mtp_parameter
+from lightning_megatron.options import ModelOptions
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing import MoEShape, RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import MoEShape, RandomTokenDataset, make_tiny_checkpoint
 from tests._distributed import run_distributed
 from tests.test_strategy import StopAfter
 
@@ -421,7 +422,7 @@ def test_a_family_whose_experts_a_bridge_does_not_map_fails_before_the_build(mod
 
 
 def test_restoring_an_mtp_head_on_qwen3_moe_gives_the_layout_the_bridge_maps(checkpoints, tmp_path):
-    from lightning_megatron.restore_mtp import restore_mtp_head
+    from lightning_megatron.mtp.restore import restore_mtp_head
 
     restored = restore_mtp_head(checkpoints["qwen3_moe"], tmp_path / "restored", init="copy-last-layer")
     expected = load_file(checkpoints["qwen3_moe_mtp"] / "model.safetensors")
@@ -450,7 +451,7 @@ def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_p
             callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli.megatron_cli", "fit", "--config",
                                 str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
                                timeout=600, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]

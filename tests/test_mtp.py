@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.module import SFTModule
-from lightning_megatron.mtp import is_mtp_parameter
+from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
 from tests._distributed import run_distributed
 
 SEQ, VOCAB, SAMPLES, SCALE = 16, 384, 32, 0.1
@@ -356,7 +356,7 @@ class UnfreezeOutputLayer(pl.Callback):
 def test_skipping_the_main_head_backward_refuses_a_trainable_head(process_group, checkpoints, tmp_path):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from lightning_megatron.mtp_only_graph import skip_main_lm_head_backward
+    from lightning_megatron.mtp.skip_main_head import skip_main_lm_head_backward
 
     unfreeze = UnfreezeOutputLayer()
     with pytest.raises(RuntimeError, match="main output layer's weight requires grad"):

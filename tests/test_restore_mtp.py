@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_megatron.bridges import ModelOptions, create_bridge
-from lightning_megatron.restore_mtp import MTPRestoreError, main, restore_mtp_head
-from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.bridges import create_bridge
+from lightning_megatron.mtp.restore import MTPRestoreError, main, restore_mtp_head
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
 
@@ -240,7 +241,7 @@ def test_an_output_that_is_not_a_checkpoint_folder_is_not_replaced(checkpoints, 
 
 
 def test_a_failed_write_leaves_no_output_and_keeps_an_earlier_one(checkpoints, tmp_path, monkeypatch):
-    import lightning_megatron.bridges.hf_io as hf_io
+    import lightning_megatron.hf_io as hf_io
 
     def disk_full(filename, tensors):
         Path(filename).write_bytes(b"half a file")
@@ -262,7 +263,7 @@ def test_a_failed_write_leaves_no_output_and_keeps_an_earlier_one(checkpoints, t
 
 
 def _command(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_megatron.restore_mtp", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "lightning_megatron.mtp.restore", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_megatron.bridges import ModelOptions, create_bridge
-from lightning_megatron.bridges.base import checkpoint_tensor_specs
-from lightning_megatron.testing import make_tiny_checkpoint
-from lightning_megatron.testing_vl import VL_FAMILIES, make_tiny_vl_checkpoint
+from lightning_megatron.bridges import create_bridge
+from lightning_megatron.hf_io import checkpoint_tensor_specs
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.vl import VL_FAMILIES, make_tiny_vl_checkpoint
 from tests._distributed import run_distributed
 
 
@@ -101,7 +102,7 @@ def _assert_same_as_library(result: dict[str, Any]) -> None:
 def test_reader_slices_count_their_bytes_and_a_plan_that_does_not_add_up_is_refused(tmp_path):
     from safetensors.torch import save_file
 
-    from lightning_megatron.bridges.hf_io import CheckpointReader, Piece, Source, checked_pieces
+    from lightning_megatron.hf_io import CheckpointReader, Piece, Source, checked_pieces
 
     weight = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     save_file({"w": weight}, tmp_path / "model.safetensors")
@@ -193,7 +194,7 @@ def test_sliced_load_onto_the_gpu_equals_the_library_conversion(model_parallel, 
     buffer straight), 16 MiB ones each tiny tensor in one. The reference is megatron-bridge's own loader, and
     mbridge's own conversion of every parameter (its loader scatters even at TP=1, which gloo cannot do with CUDA
     tensors; the CPU tests show that conversion equals its loader)."""
-    from lightning_megatron.bridges import hf_io
+    from lightning_megatron import hf_io
 
     monkeypatch.setattr(hf_io, "STAGING_BYTES", staging_bytes)
     for bridge_type, name, mtp in [("mbridge", "qwen3_tied", False), ("megatron-bridge", "qwen3_mtp", True)]:

@@ -28,7 +28,7 @@ from lightning_megatron.speculative import (
     write_report,
 )
 from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
-from lightning_megatron.testing import hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits, make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -104,7 +104,8 @@ def test_head_equals_the_hf_reference_with_and_without_its_cache(checkpoints, lo
 
 @pytest.mark.parametrize("name", ["qwen3", "mimo"])
 def test_head_equals_megatrons_mtp_logits(model_parallel, checkpoints, loaded, name):
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
 
     target, head, _, _ = loaded[name]
     model = create_bridge("megatron-bridge", checkpoints[name], trust_remote_code=name == "mimo").build(

@@ -22,7 +22,7 @@ from bench.megatron_loop import run as run_reference_loop
 from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
 from tests._distributed import run_distributed
 
 SEQ, VOCAB, SAMPLES = 16, 384, 32
@@ -264,7 +264,8 @@ def test_freezing_in_callback_setup_keeps_frozen_params_out_of_ddp_and_optimizer
 
 
 def _build_only(hf_checkpoint: Path) -> list[torch.nn.Module]:
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
 
     return create_bridge("mbridge", hf_checkpoint).build(ModelOptions())
 

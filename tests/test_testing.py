@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_megatron.testing import FAMILIES, hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import FAMILIES, hf_mtp_reference_logits, make_tiny_checkpoint
 
 _LAYER = [
     "input_layernorm.weight",

@@ -22,7 +22,7 @@ from lightning_megatron.data import TokenizedExample
 from lightning_megatron.data.packing import first_fit, pack_examples, pad_example
 from lightning_megatron.data.tree import build_tree_rows
 from lightning_megatron.module import SFTModule
-from lightning_megatron.testing import make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.tree_rotary import install_depth_rotary
 from tests._distributed import run_distributed
 

@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL image + text SFT: HF parity, packed == one sequence per row, Qwen3-VL CP=2 == CP=1,
 export round trip, the data path's errors and refusals, and the tiny config's fit.
 
-Everything runs on the project's tiny VL checkpoints and generated pictures (`lightning_megatron.testing_vl`).
+Everything runs on the project's tiny VL checkpoints and generated pictures (`lightning_megatron.testing.vl`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_megatron.data.jsonl import DataValidationError
-from lightning_megatron.data.multimodal import (
+from lightning_megatron.testing.vl import VL_FAMILIES, make_tiny_vl_checkpoint, make_tiny_vl_data
+from lightning_megatron.vl.data import (
     PackedVLDataset,
     PaddedVLDataset,
     VLSFTDataModule,
@@ -24,7 +25,6 @@ from lightning_megatron.data.multimodal import (
     read_vl_jsonl,
     tokenize_vl_examples,
 )
-from lightning_megatron.testing_vl import VL_FAMILIES, make_tiny_vl_checkpoint, make_tiny_vl_data
 from tests._distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,8 @@ def vl_models(process_group: None, vl_checkpoints: dict[str, Path]) -> dict[str,
     """Each family built once through megatron-bridge (fp32, per-token loss, unfused CE: the strategy's fp32 build)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -94,7 +95,7 @@ def test_logits_match_hugging_face_text_only_and_with_images(vl_models, vl_check
 def test_packed_rows_equal_one_sequence_per_row(vl_models, vl_checkpoints, vl_data, family):
     """Losses and every gradient (vision tower included) of four sequences, two with two images and one text-only,
     packed into one THD row vs padded one per row."""
-    from lightning_megatron.vl_module import VLSFTModule
+    from lightning_megatron.vl.module import VLSFTModule
 
     _, model = vl_models[family]
     model.train()
@@ -183,7 +184,7 @@ def test_overlong_rows_are_reported_or_dropped_never_cut(vl_checkpoints, vl_data
 
 def test_vl_options_a_model_cannot_serve_are_refused_naming_model_and_option(vl_checkpoints):
     from lightning_megatron.bridges import create_bridge
-    from lightning_megatron.bridges.vl import VLOptionError, check_vl_options
+    from lightning_megatron.vl.bridge import VLOptionError, check_vl_options
 
     config = create_bridge("megatron-bridge", vl_checkpoints["qwen2_5_vl"]).hf_config
     with pytest.raises(VLOptionError, match=r"context_parallel_size: 2 is not supported for Qwen2\.5-VL"):
@@ -212,7 +213,7 @@ def _fit(tmp: Path, checkpoint: Path, data: Path, devices: int, **strategy_optio
     from megatron.core.utils import unwrap_model
 
     from lightning_megatron import MegatronStrategy
-    from lightning_megatron.vl_module import VLSFTModule
+    from lightning_megatron.vl.module import VLSFTModule
 
     strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", micro_batch_size=1,
                                 global_batch_size=2, precision="fp32", **strategy_options)
@@ -254,7 +255,7 @@ def test_tiny_config_fit_lowers_the_response_loss(tmp_path):
     import sys
 
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    command = [sys.executable, "-m", "lightning_megatron.vl_cli", "fit", "--config", "configs/tiny/vl_sft.yaml",
+    command = [sys.executable, "-m", "lightning_megatron.cli.vl", "fit", "--config", "configs/tiny/vl_sft.yaml",
                "--trainer.strategy.init_args.hf_checkpoint", str(tmp_path / "tiny-qwen3-vl"),
                "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path)]
     with open(tmp_path / "log.txt", "w") as log:
@@ -270,7 +271,7 @@ def test_tiny_config_fit_lowers_the_response_loss(tmp_path):
 def test_freeze_vision_tower_leaves_only_the_projection_and_language_model_trainable(vl_models, vl_checkpoints,
                                                                                      family):
     from lightning_megatron.bridges import create_bridge
-    from lightning_megatron.vl_module import VLSFTModule
+    from lightning_megatron.vl.module import VLSFTModule
 
     model = create_bridge("megatron-bridge", vl_checkpoints[family]).build(
         VLSFTModule(freeze_vision_tower=True).model_options())[0]

@@ -20,15 +20,16 @@ import transformers
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from lightning_megatron.bridges import ModelOptions, create_bridge
-from lightning_megatron.bridges.base import checkpoint_tensor_specs
+from lightning_megatron.bridges import create_bridge
 from lightning_megatron.callbacks import WeightSync
+from lightning_megatron.hf_io import checkpoint_tensor_specs
 from lightning_megatron.module import SFTModule
+from lightning_megatron.options import ModelOptions
 from lightning_megatron.serving import CollectiveSender, ColocatedSender, WeightReceiver, WeightSyncError, read_latest
 from lightning_megatron.serving.protocol import dtype_from_name, post_json
 from lightning_megatron.serving.receiver import spawn_receiver
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
 from tests._distributed import free_port, run_distributed
 
 SEQ, SAMPLES = 16, 32
@@ -298,7 +299,7 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     import lightning.pytorch as pl
-    from lightning_megatron.bridges import hf_io
+    from lightning_megatron import hf_io
     from lightning_megatron.callbacks import WeightSync
     from tests.test_weight_sync import _fit
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
-from lightning_megatron._compat.cpu import _NoOpStream, _no_cuda
+from lightning_megatron._compat.cpu import _no_cuda, _NoOpStream
 from lightning_megatron._compat.no_te import _no_transformer_engine
 
 # megatron-core ----------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ sequence, in Megatron's load-balanced context-parallel layout when CP > 1: rank 
 batch), gathers `freqs` once and applies upstream's `_apply_rotary_pos_emb_bshd` once to the whole row. Every
 element goes through the same elementwise math as upstream, so the result is bit-identical; nothing is read back to
 the host. `cu_seqlens` must describe the row as upstream requires (local lengths summing to the row, each even when
-CP > 1); `lightning_megatron.layout.check_microbatch` refuses other microbatches before the first step.
+CP > 1); `lightning_megatron.microbatch.check_microbatch` refuses other microbatches before the first step.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_megatron.bridges.base import Bridge, BridgeError, BridgeType, ModelOptions
+from lightning_megatron.bridges.base import Bridge, BridgeError
+from lightning_megatron.options import BridgeType, ModelOptions
 
 
 def create_bridge(bridge_type: BridgeType, hf_path: str | Path, *, trust_remote_code: bool = False) -> Bridge:

@@ -10,86 +10,45 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
-from lightning_megatron.attention import ATTENTION_BACKENDS, AttentionBackend
-from lightning_megatron.bridges.hf_io import (
-    SAFETENSORS_DTYPES,
+from lightning_megatron.atomic import write_atomically
+from lightning_megatron.distributed import parallel_sizes
+from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers
+from lightning_megatron.hf_io import (
     LoadReport,
+    TensorSpec,
+    checkpoint_tensor_dtypes,
+    checkpoint_tensor_specs,
     plan_shards,
+    read_json,
     shard_file_names,
     write_index,
     write_shard_files,
 )
-from lightning_megatron.checkpoint import move_into_place
-from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.moe import (
     check_expert_parallel,
-    check_router_matches,
     check_moe_sequence_parallel,
+    check_router_matches,
     checkpoint_num_experts,
     moe_config_overrides,
     start_moe_metrics,
 )
-from lightning_megatron.mtp import check_mtp_training_options
+from lightning_megatron.mtp.parameters import check_mtp_training_options
+from lightning_megatron.options import ATTENTION_BACKENDS, BridgeType, ModelOptions
 from lightning_megatron.tree_rotary import install_depth_rotary
-
-BridgeType = Literal["mbridge", "megatron-bridge"]
-
-# The config keys under which model families declare their MTP layers.
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+from lightning_megatron.vl.bridge import check_vl_options, vl_model_type
 
 
 class BridgeError(ValueError):
     """A checkpoint or option the chosen bridge cannot serve; the message names the field and the fix."""
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """What the Megatron model should be beyond what the HF config says.
-
-    `mtp`: keep the checkpoint's MTP head (`False` drops it, and an export then declares zero MTP layers).
-    `attention_backend`: the core attention of every layer (MTP included): "sdpa" (PyTorch's fused kernels,
-    `attention.SDPAttention`), "local" (Megatron-Core's `DotProductAttention`), or "auto" (SDPA without Transformer
-    Engine, Transformer Engine's own attention with it).
-    `config_overrides`: any `TransformerConfig` field (dropout, recompute, fusions, ...).
-    `random_weights`: Megatron's random initialization instead of the checkpoint's weights (benchmarks of a
-    shape no checkpoint exists for: only config.json is needed).
-    """
-
-    params_dtype: torch.dtype = torch.float32
-    mtp: bool = False
-    mtp_loss_scaling_factor: float = 0.1
-    mtp_detach_heads: bool = False
-    sequence_parallel: bool = False
-    attention_backend: AttentionBackend = "auto"
-    config_overrides: dict[str, Any] = field(default_factory=dict)
-    random_weights: bool = False
-
-
-def parallel_sizes() -> dict[str, int | None]:
-    """The current Megatron parallel state, under the names `TransformerConfig` uses."""
-    from megatron.core import parallel_state
-
-    return {
-        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
-        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
-        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
-    }
 
 
 def apply_parallel_state(config: Any, options: ModelOptions) -> None:
@@ -97,10 +56,6 @@ def apply_parallel_state(config: Any, options: ModelOptions) -> None:
     for key, value in parallel_sizes().items():
         setattr(config, key, value)
     config.sequence_parallel = options.sequence_parallel
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
 
 
 def check_remote_code(hf_path: Path, hf_config: dict[str, Any], trust_remote_code: bool) -> None:
@@ -130,45 +85,6 @@ def _auto_map_references(auto_map: dict[str, Any]) -> list[str]:
     for value in auto_map.values():
         references += [item for item in (value if isinstance(value, list) else [value]) if isinstance(item, str)]
     return references
-
-
-def checkpoint_mtp_layers(hf_config: dict[str, Any]) -> int:
-    """How many MTP layers an HF config declares (0 when none), whatever key its family uses."""
-    return max((int(hf_config.get(key) or 0) for key in MTP_CONFIG_KEYS), default=0)
-
-
-def safetensors_files(hf_path: Path) -> list[Path]:
-    return sorted(Path(hf_path).glob("*.safetensors"))
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One HF tensor as a checkpoint (or an export, or a wire) carries it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-def checkpoint_tensor_specs(hf_path: Path) -> dict[str, TensorSpec]:
-    """Name -> shape and dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
-    specs = {}
-    for file in safetensors_files(hf_path):
-        with safe_open(file, framework="pt") as reader:
-            for name in reader.keys():
-                tensor_slice = reader.get_slice(name)
-                specs[name] = TensorSpec(name, tuple(tensor_slice.get_shape()),
-                                         SAFETENSORS_DTYPES[tensor_slice.get_dtype()])
-    return specs
-
-
-def checkpoint_tensor_dtypes(hf_path: Path) -> dict[str, torch.dtype]:
-    """Name -> dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
-    return {name: spec.dtype for name, spec in checkpoint_tensor_specs(hf_path).items()}
 
 
 class Bridge(ABC):
@@ -377,71 +293,3 @@ class Bridge(ABC):
             config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-
-def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> None:
-    """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced.
-
-    `every_rank`: all ranks call it and `write` on the same folder (global rank 0 makes and renames it); when one
-    rank fails, every rank raises and nothing is left behind; every rank returns only once the folder is in place.
-    """
-    collective = every_rank and dist.is_initialized() and dist.get_world_size() > 1
-    leader = not collective or dist.get_rank() == 0
-    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
-    if leader:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    if collective:
-        container = [staging]
-        dist.broadcast_object_list(container, src=0, group=_cpu_group())
-        staging = container[0]
-    error: BaseException | None = None
-    try:
-        write(staging)
-    except BaseException as caught:
-        error = caught
-    try:
-        agree_on_failure(error, collective=collective)
-        if leader:
-            try:
-                move_into_place(staging, path)
-            except BaseException as caught:
-                error = caught
-        agree_on_failure(error, collective=collective)
-    except BaseException:
-        if leader:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def agree_on_failure(error: BaseException | None, *, collective: bool = True,
-                     error_type: type[Exception] = RuntimeError) -> None:
-    """Raise on every rank when any rank failed: its own error where it failed, `error_type` elsewhere.
-
-    For work that every rank does in lockstep (a save, a weight sync): no rank is left waiting for one that gave up.
-    """
-    if collective and dist.is_initialized() and dist.get_world_size() > 1:
-        failed = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=_cpu_group())
-        if failed.item():
-            messages: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}",
-                                   group=_cpu_group())
-            if error is None:
-                rank, message = next((rank, text) for rank, text in enumerate(messages) if text is not None)
-                raise error_type(f"rank {rank} failed: {message}")
-    if error is not None:
-        raise error
-
-
-_CPU_GROUP: Any = None
-
-
-def _cpu_group() -> Any:
-    """A gloo group over all ranks for the small host-side agreements of a save (the default group may be NCCL)."""
-    global _CPU_GROUP
-    if dist.get_backend() == "gloo":
-        return None
-    if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo")
-    return _CPU_GROUP

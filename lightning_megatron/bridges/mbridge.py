@@ -10,9 +10,10 @@ import torch
 
 from lightning_megatron._compat import import_mbridge
 from lightning_megatron.attention import with_core_attention
-from lightning_megatron.bridges.base import Bridge, ModelOptions
-from lightning_megatron.bridges.hf_io import LoadReport
+from lightning_megatron.bridges.base import Bridge
 from lightning_megatron.bridges.sliced_load import load_mbridge
+from lightning_megatron.hf_io import LoadReport
+from lightning_megatron.options import ModelOptions
 
 
 class MBridge(Bridge):

@@ -10,11 +10,12 @@ import torch
 
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
-from lightning_megatron.bridges.base import Bridge, ModelOptions, apply_parallel_state
-from lightning_megatron.bridges.hf_io import LoadReport
+from lightning_megatron.bridges.base import Bridge, apply_parallel_state
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
-from lightning_megatron.bridges.vl import prepare_vl_provider
-from lightning_megatron.mtp import check_mtp_training_versions
+from lightning_megatron.hf_io import LoadReport
+from lightning_megatron.mtp.parameters import check_mtp_training_versions
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.vl.bridge import prepare_vl_provider
 
 
 class MegatronBridge(Bridge):

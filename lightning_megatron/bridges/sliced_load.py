@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.bridges.hf_io import CheckpointReader, Copier, LoadReport, Piece, Source, checked_pieces
+from lightning_megatron.hf_io import CheckpointReader, Copier, LoadReport, Piece, Source, checked_pieces
 
 Plan = list[Piece] | None
 

@@ -19,9 +19,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
-from lightning_megatron.mtp import freeze_non_mtp_parameters, mtp_parameter_flags
-from lightning_megatron.mtp_only_graph import skip_main_lm_head_backward
+from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
+from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
+from lightning_megatron.mtp.skip_main_head import skip_main_lm_head_backward
 
 
 class MTPOnlyCallback(pl.Callback):

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_megatron.bridges.base import agree_on_failure
+from lightning_megatron.distributed import agree_on_failure
 from lightning_megatron.serving import disk
 from lightning_megatron.serving.protocol import WeightSyncError
 from lightning_megatron.serving.sender import BucketSender, CollectiveSender, ColocatedSender, SyncReport

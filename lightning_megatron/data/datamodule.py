@@ -31,7 +31,7 @@ class SFTDataModule(pl.LightningDataModule):
 
     Micro-batches are padded rows ``[micro_batch_size, seq_length]``, or with ``packing=True`` one row of
     ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; each
-    attends to itself only (``lightning_megatron.layout``). With ``context_parallel_size > 1`` every packed sequence
+    attends to itself only (``lightning_megatron.microbatch``). With ``context_parallel_size > 1`` every packed sequence
     is padded to a multiple of ``2 * context_parallel_size``, so that :func:`split_for_context_parallel` can cut it.
     ``packing="tree"`` merges sequences that share a token prefix (several responses to one prompt) into tries laid
     out in one row (``data/tree.py``), so shared tokens are computed once; it logs ``tree_token_ratio`` (tree tokens

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.tokenize import TokenizedExample
-from lightning_megatron.layout import SEQUENCE_KEYS
+from lightning_megatron.microbatch import SEQUENCE_KEYS
 
 
 def sequence_alignment(context_parallel_size: int) -> int:

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_megatron.data.packing import first_fit
 from lightning_megatron.data.tokenize import TokenizedExample
-from lightning_megatron.layout import SUBTREE_END
+from lightning_megatron.microbatch import SUBTREE_END
 
 _END = -1  # the "next token" of a sequence's last token: it has no label
 

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     export_without_mtp(joint / "hf", out / "no_mtp")
     restored = out / "restored"
-    subprocess.run([sys.executable, "-m", "lightning_megatron.restore_mtp", str(out / "no_mtp"), str(restored),
+    subprocess.run([sys.executable, "-m", "lightning_megatron.mtp.restore", str(out / "no_mtp"), str(restored),
                     "--init", "random", "--seed", "1"], check=True, stdout=subprocess.DEVNULL)
     print(f"[2/4] exported without MTP, head restored at random: {restored}", flush=True)
     results["reset"] = acceptance(restored, held_out, measure["max_new_tokens"], out / "acceptance_reset",
@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def export_without_mtp(source: Path, target: Path) -> Path:
     """The user's mistake to recover from: an HF export of the trained model with the MTP head disabled."""
-    from lightning_megatron.bridges import ModelOptions, create_bridge
-    from lightning_megatron.demo import init_single_process
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.distributed import init_single_process
+    from lightning_megatron.options import ModelOptions
 
     init_single_process()
     bridge = create_bridge("megatron-bridge", source)

@@ -37,11 +37,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from tokenizers import Tokenizer
 
-from lightning_megatron.testing import make_tiny_checkpoint, train_byte_level_bpe
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint, train_byte_level_bpe
 
 SizeName = Literal["cpu", "gpu"]
 

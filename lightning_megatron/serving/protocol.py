@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.bridges.base import TensorSpec
+from lightning_megatron.hf_io import TensorSpec
 
 
 class WeightSyncError(RuntimeError):

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lightning_megatron.bridges.base import TensorSpec, checkpoint_tensor_specs, safetensors_files
+from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, safetensors_files
 from lightning_megatron.serving.protocol import (
     WeightSyncError,
     broadcast,

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.bridges.base import TensorSpec, agree_on_failure
+from lightning_megatron.distributed import agree_on_failure
+from lightning_megatron.hf_io import TensorSpec
 from lightning_megatron.serving.protocol import (
     SharedBuffer,
     WeightSyncError,

@@ -5,7 +5,7 @@ norm: at position ``t`` it combines that hidden state ``h_t`` with the embedding
 layer at rotary position ``t`` and predicts token ``t+2`` through the shared output layer. :class:`MTPDraftHead`
 computes exactly that with the target's own Hugging Face modules (the same decoder-layer and norm classes, the
 shared embedding, rotary embedding and LM head), plus a KV cache of its own, so that it can draft one token per
-decoding step without re-reading the prefix. ``lightning_megatron.testing.hf_mtp_reference_logits`` is the
+decoding step without re-reading the prefix. ``lightning_megatron.testing.checkpoints.hf_mtp_reference_logits`` is the
 independent, cache-free statement of the same computation.
 """
 

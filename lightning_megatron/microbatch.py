@@ -21,13 +21,9 @@ integer tensor, so activation recompute can save it); a bool `attention_mask` ke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
-
-if TYPE_CHECKING:
-    from lightning_megatron.bridges import ModelOptions
 
 Microbatch = dict[str, torch.Tensor]
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -38,38 +34,6 @@ CU_SEQLENS = "cu_seqlens"
 CU_SEQLENS_PADDED = "cu_seqlens_padded"
 MAX_SEQLEN = "max_seqlen"
 SUBTREE_END = "subtree_end"
-
-
-class MegatronLightningModule(pl.LightningModule):
-    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
-
-    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
-    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters. `forward_step` and
-    `loss_func` receive the microbatch as this rank holds it (cut for context parallelism by the strategy).
-    """
-
-    model: torch.nn.ModuleList
-
-    def model_options(self) -> ModelOptions:
-        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
-        from lightning_megatron.bridges import ModelOptions
-
-        return ModelOptions()
-
-    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
-        raise NotImplementedError
-
-    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
-        raise NotImplementedError
-
-    @property
-    def megatron_strategy(self) -> Any:
-        strategy = self.trainer.strategy
-        if getattr(strategy, "strategy_name", None) != "megatron":
-            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
-        return strategy
 
 
 def check_microbatch(microbatch: Microbatch, context_parallel_size: int = 1) -> None:
@@ -226,3 +190,32 @@ def packed_seq_params(microbatch: Microbatch) -> Any:
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen,
                            max_seqlen_kv=max_seqlen)
+
+
+def split_for_context_parallel(batch: dict[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:
+    """The part of ``batch`` that context-parallel rank ``cp_rank`` of ``cp_size`` holds.
+
+    ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids`` (``[b, s]``) are cut along ``s``: each row
+    (padded batch) or each segment of ``cu_seqlens`` (``cu_seqlens_padded`` when given; packed batch, ``b == 1``)
+    must have a length divisible by ``2 * cp_size``. ``cu_seqlens``, ``cu_seqlens_padded`` and ``max_seqlen`` keep
+    describing the whole row, as Megatron-Core's ``PackedSeqParams`` expects them on every CP rank (its rotary
+    embedding, its MTP ``roll_tensor`` and the attention core divide by the CP size themselves).
+    """
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size) with cp_size >= 1, got cp_rank={cp_rank}, cp_size={cp_size}")
+    if cp_size == 1:
+        return dict(batch)
+    seq_length = batch["input_ids"].shape[1]
+    slots = batch.get(CU_SEQLENS_PADDED, batch.get(CU_SEQLENS))
+    if slots is None:
+        boundaries = [0, seq_length]
+    else:
+        boundaries = [int(b) for b in slots]
+        if boundaries[0] != 0 or boundaries[-1] != seq_length:
+            raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_length}, got {boundaries}")
+    index = context_parallel_positions(boundaries, cp_rank, cp_size).to(batch["input_ids"].device)
+    split = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if key in batch:
+            split[key] = batch[key].index_select(1, index)
+    return split

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_megatron.testing import (
+from lightning_megatron.testing.checkpoints import (
     _ENDOFTEXT,
     _IM_END,
     _IM_START,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_megatron.attention import AttentionBackend, SDPAttention, with_core_attention
+from lightning_megatron.attention import SDPAttention, with_core_attention
+from lightning_megatron.options import AttentionBackend
 
 VL_MODEL_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
 CONTEXT_PARALLEL_VL_MODELS = ("qwen3_vl",)

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from lightning_megatron.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_language_model_loss
-from lightning_megatron.mtp import mtp_parameter_flags
+from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_language_model_loss
+from lightning_megatron.mtp.parameters import mtp_parameter_flags
 
 
 class _ZeroGradientTie(torch.autograd.Function):

@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.bridges import ModelOptions
-from lightning_megatron.data.context_parallel import split_for_context_parallel
-from lightning_megatron.layout import LossOutput, Microbatch, model_inputs
+from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs, split_for_context_parallel
 from lightning_megatron.module import SFTModule, masked_token_loss
+from lightning_megatron.options import ModelOptions
 
 
 class VLSFTModule(SFTModule):

@@ -11,10 +11,10 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_megatron.cli import MegatronCLI, ensure_tiny_checkpoint
-from lightning_megatron.data.multimodal import VLSFTDataModule
-from lightning_megatron.testing_vl import VLFamily, make_tiny_vl_checkpoint
-from lightning_megatron.vl_module import VLSFTModule
+from lightning_megatron.cli.megatron_cli import MegatronCLI, ensure_tiny_checkpoint
+from lightning_megatron.testing.vl import VLFamily, make_tiny_vl_checkpoint
+from lightning_megatron.vl.data import VLSFTDataModule
+from lightning_megatron.vl.module import VLSFTModule
 
 
 class VLMegatronCLI(MegatronCLI):

@@ -6,13 +6,11 @@ started from (`source`), or made fresh (`init`). Everything else must stay as fi
 are written bit for bit, every other file is copied byte for byte, and config.json changes only in its MTP layer
 count. Only safetensors are read and written here: no Megatron, no Lightning.
 
-    lightning-megatron-restore-mtp FINETUNED OUTPUT --source ORIGINAL
-    lightning-megatron-restore-mtp FINETUNED OUTPUT --init copy-last-layer
+The command is `lightning-megatron-restore-mtp` (`lightning_megatron.cli.restore_mtp`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from dataclasses import dataclass
@@ -22,14 +20,9 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 
-from lightning_megatron.bridges.base import (
-    MTP_CONFIG_KEYS,
-    checkpoint_mtp_layers,
-    read_json,
-    safetensors_files,
-    write_atomically,
-)
-from lightning_megatron.bridges.hf_io import write_safetensors
+from lightning_megatron.atomic import write_atomically
+from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers
+from lightning_megatron.hf_io import read_json, safetensors_files, write_safetensors
 
 Init = Literal["random", "copy-last-layer"]
 INITS: tuple[Init, ...] = ("random", "copy-last-layer")
@@ -153,25 +146,6 @@ def restore_mtp_head(
 
     write_atomically(output, write)
     return output
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="lightning-megatron-restore-mtp",
-        description="Write a copy of an HF checkpoint exported without its MTP head, with the MTP head restored.",
-    )
-    parser.add_argument("finetuned", metavar="FINETUNED", type=Path, help="the checkpoint exported with mtp=False")
-    parser.add_argument("output", metavar="OUTPUT", type=Path, help="the folder to write (written atomically)")
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--source", type=Path, help="the checkpoint the fine-tuning started from (it has the MTP head)")
-    mode.add_argument("--init", choices=INITS, help="make a fresh MTP head instead")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random tensors of --init (default 0)")
-    args = parser.parse_args(argv)
-    try:
-        path = restore_mtp_head(args.finetuned, args.output, source=args.source, init=args.init, seed=args.seed)
-    except MTPRestoreError as error:
-        parser.exit(1, f"{parser.prog}: error: {error}\n")
-    print(f"wrote {path}")
 
 
 def _check_output(output: Path, *, finetuned: Path, source: Path | None) -> None:
@@ -324,6 +298,3 @@ def _load_tensors(path: Path, names: set[str] | None = None) -> dict[str, torch.
                     tensors[name] = reader.get_tensor(name)
     return tensors
 
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ Micro-batches are the text layouts of :mod:`~lightning_megatron.data.packing` (p
 ``[patches, channels * temporal_patch * patch**2]`` and ``image_grid_thw`` ``[images, 3]``. Rows are *not* cut for
 context parallelism here: the Qwen3-VL model fuses the image embeddings into the full packed row first and then
 keeps its rank's part of each sequence (Megatron's load-balanced chunks, the same positions as
-:func:`~lightning_megatron.data.context_parallel.split_for_context_parallel`), labels and loss mask included.
+:func:`~lightning_megatron.microbatch.split_for_context_parallel`), labels and loss mask included.
 """
 
 from __future__ import annotations

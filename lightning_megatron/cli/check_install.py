@@ -7,44 +7,21 @@ exported checkpoint equals the original tensor for tensor, with and without the 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-
-def init_single_process() -> None:
-    """One process: gloo (or NCCL with a GPU), Megatron parallel state TP=PP=1, seeded; what scripts here need."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from lightning_megatron._compat import prepare_megatron_core
-
-    prepare_megatron_core()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
-
-
-def _free_port() -> int:
-    """A port nobody listens on now: a fixed one collides with any other run on the machine."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from lightning_megatron.distributed import init_single_process
 
 
 def _round_trip(bridge_type: str, checkpoint: Path, out: Path, mtp: bool) -> dict[str, float | bool]:
     import transformers
     from safetensors.torch import load_file
 
-    from lightning_megatron.bridges import ModelOptions, create_bridge
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.options import ModelOptions
 
     started = time.perf_counter()
     bridge = create_bridge(bridge_type, checkpoint)
@@ -80,7 +57,7 @@ def main() -> None:
 
     import transformers
 
-    from lightning_megatron.testing import make_tiny_checkpoint
+    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -26,7 +26,7 @@ from lightning_megatron.recipes.steps import CONFIGS, acceptance, derived_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_megatron.quickstart", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lightning_megatron.cli.quickstart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("artifacts/quickstart"))
     parser.add_argument("--max-steps", type=int, default=150, help="MTP-only optimizer steps")
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
 
-    from lightning_megatron.cli import ensure_tiny_checkpoint
+    from lightning_megatron.cli.megatron_cli import ensure_tiny_checkpoint
 
     checkpoint = ensure_tiny_checkpoint(work / "tiny-qwen3-mtp")
     print(f"[1/5] tiny Qwen3 checkpoint with a random MTP head: {checkpoint}")

@@ -68,7 +68,7 @@ class MegatronCLI(LightningCLI):
             if not hf_checkpoint:
                 raise ValueError("make_tiny_checkpoint: true needs trainer.strategy.init_args.hf_checkpoint: the "
                                  "folder to write the tiny checkpoint to")
-            from lightning_megatron.testing import make_tiny_checkpoint
+            from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
             family = config.tiny_checkpoint_family
             ensure_tiny_checkpoint(Path(hf_checkpoint), make=lambda path: make_tiny_checkpoint(path, family, mtp=True))
@@ -77,7 +77,7 @@ class MegatronCLI(LightningCLI):
 def ensure_tiny_checkpoint(path: Path, make: Callable[[Path], Path] | None = None) -> Path:
     """The tiny checkpoint at `path` (Qwen3+MTP unless `make` writes another), made here on first use (by local
     rank 0; other ranks wait)."""
-    from lightning_megatron.testing import make_tiny_checkpoint
+    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
     if (path / "config.json").is_file():
         return path

@@ -36,6 +36,45 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def safetensors_files(hf_path: Path) -> list[Path]:
+    return sorted(Path(hf_path).glob("*.safetensors"))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor as a checkpoint (or an export, or a wire) carries it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def checkpoint_tensor_specs(hf_path: Path) -> dict[str, TensorSpec]:
+    """Name -> shape and dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
+    specs = {}
+    for file in safetensors_files(hf_path):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                tensor_slice = reader.get_slice(name)
+                specs[name] = TensorSpec(name, tuple(tensor_slice.get_shape()),
+                                         SAFETENSORS_DTYPES[tensor_slice.get_dtype()])
+    return specs
+
+
+def checkpoint_tensor_dtypes(hf_path: Path) -> dict[str, torch.dtype]:
+    """Name -> dtype of every tensor in an HF checkpoint, read from the safetensors headers only."""
+    return {name: spec.dtype for name, spec in checkpoint_tensor_specs(hf_path).items()}
+
+
+
 def plan_shards(sizes: Mapping[str, int], shard_bytes: int = SHARD_BYTES) -> list[list[str]]:
     """Tensor names grouped into shards of at most `shard_bytes` (a bigger tensor gets its own), in name order."""
     shards: list[list[str]] = [[]]

@@ -1,0 +1,64 @@
+"""The one "stage, then rename" write: a folder is filled under a hidden name and renamed into place when complete.
+
+A reader never sees a half-written folder: a run killed mid-write leaves only the hidden staging folder, which no
+reader picks. Used by HF exports, training checkpoints, weight-sync versions and the tiny-checkpoint makers.
+A leaf: it imports nothing of `lightning_megatron` but the distributed helpers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_megatron.distributed import agree_on_failure, cpu_group
+
+
+def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> None:
+    """Fill a temporary sibling folder, then rename it into place; an earlier folder at `path` is replaced.
+
+    `every_rank`: all ranks call it and `write` on the same folder (global rank 0 makes and renames it); when one
+    rank fails, every rank raises and nothing is left behind; every rank returns only once the folder is in place.
+    """
+    collective = every_rank and dist.is_initialized() and dist.get_world_size() > 1
+    leader = not collective or dist.get_rank() == 0
+    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
+    if leader:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    if collective:
+        container = [staging]
+        dist.broadcast_object_list(container, src=0, group=cpu_group())
+        staging = container[0]
+    error: BaseException | None = None
+    try:
+        write(staging)
+    except BaseException as caught:
+        error = caught
+    try:
+        agree_on_failure(error, collective=collective)
+        if leader:
+            try:
+                move_into_place(staging, path)
+            except BaseException as caught:
+                error = caught
+        agree_on_failure(error, collective=collective)
+    except BaseException:
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def move_into_place(staging: Path, path: Path) -> None:
+    """Rename the finished staging folder to `path`, replacing an earlier checkpoint of the same name."""
+    if path.exists():
+        retired = path.parent / f".{path.name}.old-{os.getpid()}"
+        os.replace(path, retired)
+        os.replace(staging, path)
+        shutil.rmtree(retired)
+    else:
+        os.replace(staging, path)
