@@ -1,7 +1,9 @@
-"""The one "stage, then rename" write: a folder is filled under a hidden name and renamed into place when complete.
+"""The one "stage, then rename" write: a folder or a file is filled under a hidden name and renamed into place
+when complete.
 
-A reader never sees a half-written folder: a run killed mid-write leaves only the hidden staging folder, which no
-reader picks. Used by HF exports, training checkpoints, weight-sync versions and the tiny-checkpoint makers.
+A reader never sees a half-written folder or file: a run killed mid-write leaves only the hidden staging name
+(`.NAME.partial-PID` for a folder, `.NAME.XXXX.partial` for a file), which no reader picks. Used by HF exports,
+training checkpoints, weight-sync versions, reports and the tiny-checkpoint makers.
 A leaf: it imports nothing of `lightning_megatron` but the distributed helpers.
 """
 
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +66,34 @@ def move_into_place(staging: Path, path: Path) -> None:
         shutil.rmtree(retired)
     else:
         os.replace(staging, path)
+
+
+def write_file_atomically(path: Path, write: Callable[[Path], None], *, mode: int | None = None,
+                          fsync: bool = False) -> None:
+    """Call `write` on a hidden temporary sibling file, then rename it to `path` (an earlier file is replaced).
+
+    `mode`: the file's permission bits (a temporary file is private to its owner). `fsync`: flush the bytes to the
+    disk before the rename (for files another process polls).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        if fsync:
+            with open(temporary, "rb") as file:
+                os.fsync(file.fileno())
+        if mode is not None:
+            os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomically(path: Path, text: str, *, mode: int | None = None, fsync: bool = False) -> None:
+    """`text` (UTF-8) to `path` through `write_file_atomically`."""
+    write_file_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), mode=mode,
+                          fsync=fsync)
