@@ -17,11 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_megatron.data import SFTDataModule, read_jsonl, tokenize_examples
 from lightning_megatron.data.jsonl import DataValidationError
+from lightning_megatron.recipes.code_rows import Source, chunk_rows
 from lightning_megatron.recipes.stdlib_corpus import (
     EOS,
     SIZES,
-    Source,
-    chunk_rows,
     parameter_counts,
     split_sources,
     stdlib_sources,

@@ -314,7 +314,7 @@ def test_cli_writes_the_report(checkpoints, tmp_path):
                        + json.dumps({"messages": [{"role": "system", "content": "Answer briefly."},
                                                   {"role": "user", "content": PROMPTS[1]}]}) + "\n")
     completed = subprocess.run(
-        [sys.executable, "-m", "lightning_megatron.speculative", str(checkpoints["qwen3"]), str(prompts),
+        [sys.executable, "-m", "lightning_megatron.cli.speculative", str(checkpoints["qwen3"]), str(prompts),
          "--out", str(tmp_path / "out"), "--max-new-tokens", "8"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stderr

@@ -8,14 +8,14 @@ makes that data from a prompts file.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_megatron.atomic import write_text_atomically
 
 
 class ContinuationWriter(pl.Callback):
@@ -69,7 +69,8 @@ class ContinuationWriter(pl.Callback):
         if empty:
             rank_zero_warn(f"ContinuationWriter: {empty} of {len(merged)} prompts got an empty answer and are left "
                            f"out of {self.output_path}")
-        _write_jsonl_atomically(Path(self.output_path), rows)
+        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        write_text_atomically(Path(self.output_path), text)
         rank_zero_info(f"ContinuationWriter: wrote {len(rows)} rows to {self.output_path}")
 
 
@@ -80,14 +81,3 @@ def _answered_row(example: Any, answer: str, token_ids: list[int], finish_reason
     return {"prompt": example.prompt, "response": answer, **generated}
 
 
-def _write_jsonl_atomically(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            for row in rows:
-                file.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -13,14 +13,13 @@ Only the trainer deletes old versions (`keep_last`), never the one `latest` name
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.serving.protocol import post_json
 
 Engine = Literal["sglang", "vllm"]
@@ -49,17 +48,8 @@ def versions(root: Path) -> dict[int, Path]:
 
 def publish_latest(root: Path, folder: Path) -> None:
     """Point `latest` at `folder` (already complete) atomically."""
-    handle, temporary = tempfile.mkstemp(dir=root, prefix=".latest.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(folder.name + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temporary, 0o644)  # readable by an engine running as another user, like the folders
-        os.replace(temporary, root / "latest")
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    # readable by an engine running as another user, like the folders; on the disk before an engine polls it
+    write_text_atomically(root / "latest", folder.name + "\n", mode=0o644, fsync=True)
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

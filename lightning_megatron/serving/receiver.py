@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, safetensors_files
 from lightning_megatron.serving.protocol import (
     WeightSyncError,
@@ -311,9 +312,7 @@ def main() -> None:
     receiver = WeightReceiver.from_pretrained(args.checkpoint, device=args.device, port=args.port,
                                               timeout_s=args.timeout_s)
     if args.ready_file:  # written whole, then renamed: a reader never sees a partial URL
-        partial = Path(f"{args.ready_file}.partial")
-        partial.write_text(receiver.url + "\n")
-        partial.replace(args.ready_file)
+        write_text_atomically(Path(args.ready_file), receiver.url + "\n", mode=0o644)
     print(f"serving {args.checkpoint} at {receiver.url}", flush=True)
     receiver.serve_forever()
 

@@ -12,8 +12,6 @@ Definitions used in the report:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lightning_megatron.atomic import write_file_atomically, write_text_atomically
 from lightning_megatron.generate import eos_token_ids
 from lightning_megatron.speculative.decode import Decoded, greedy_decode, speculative_decode
 from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head, load_target
@@ -134,8 +133,8 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Pat
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / "report.json", out_dir / "speculative.png"
-    _write_atomically(json_path, lambda file: file.write_text(json.dumps(report, indent=2) + "\n"))
-    _write_atomically(png_path, lambda file: _plot(report).savefig(file, format="png", dpi=100))
+    write_text_atomically(json_path, json.dumps(report, indent=2) + "\n")
+    write_file_atomically(png_path, lambda file: _plot(report).savefig(file, format="png", dpi=100))
     return json_path, png_path
 
 
@@ -179,15 +178,4 @@ def _plot(report: dict[str, Any]):
     speed.set(xticks=indices, xlabel="prompt", ylabel="new tokens / s", title=f"speed-up {summary['speedup']:.2f}x")
     speed.legend()
     return figure
-
-
-def _write_atomically(path: Path, write) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(handle)
-    try:
-        write(Path(temporary))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
