@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lightning_megatron.bridges import create_bridge
-from lightning_megatron.mtp.restore import MTPRestoreError, main, restore_mtp_head
+from lightning_megatron.cli.restore_mtp import main
+from lightning_megatron.mtp.restore import MTPRestoreError, restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
@@ -263,7 +264,7 @@ def test_a_failed_write_leaves_no_output_and_keeps_an_earlier_one(checkpoints, t
 
 
 def _command(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_megatron.mtp.restore", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli.restore_mtp", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
 
 

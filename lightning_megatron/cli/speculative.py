@@ -1,4 +1,7 @@
-"""``python -m lightning_megatron.speculative HF_CHECKPOINT PROMPTS_JSONL --out DIR``: the speculative-decoding report.
+"""The speculative-decoding report of an HF checkpoint with an MTP head:
+
+    lightning-megatron-speculative HF_CHECKPOINT PROMPTS_JSONL --out DIR
+    python -m lightning_megatron.cli.speculative HF_CHECKPOINT PROMPTS_JSONL --out DIR
 
 A Megatron distributed checkpoint from training is first exported to an HF folder (the strategy's export_hf).
 """
