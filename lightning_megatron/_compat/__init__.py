@@ -17,6 +17,7 @@ from lightning_megatron._compat import (
     no_te,
     packed_mtp_roll,
     packed_rope,
+    quiet,
     root_logger,
     vl,
 )
@@ -31,6 +32,12 @@ def prepare_megatron_core() -> list[str]:
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
+
+
+def quiet_handled_warnings() -> list[str]:
+    """Drop the import-time warnings about what `_compat` handles (no CUDA runtime, no Transformer Engine or Apex);
+    returns the names of the active adjustments. Commands call it first, before anything imports megatron-core."""
+    return [adjustment.name for adjustment in quiet.ADJUSTMENTS if adjustment.apply()]
 
 
 def import_megatron_bridge() -> ModuleType:
@@ -51,4 +58,4 @@ def import_mbridge() -> ModuleType:
     return importlib.import_module("mbridge")
 
 
-__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "prepare_megatron_core"]
+__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "prepare_megatron_core", "quiet_handled_warnings"]
