@@ -13,6 +13,7 @@ from types import ModuleType
 from lightning_megatron._compat import (
     context_parallel,
     cpu,
+    mbridge,
     moe,
     no_te,
     packed_mtp_roll,
@@ -53,7 +54,7 @@ def import_megatron_bridge() -> ModuleType:
 
 def import_mbridge() -> ModuleType:
     """`mbridge`, working against megatron-core 0.19 and transformers 5, with local layer specs when TE is missing."""
-    for adjustment in (*no_te.MBRIDGE_ADJUSTMENTS, *moe.MBRIDGE_ADJUSTMENTS):
+    for adjustment in (*mbridge.ADJUSTMENTS, *moe.MBRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("mbridge")
 
