@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from lightning_megatron import _compat
 from lightning_megatron._compat import cpu, no_te
+from lightning_megatron._compat import mbridge as mbridge_adjustments
 from lightning_megatron.testing.checkpoints import Family, hf_mtp_reference_logits, make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 ADJUSTMENTS = {
-    adjustment.name: adjustment for adjustment in (*no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *no_te.MBRIDGE_ADJUSTMENTS)
+    adjustment.name: adjustment for adjustment in (*no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *mbridge_adjustments.ADJUSTMENTS)
 }
 SEQ = 8
 

@@ -13,10 +13,12 @@ from types import ModuleType
 from lightning_megatron._compat import (
     context_parallel,
     cpu,
+    mbridge,
     moe,
     no_te,
     packed_mtp_roll,
     packed_rope,
+    quiet,
     root_logger,
     vl,
 )
@@ -33,6 +35,12 @@ def prepare_megatron_core() -> list[str]:
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 
+def quiet_handled_warnings() -> list[str]:
+    """Drop the import-time warnings about what `_compat` handles (no CUDA runtime, no Transformer Engine or Apex);
+    returns the names of the active adjustments. Commands call it first, before anything imports megatron-core."""
+    return [adjustment.name for adjustment in quiet.ADJUSTMENTS if adjustment.apply()]
+
+
 def import_megatron_bridge() -> ModuleType:
     """`megatron.bridge`, importable and using local layer specs when Transformer Engine is missing.
 
@@ -46,9 +54,9 @@ def import_megatron_bridge() -> ModuleType:
 
 def import_mbridge() -> ModuleType:
     """`mbridge`, working against megatron-core 0.19 and transformers 5, with local layer specs when TE is missing."""
-    for adjustment in (*no_te.MBRIDGE_ADJUSTMENTS, *moe.MBRIDGE_ADJUSTMENTS):
+    for adjustment in (*mbridge.ADJUSTMENTS, *moe.MBRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("mbridge")
 
 
-__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "prepare_megatron_core"]
+__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "prepare_megatron_core", "quiet_handled_warnings"]

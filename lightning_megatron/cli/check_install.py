@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_megatron import _compat
 from lightning_megatron.distributed import init_single_process
 
 
@@ -50,6 +51,7 @@ def _round_trip(bridge_type: str, checkpoint: Path, out: Path, mtp: bool) -> dic
 
 
 def main() -> None:
+    _compat.quiet_handled_warnings()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
     args = parser.parse_args()

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_megatron import _compat
 from lightning_megatron.data import SFTDataModule
 from lightning_megatron.module import SFTModule
 
@@ -93,7 +93,7 @@ def ensure_tiny_checkpoint(path: Path, make: Callable[[Path], Path] | None = Non
 
 def main(args: list[str] | None = None) -> None:
     """The `lightning-megatron` console script (`args` defaults to the command line)."""
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    _compat.quiet_handled_warnings()
     MegatronCLI(args=args)
 
 

@@ -1,6 +1,7 @@
 """The main job (`make demo`): recover an MTP head's speculative-decoding acceptance, end to end, on CPU or GPU.
 
-1. the tiny Qwen3+MTP checkpoint is made locally (random weights, a random MTP head: nothing is downloaded);
+1. the tiny Qwen3+MTP checkpoint is made locally (random weights, a random MTP head: nothing is downloaded), and
+   the packaged training and held-out prompts are written to the work folder;
 2. `lightning-megatron predict` writes the frozen model's own greedy continuations of training and held-out
    prompts as SFT JSONL;
 3. the acceptance of the stored MTP head is measured on the held-out prompts by speculative decoding;
@@ -10,7 +11,7 @@
 
 Each CLI step runs as its own `lightning-megatron` process from a config written into the work folder, so what
 runs here is exactly what a user runs. It exits 1 if the acceptance did not rise or speculative decoding ever
-differed from plain greedy decoding.
+differed from plain greedy decoding. `--stop-after N` runs steps 1 to N only (and exits 0).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
+from lightning_megatron import _compat
 from lightning_megatron.recipes.steps import CONFIGS, acceptance, derived_config, read_jsonl, run_cli, write_jsonl
+
+STEPS = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("artifacts/quickstart"))
     parser.add_argument("--max-steps", type=int, default=150, help="MTP-only optimizer steps")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--stop-after", type=int, choices=range(1, STEPS + 1), default=STEPS, metavar="N",
+                        help=f"run steps 1 to N only (1-{STEPS}; default: all)")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    _compat.quiet_handled_warnings()
     started = time.perf_counter()
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -40,11 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_megatron.cli.megatron_cli import ensure_tiny_checkpoint
 
     checkpoint = ensure_tiny_checkpoint(work / "tiny-qwen3-mtp")
-    print(f"[1/5] tiny Qwen3 checkpoint with a random MTP head: {checkpoint}")
-
     train_prompts = read_jsonl(CONFIGS / "data" / "tiny_prompts_train.jsonl")
     held_out_prompts = read_jsonl(CONFIGS / "data" / "tiny_prompts_heldout.jsonl")
     prompts_file = write_jsonl(work / "prompts.jsonl", train_prompts + held_out_prompts)
+    print(f"[1/5] tiny Qwen3 checkpoint with a random MTP head: {checkpoint}; prompts: {prompts_file}")
+    if args.stop_after == 1:
+        return _stopped(1)
+
     continuations = work / "continuations.jsonl"
     generate = derived_config("tiny/generate.yaml", work / "generate.yaml", {
         "trainer.strategy.init_args.hf_checkpoint": str(checkpoint),
@@ -59,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     train_file = write_jsonl(work / "train.jsonl", [row for row in rows if row["prompt"] not in held_out_texts])
     val_file = write_jsonl(work / "heldout.jsonl", [row for row in rows if row["prompt"] in held_out_texts])
     print(f"      {continuations}: {len(rows)} rows -> {train_file.name} and {val_file.name}")
+    if args.stop_after == 2:
+        return _stopped(2)
 
     held_out = [row["prompt"] for row in held_out_prompts]
     before = acceptance(checkpoint, held_out, args.max_new_tokens, work / "acceptance_before")
     print(f"[3/5] stored (random) MTP head on {len(held_out_prompts)} held-out prompts: "
           f"acceptance {before['acceptance_rate']:.3f}")
+    if args.stop_after == 3:
+        return _stopped(3)
 
     run = work / "mtp_only"
     export = run / "hf"
@@ -81,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "data.val_path": str(val_file),
     })
     run_cli("fit", fit, f"[4/5] MTP-only fit, {args.max_steps} steps")
+    if args.stop_after == 4:
+        return _stopped(4)
 
     after = acceptance(export, held_out, args.max_new_tokens, work / "acceptance_after")
     audit = json.loads((run / "mtp_only_audit.json").read_text())
@@ -99,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done in {time.perf_counter() - started:.0f} s")
     improved = after["acceptance_rate"] > before["acceptance_rate"]
     return 0 if improved and before["all_identical"] and after["all_identical"] else 1
+
+
+def _stopped(step: int) -> int:
+    print(f"stopped after step {step} of {STEPS} (--stop-after {step})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
+from lightning_megatron import _compat
 from lightning_megatron.speculative.report import measure_checkpoint, read_prompts, write_report
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _compat.quiet_handled_warnings()
     parser = argparse.ArgumentParser(
         prog="lightning-megatron-speculative",
         description="Greedy self-speculative decoding with the checkpoint's MTP head as drafter, against plain "

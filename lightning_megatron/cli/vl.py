@@ -5,12 +5,12 @@ tiny VL checkpoint of `--tiny_vl_family` (made locally, no download) where the s
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_megatron import _compat
 from lightning_megatron.cli.megatron_cli import MegatronCLI, ensure_tiny_checkpoint
 from lightning_megatron.testing.vl import VLFamily, make_tiny_vl_checkpoint
 from lightning_megatron.vl.data import VLSFTDataModule
@@ -40,7 +40,7 @@ class VLMegatronCLI(MegatronCLI):
 
 def main(args: list[str] | None = None) -> None:
     """The `lightning-megatron-vl` console script (`args` defaults to the command line)."""
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    _compat.quiet_handled_warnings()
     VLMegatronCLI(args=args)
 
 

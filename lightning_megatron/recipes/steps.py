@@ -1,5 +1,8 @@
 """The steps recipes are made of: a config derived from one in `configs/`, a `lightning-megatron` run of it in its
-own process (exactly what a user runs), and an acceptance measurement by speculative decoding."""
+own process (exactly what a user runs), and an acceptance measurement by speculative decoding.
+
+`configs/` is package data (`lightning_megatron/configs`, with a `configs` link at the checkout's top for the
+documented commands), read through `importlib.resources`: a wheel install finds it as a checkout does."""
 
 from __future__ import annotations
 
@@ -7,17 +10,19 @@ import json
 import os
 import subprocess
 import sys
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS: Traversable = files("lightning_megatron") / "configs"
 
 
 def derived_config(source: str, target: Path, overrides: dict[str, Any]) -> Path:
     """A copy of `configs/<source>` with dotted keys replaced (list items by index), written to `target`."""
-    config = yaml.safe_load((CONFIGS / source).read_text())
+    config = yaml.safe_load(CONFIGS.joinpath(*source.split("/")).read_text())
     for dotted, value in overrides.items():
         node = config
         *parents, last = dotted.split(".")
@@ -55,7 +60,7 @@ def acceptance(checkpoint: Path, prompts: list[str], max_new_tokens: int, out: P
     return report["summary"]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path | Traversable) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

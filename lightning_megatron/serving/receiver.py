@@ -18,8 +18,10 @@ refused before anything is copied.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import site
 import subprocess
 import sys
 import tempfile
@@ -278,15 +280,30 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def child_pythonpath() -> str:
+    """`PYTHONPATH` for a `sys.executable -m lightning_megatron...` child, so that it imports this process's package.
+
+    An installed package (a site directory) needs nothing: the child has the same site directories, and one put on
+    `PYTHONPATH` would come before the standard library. A package imported from elsewhere (a checkout, through the
+    editable finder, the current folder or a `sys.path` edit such as pytest's `pythonpath`) gets the folder that
+    holds it ahead of the inherited `PYTHONPATH`.
+    """
+    inherited = os.environ.get("PYTHONPATH", "")
+    package = importlib.util.find_spec("lightning_megatron")
+    import_root = os.path.realpath(os.path.dirname(os.path.dirname(package.origin)))
+    site_directories = {os.path.realpath(path) for path in (*site.getsitepackages(), site.getusersitepackages())}
+    if import_root in site_directories:
+        return inherited
+    return os.pathsep.join(filter(None, [import_root, inherited]))
+
+
 def spawn_receiver(checkpoint: str | Path, *, port: int = 0, device: str = "cpu", timeout_s: float = 60.0,
                    log: str | Path | None = None, startup_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     """Start a receiver for `checkpoint` in a new process; returns the process and its URL once it serves."""
     ready = Path(tempfile.mkdtemp(prefix="weight-receiver-")) / "url"
     command = [sys.executable, "-m", "lightning_megatron.serving.receiver", "--checkpoint", str(checkpoint),
                "--port", str(port), "--device", device, "--timeout-s", str(timeout_s), "--ready-file", str(ready)]
-    # the child imports this package from where this process found it
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     if log is None:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     else:
