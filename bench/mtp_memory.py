@@ -47,6 +47,7 @@ from bench.common import (
     ModelShape,
     emit,
     environment,
+    fresh_memory,
     import_megatron_bridge_first,
     make_config_only_checkpoint,
     model_flops,
@@ -229,6 +230,7 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tupl
               "order": order, "runs": summaries, **compare(summaries, shape_run.targets)}
     breakdown = None
     if args.breakdown_steps and torch.cuda.is_available():
+        fresh_memory()
         recorder = RecordAllocations()
         short = replace(settings, steps=args.breakdown_steps, warmup=1)
         run_variant("mtp_only", short, shape.vocab, callbacks=(recorder,))

@@ -151,9 +151,15 @@ def test_rng_tracker(model_parallel):
 
 
 @pytest.mark.gpu
-def test_only_the_no_apex_and_context_parallel_adjustments_apply_with_cuda():
-    assert prepare_megatron_core() == [adjustment.name for adjustment in (*no_te.MEGATRON_CORE_ADJUSTMENTS,
-                                                                          *context_parallel.ADJUSTMENTS)]
+def test_with_cuda_no_cpu_adjustment_applies_and_the_no_te_ones_do():
+    """On a GPU without Transformer Engine or Apex: none of the CPU stand-ins, every workaround for the missing
+    libraries (optimizer state, context parallelism, packed RoPE and MTP roll), each only where its condition holds."""
+    applied = prepare_megatron_core()
+    without_cuda = {adjustment.name for adjustment in cpu.ADJUSTMENTS}
+    assert not without_cuda & set(applied)
+    for adjustment in (*no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS, *packed_rope.ADJUSTMENTS,
+                       *packed_mtp_roll.ADJUSTMENTS, *moe.MEGATRON_CORE_ADJUSTMENTS):
+        assert (adjustment.name in applied) == adjustment.needed(), adjustment.name
 
 
 def test_a_fresh_distributed_optimizer_has_a_state_dict_to_load_a_checkpoint_into(model_parallel):
