@@ -22,7 +22,8 @@ from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import MoEShape, RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 from tests.test_strategy import StopAfter
 
