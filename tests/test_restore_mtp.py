@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lightning_megatron.bridges import create_bridge
-from lightning_megatron.mtp.restore import MTPRestoreError, main, restore_mtp_head
+from lightning_megatron.cli.restore_mtp import main
+from lightning_megatron.mtp.restore import MTPRestoreError, restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
