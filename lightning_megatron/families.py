@@ -4,8 +4,8 @@ Every HF `model_type` the package knows has one `ModelFamily` entry in `MODEL_FA
 class, the HF names of its MTP head (`MTPNames`, or None for a plain decoder), and whether it is MoE or
 vision-language. This is the only place in the package where an HF MTP tensor name is spelled: the restore tool,
 the speculative decoder, the bridges' export filter, the tiny-checkpoint makers, the recipes and `_compat`'s
-megatron-bridge mappings all read it (tests/test_families.py fails on a spelling anywhere else). Megatron's own parameter names
-(`mtp.layers.0.eh_proj.weight`, ...) stay with the code that maps them.
+megatron-bridge mappings all read it (tests/test_families.py fails on a spelling anywhere else). Megatron's own
+parameter names (`mtp.layers.0.eh_proj.weight`, ...) stay with the code that maps them.
 
 A ground-floor leaf: it imports nothing of `lightning_megatron`, so every room may read it, `_compat` included.
 
@@ -31,8 +31,8 @@ from typing import Any
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
 """The config keys under which model families declare their MTP layer count (any family's, not only the table's)."""
 
-# MTP heads of layouts not in the table (e.g. a language model nested under a wrapper, `model.language_model.mtp.`):
-# an export without MTP drops them too rather than writing a head the config no longer declares.
+# MTP heads of layouts not in the table (`model.mtp.*`, or `*.mtp.*` under a wrapper module): an export without
+# MTP drops them too rather than writing a head the config no longer declares.
 _OTHER_MTP_PREFIXES = ("model.mtp.",)
 _OTHER_MTP_INFIX = ".mtp."
 
@@ -65,10 +65,6 @@ class MTPNames:
         """MTP layer `i`'s own tensors (not its decoder sub-layer): role -> HF name."""
         return {"projection": self.projection.format(i=i), "embedding_norm": self.embedding_norm.format(i=i),
                 "hidden_norm": self.hidden_norm.format(i=i), "final_norm": self.final_norm.format(i=i)}
-
-    def layer_prefix(self, i: int) -> str:
-        """The name prefix of MTP layer `i`'s decoder sub-layer."""
-        return self.layer.format(i=i)
 
 
 @dataclass(frozen=True)
