@@ -155,7 +155,8 @@ def test_no_module_but_the_family_table_spells_an_hf_mtp_tensor_name() -> None:
         for line, literal in _string_literals(ast.parse(file.read_text(), str(file))):
             if (relative, literal) not in ALLOWED and any(pattern.search(literal) for pattern in HF_MTP_PATTERNS):
                 found.append(f"{relative}:{line}: {literal!r}")
-    assert not found, "HF MTP names belong in lightning_megatron/families.py; read them from there:\n" + "\n".join(found)
+    assert not found, ("HF MTP names belong in lightning_megatron/families.py; read them from there:\n"
+                       + "\n".join(found))
 
 
 def test_the_scan_sees_the_spellings_it_guards_against() -> None:

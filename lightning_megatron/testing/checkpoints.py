@@ -119,10 +119,8 @@ def make_tiny_checkpoint(
 
     def write(folder: Path) -> None:
         config = _model_config(family, mtp, tied, dtype, shape, ids, moe)
-        tensors = {
-            name: random_tensor(name, tensor_shape, seed).to(dtype)
-            for name, tensor_shape in _with_experts(family, _tensor_shapes(family, mtp, tied, shape), moe, shape).items()
-        }
+        shapes = _with_experts(family, _tensor_shapes(family, mtp, tied, shape), moe, shape)
+        tensors = {name: random_tensor(name, tensor_shape, seed).to(dtype) for name, tensor_shape in shapes.items()}
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         write_json(folder / "config.json", config)
         write_json(
