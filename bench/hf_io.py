@@ -40,6 +40,7 @@ from bench.common import (
     median_seconds,
 )
 from lightning_megatron.distributed import init_single_process
+from lightning_megatron.families import is_hf_mtp_tensor
 
 
 def _raw_read(files: list[Path], names: set[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -84,8 +85,8 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
             dtypes.update({name: handle.get_slice(name).get_dtype() for name in handle.keys()})
     bridge = create_bridge(bridge_type, checkpoint)
     mtp = bridge_type == "megatron-bridge" and ModelShape.from_hf_checkpoint(checkpoint).mtp_layers > 0
-    # the bridge's own rule for which HF tensors are the MTP head (the ones an mtp=False export leaves out)
-    names = {name for name in dtypes if mtp or not bridge._is_hf_mtp_tensor(name)}
+    # the package's one rule for which HF tensors are the MTP head (the ones an mtp=False export leaves out)
+    names = {name for name in dtypes if mtp or not is_hf_mtp_tensor(name)}
     options = ModelOptions(params_dtype=_DTYPES[dtypes[min(names)]], mtp=mtp)
     chunks = bridge.build(options)  # warm-up: the first build pays one-time set-up
     device = _model_device(chunks)

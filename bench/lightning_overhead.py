@@ -64,7 +64,7 @@ from bench.common import (
 from lightning_megatron import SFTModule
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.testing.checkpoints import RandomTokenDataset
+from lightning_megatron.testing.datasets import RandomTokenDataset
 
 VARIANTS = ("plain", "lightning", "mtp_only")
 TINY = dict(seq=32, micro_batch=2, microbatches=2, steps=2, warmup=1, rounds=2, precision="fp32")

@@ -226,7 +226,8 @@ def main() -> None:
     import tempfile
 
     from lightning_megatron.distributed import init_single_process
-    from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
+    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+    from lightning_megatron.testing.datasets import RandomTokenDataset
 
     init_single_process()
     checkpoint = args.checkpoint or str(make_tiny_checkpoint(tempfile.mkdtemp() + "/qwen3", "qwen3"))

@@ -128,7 +128,7 @@ def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: i
     from torch.utils.data import DataLoader
 
     from lightning_megatron import MegatronStrategy, SFTModule, WeightSync
-    from lightning_megatron.testing.checkpoints import RandomTokenDataset
+    from lightning_megatron.testing.datasets import RandomTokenDataset
 
     class StepTimes(pl.Callback):
         def __init__(self) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.families import MOE_MODEL_TYPES
+
 # Router fields an HF checkpoint fixes: a different value computes a different model.
 CHECKPOINT_ROUTER_FIELDS = (
     "num_moe_experts",
@@ -25,7 +27,6 @@ CHECKPOINT_ROUTER_FIELDS = (
 )
 # The load-balancing losses Megatron-Core's router records in its MoE metrics tracker (moe/router.py).
 LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
-_MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 def checkpoint_num_experts(hf_config: dict[str, Any]) -> int:
@@ -44,9 +45,9 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     if not checkpoint_num_experts(hf_config):
         return {}
     model_type = hf_config.get("model_type")
-    if model_type not in _MOE_MODEL_TYPES:
+    if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"hf_checkpoint: MoE model_type {model_type!r} is not supported; the MoE families are "
-                         f"{', '.join(_MOE_MODEL_TYPES)}")
+                         f"{', '.join(MOE_MODEL_TYPES)}")
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError("hf_checkpoint: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
                          "are not mapped by the bridges; use a checkpoint whose every layer is MoE")

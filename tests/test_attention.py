@@ -29,7 +29,8 @@ from lightning_megatron.data.packing import collate_packed, pack_examples, pad_e
 from lightning_megatron.data.tokenize import TokenizedExample
 from lightning_megatron.microbatch import model_inputs
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._distributed import run_distributed
 from tests._megatron import SEQ, VOCAB, token_batch
 

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._distributed import run_distributed
 
 SEQ = 16

@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli.megatron_cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=_env())
 
 
@@ -176,7 +176,7 @@ def test_validation_acceptance_equals_the_hf_reference(tmp_path: Path) -> None:
     from lightning_megatron import MegatronStrategy, SFTDataModule, SFTModule
     from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy
     from lightning_megatron.speculative import load_target
-    from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits
+    from lightning_megatron.testing.references import hf_mtp_reference_logits
 
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", mtp=True)
     rows = [{"prompt": "What is the capital of France?", "response": "The capital of France is Paris."},

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from lightning_megatron import _compat
 from lightning_megatron._compat import cpu, no_te
 from lightning_megatron._compat import mbridge as mbridge_adjustments
-from lightning_megatron.testing.checkpoints import Family, hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import Family, make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is not None, reason="the adjustments apply only without TE"

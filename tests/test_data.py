@@ -25,7 +25,8 @@ from lightning_megatron.data import (
     tokenize_examples,
 )
 from lightning_megatron.data.packing import pack_examples, pad_example
-from lightning_megatron.testing.checkpoints import CHAT_TEMPLATE, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.tokenizer import CHAT_TEMPLATE
 
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},

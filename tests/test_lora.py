@@ -27,7 +27,8 @@ from lightning_megatron.lora import (
 )
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 
 SEQ, VOCAB, SAMPLES, STEPS = 16, 384, 16, 3

@@ -22,7 +22,8 @@ from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import MoEShape, RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 from tests.test_strategy import StopAfter
 
@@ -451,7 +452,7 @@ def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_p
             callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli.megatron_cli", "fit", "--config",
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
                                 str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
                                timeout=600, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]

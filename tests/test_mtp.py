@@ -19,7 +19,8 @@ from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.module import SFTModule
 from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 
 SEQ, VOCAB, SAMPLES, SCALE = 16, 384, 32, 0.1

@@ -182,4 +182,4 @@ def test_checkpoint_loads_and_tokenizer_round_trips(built: dict[str, Any], manif
     assert logits.shape == (1, ids.shape[1], shape.vocab_size) and torch.isfinite(logits).all()
 
     head = load_mtp_head(checkpoint, load_target(checkpoint))  # what the speculative evaluator reads
-    assert head.layout.family == "qwen3"
+    assert head.family == "qwen3"

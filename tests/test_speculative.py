@@ -28,7 +28,8 @@ from lightning_megatron.speculative import (
     write_report,
 )
 from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
-from lightning_megatron.testing.checkpoints import hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

@@ -22,7 +22,8 @@ from bench.megatron_loop import run as run_reference_loop
 from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 
 SEQ, VOCAB, SAMPLES = 16, 384, 32

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_megatron.testing.checkpoints import FAMILIES, hf_mtp_reference_logits, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import FAMILIES, make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
 
 _LAYER = [
     "input_layernorm.weight",

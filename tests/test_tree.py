@@ -200,7 +200,7 @@ def test_the_tree_config_fits_and_prints_the_tree_token_ratio(tmp_path: Path) ->
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli.megatron_cli", "fit", "--config", str(path)],
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(path)],
                                cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     printed = re.search(r"tree_token_ratio=([0-9.]+)", completed.stdout + completed.stderr)

@@ -29,7 +29,8 @@ from lightning_megatron.serving import CollectiveSender, ColocatedSender, Weight
 from lightning_megatron.serving.protocol import dtype_from_name, post_json
 from lightning_megatron.serving.receiver import spawn_receiver
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import free_port, run_distributed
 
 SEQ, SAMPLES = 16, 32

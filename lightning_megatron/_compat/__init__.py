@@ -2,7 +2,8 @@
 
 Every workaround is an `Adjustment`: applied only when its condition holds, idempotent, reversible (the tests show
 each failure without it), and documented with the upstream file it works around. Nothing here imports the rest of
-`lightning_megatron`.
+`lightning_megatron` but the family table (`lightning_megatron.families`, a leaf), whose HF names the
+megatron-bridge mappings read.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import torch
 from lightning_megatron._compat._adjustment import Adjustment, Patches
 from lightning_megatron._compat.cpu import _no_cuda, _NoOpStream
 from lightning_megatron._compat.no_te import _no_transformer_engine
+from lightning_megatron.families import mtp_names
 
 # megatron-core ----------------------------------------------------------------------------------------------------
 
@@ -121,24 +122,29 @@ def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
     patches.setattr(Qwen3MoEBridge, "provider_bridge", provider_bridge_unfused)
 
 
-_QWEN3_MOE_MTP_NAMES = {
-    "mtp.layers.0.eh_proj.weight": "mtp.fc.weight",
-    "mtp.layers.0.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
-    "mtp.layers.0.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
-    "mtp.layers.0.final_layernorm.weight": "mtp.norm.weight",
-    "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight": "mtp.layers.0.input_layernorm.weight",
-    "mtp.layers.0.mtp_model_layer.self_attention.q_layernorm.weight": "mtp.layers.0.self_attn.q_norm.weight",
-    "mtp.layers.0.mtp_model_layer.self_attention.k_layernorm.weight": "mtp.layers.0.self_attn.k_norm.weight",
-    "mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight": "mtp.layers.0.self_attn.o_proj.weight",
-    "mtp.layers.0.mtp_model_layer.pre_mlp_layernorm.weight": "mtp.layers.0.post_attention_layernorm.weight",
-    "mtp.layers.0.mtp_model_layer.mlp.router.weight": "mtp.layers.0.mlp.gate.weight",
-}
+def _qwen3_moe_mtp_names() -> dict[str, str]:
+    """Megatron name -> HF name of the Qwen3-MoE MTP layer's tensors outside its attention projections and experts."""
+    hf = mtp_names("qwen3_moe")
+    head, layer = hf.head(0), hf.layer.format(i=0)
+    return {
+        "mtp.layers.0.eh_proj.weight": head["projection"],
+        "mtp.layers.0.enorm.weight": head["embedding_norm"],
+        "mtp.layers.0.hnorm.weight": head["hidden_norm"],
+        "mtp.layers.0.final_layernorm.weight": head["final_norm"],
+        "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight": f"{layer}input_layernorm.weight",
+        "mtp.layers.0.mtp_model_layer.self_attention.q_layernorm.weight": f"{layer}self_attn.q_norm.weight",
+        "mtp.layers.0.mtp_model_layer.self_attention.k_layernorm.weight": f"{layer}self_attn.k_norm.weight",
+        "mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight": f"{layer}self_attn.o_proj.weight",
+        "mtp.layers.0.mtp_model_layer.pre_mlp_layernorm.weight": f"{layer}post_attention_layernorm.weight",
+        "mtp.layers.0.mtp_model_layer.mlp.router.weight": f"{layer}mlp.gate.weight",
+    }
 
 
 def _qwen3_moe_maps_no_mtp() -> bool:
     from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 
     registry = Qwen3MoEBridge.mapping_registry(object.__new__(Qwen3MoEBridge))
+    # "mtp.": the prefix of Megatron's MTP parameters (GPTModel.mtp), not an HF name
     return not any(mapping.megatron_param.startswith("mtp.") for mapping in registry.mappings)
 
 
@@ -150,12 +156,12 @@ def _install_qwen3_moe_mtp_names(patches: Patches) -> None:
     from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 
     mapping_registry = Qwen3MoEBridge.mapping_registry
-    layer, hf_layer = "mtp.layers.*.mtp_model_layer", "mtp.layers.*"
+    layer, hf_layer = "mtp.layers.*.mtp_model_layer", mtp_names("qwen3_moe").layer.format(i="*").removesuffix(".")
 
     @functools.wraps(mapping_registry)
     def mapping_registry_with_mtp(bridge: Any) -> Any:
         mtp_mappings = [AutoMapping(megatron_param=name, hf_param=hf_name)
-                        for name, hf_name in _QWEN3_MOE_MTP_NAMES.items()]
+                        for name, hf_name in _qwen3_moe_mtp_names().items()]
         attention, experts = f"{hf_layer}.self_attn", f"{hf_layer}.mlp.experts.*"
         mtp_mappings.append(QKVMapping(megatron_param=f"{layer}.self_attention.linear_qkv.weight",
                                        q=f"{attention}.q_proj.weight", k=f"{attention}.k_proj.weight",

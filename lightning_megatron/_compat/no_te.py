@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
+from lightning_megatron.families import mtp_names
 
 
 def _no_transformer_engine() -> bool:
@@ -256,7 +257,8 @@ def _mtp_layernorm_names_unaliased() -> bool:
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
-    registry = MegatronMappingRegistry(AutoMapping(_MTP_FUSED_NORM, "mtp.layers.0.input_layernorm.weight"))
+    hf_layer = mtp_names("qwen3").layer.format(i=0)
+    registry = MegatronMappingRegistry(AutoMapping(_MTP_FUSED_NORM, f"{hf_layer}input_layernorm.weight"))
     return all(mapping.megatron_param != _MTP_SEPARATE_NORM for mapping in registry.mappings)
 
 

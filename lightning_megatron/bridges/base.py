@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.distributed import parallel_sizes
-from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers
+from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers, is_hf_mtp_tensor
 from lightning_megatron.hf_io import (
     LoadReport,
     TensorSpec,
@@ -124,7 +124,7 @@ class Bridge(ABC):
                 "(lightning-megatron-restore-mtp), or set mtp: false"
             )
         if options.mtp and not options.random_weights and not any(
-                self._is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
+                is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
             raise BridgeError(
                 f"{self.hf_path}: config.json declares {self.checkpoint_mtp_layers} MTP layer(s) but the weights hold "
                 "no MTP tensor; restore the head with lightning-megatron-restore-mtp (--source or --init), "
@@ -218,7 +218,7 @@ class Bridge(ABC):
         when the model was built with MTP), shapes, and dtypes (the source's, or `dtype`)."""
         return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
                 for name, spec in checkpoint_tensor_specs(self.hf_path).items()
-                if self.options.mtp or not self._is_hf_mtp_tensor(name)}
+                if self.options.mtp or not is_hf_mtp_tensor(name)}
 
     def export_hf_tensors(self, chunks: list[torch.nn.Module], *, dtype: torch.dtype | None = None,
                           on_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -280,9 +280,6 @@ class Bridge(ABC):
 
         write_atomically(path, write, every_rank=True)
         return path
-
-    def _is_hf_mtp_tensor(self, name: str) -> bool:
-        return name.startswith(("mtp.", "model.mtp_layers.", "model.mtp.")) or ".mtp." in name
 
     def _write_folder(self, folder: Path) -> None:
         """Everything of an HF checkpoint folder but the weights: tokenizer, generation config, config."""

@@ -15,6 +15,7 @@ import torch
 
 from lightning_megatron import _compat
 from lightning_megatron.distributed import init_single_process
+from lightning_megatron.families import is_hf_mtp_tensor
 
 
 def _round_trip(bridge_type: str, checkpoint: Path, out: Path, mtp: bool) -> dict[str, float | bool]:
@@ -40,7 +41,7 @@ def _round_trip(bridge_type: str, checkpoint: Path, out: Path, mtp: bool) -> dic
     saved = time.perf_counter()
     original, exported = load_file(checkpoint / "model.safetensors"), load_file(out / "model.safetensors")
     if not mtp:  # the head was dropped on purpose; the export's config says so
-        original = {name: tensor for name, tensor in original.items() if not name.startswith("mtp.")}
+        original = {name: tensor for name, tensor in original.items() if not is_hf_mtp_tensor(name)}
     return {
         "max_abs_logit_diff": float((logits - reference).abs().max()),
         "export_bit_identical": original.keys() == exported.keys()

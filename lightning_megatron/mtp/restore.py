@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from lightning_megatron.atomic import write_atomically
-from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers
+from lightning_megatron.families import MTP_CONFIG_KEYS, MTP_MODEL_TYPES, MTPNames, checkpoint_mtp_layers, family
 from lightning_megatron.hf_io import read_json, safetensors_files, write_safetensors
 
 Init = Literal["random", "copy-last-layer"]
@@ -30,40 +29,6 @@ INITS: tuple[Init, ...] = ("random", "copy-last-layer")
 
 class MTPRestoreError(ValueError):
     """Checkpoints or options that cannot give a correct MTP checkpoint; the message names the field and the fix."""
-
-
-@dataclass(frozen=True)
-class MTPLayout:
-    """Where a family keeps its MTP head, in HF names; `{i}` stands for the MTP layer's index."""
-
-    prefix: str  # every MTP tensor's name starts with it
-    layer: str  # MTP layer i's transformer sub-layer: below it, the same names as in a decoder layer
-    projection: str  # the [embedding, hidden] -> hidden projection
-    norms: tuple[str, ...]  # the embedding norm, the hidden norm and the final norm
-
-
-# The names megatron-bridge 0.6.2 maps (qwen/qwen3_bridge.py, mimo/mimo_bridge.py). Qwen3 has one projection and
-# one set of norms whatever the layer count (megatron-bridge maps layer 0 only); MiMo has them per layer.
-MTP_LAYOUTS = {
-    "qwen3": MTPLayout(
-        prefix="mtp.",
-        layer="mtp.layers.{i}.",
-        projection="mtp.fc.weight",
-        norms=("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"),
-    ),
-    "mimo": MTPLayout(
-        prefix="model.mtp_layers.",
-        layer="model.mtp_layers.{i}.",
-        projection="model.mtp_layers.{i}.input_proj.weight",
-        norms=(
-            "model.mtp_layers.{i}.token_layernorm.weight",
-            "model.mtp_layers.{i}.hidden_layernorm.weight",
-            "model.mtp_layers.{i}.final_layernorm.weight",
-        ),
-    ),
-}
-# Qwen3-MoE carries its MTP layer as Qwen3-Next does: Qwen3's names, experts in the layer (lightning_megatron._compat.moe).
-MTP_LAYOUTS["qwen3_moe"] = MTP_LAYOUTS["qwen3"]
 
 
 def restore_mtp_head(
@@ -96,8 +61,7 @@ def restore_mtp_head(
     _check_output(output, finetuned=finetuned, source=source)
 
     config = _read_config(finetuned, "finetuned")
-    family = _family(config, finetuned, "finetuned")
-    layout = MTP_LAYOUTS[family]
+    model_type, layout = _mtp_family(config, finetuned, "finetuned")
     shapes = _tensor_shapes(finetuned, "finetuned")
     present = sorted(name for name in shapes if name.startswith(layout.prefix))
     if checkpoint_mtp_layers(config) or present:
@@ -108,7 +72,7 @@ def restore_mtp_head(
 
     if source is not None:
         source_config = _read_config(source, "source")
-        mtp_layers = _check_source(finetuned, config, source, source_config, family)
+        mtp_layers = _check_source(finetuned, config, source, source_config, model_type)
         expected = _mtp_shapes(layout, config, shapes, mtp_layers)
         _check_source_tensors(source, _tensor_shapes(source, "source"), layout, expected)
     else:
@@ -116,7 +80,7 @@ def restore_mtp_head(
         mtp_layers = 1
         expected = _mtp_shapes(layout, config, shapes, mtp_layers)
 
-    keys = [key for key in MTP_CONFIG_KEYS if key in config or key in source_config] or ["num_nextn_predict_layers"]
+    keys = [key for key in MTP_CONFIG_KEYS if key in config or key in source_config] or [layout.layers_key]
     restored_config = {**config, **dict.fromkeys(keys, mtp_layers)}
     # Listed before anything is written: `output` (and its staging folder) may lie inside `finetuned`.
     copied = [
@@ -168,23 +132,25 @@ def _read_config(path: Path, label: str) -> dict[str, Any]:
     return read_json(path / "config.json")
 
 
-def _family(config: dict[str, Any], path: Path, label: str) -> str:
-    family = config.get("model_type")
-    if family not in MTP_LAYOUTS:
+def _mtp_family(config: dict[str, Any], path: Path, label: str) -> tuple[str, MTPNames]:
+    """The checkpoint's `model_type` and its family's MTP names."""
+    model_type = config.get("model_type")
+    names = family(model_type).mtp if model_type in MTP_MODEL_TYPES else None
+    if names is None:
         raise MTPRestoreError(
-            f"{label}: {path} has model_type {family!r}; restoring an MTP head is supported for "
-            f"{', '.join(MTP_LAYOUTS)} (the families whose MTP weights the bridges map)"
+            f"{label}: {path} has model_type {model_type!r}; restoring an MTP head is supported for "
+            f"{', '.join(MTP_MODEL_TYPES)} (the families whose MTP weights the bridges map)"
         )
-    return family
+    return model_type, names
 
 
 def _check_source(
-    finetuned: Path, config: dict[str, Any], source: Path, source_config: dict[str, Any], family: str
+    finetuned: Path, config: dict[str, Any], source: Path, source_config: dict[str, Any], model_type: str
 ) -> int:
     """The source's MTP layer count, once it is known to be the same model as the fine-tuned one."""
-    if source_config.get("model_type") != family:
+    if source_config.get("model_type") != model_type:
         raise MTPRestoreError(
-            f"model_type: the fine-tuned checkpoint {finetuned} is {family!r}, the source {source} is "
+            f"model_type: the fine-tuned checkpoint {finetuned} is {model_type!r}, the source {source} is "
             f"{source_config.get('model_type')!r}; the MTP head must come from a checkpoint of the same family"
         )
     for key in ("hidden_size", "vocab_size"):
@@ -203,7 +169,7 @@ def _check_source(
 
 
 def _mtp_shapes(
-    layout: MTPLayout, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], mtp_layers: int
+    layout: MTPNames, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], mtp_layers: int
 ) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Every MTP tensor the fine-tuned checkpoint needs: its shape, and the decoder tensor it mirrors (if any).
 
@@ -229,7 +195,7 @@ def _mtp_shapes(
 def _check_source_tensors(
     source: Path,
     shapes: dict[str, tuple[int, ...]],
-    layout: MTPLayout,
+    layout: MTPNames,
     expected: dict[str, tuple[tuple[int, ...], str | None]],
 ) -> None:
     present = {name for name in shapes if name.startswith(layout.prefix)}

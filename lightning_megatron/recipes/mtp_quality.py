@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     export_without_mtp(joint / "hf", out / "no_mtp")
     restored = out / "restored"
-    subprocess.run([sys.executable, "-m", "lightning_megatron.mtp.restore", str(out / "no_mtp"), str(restored),
+    subprocess.run([sys.executable, "-m", "lightning_megatron.cli.restore_mtp", str(out / "no_mtp"), str(restored),
                     "--init", "random", "--seed", "1"], check=True, stdout=subprocess.DEVNULL)
     print(f"[2/4] exported without MTP, head restored at random: {restored}", flush=True)
     results["reset"] = acceptance(restored, held_out, measure["max_new_tokens"], out / "acceptance_reset",

@@ -39,8 +39,10 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
+from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.recipes.code_rows import Row, Source, chunk_rows, head_prompt
-from lightning_megatron.testing.checkpoints import make_tiny_checkpoint, train_byte_level_bpe
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.tokenizer import train_byte_level_bpe
 
 SizeName = Literal["cpu", "gpu"]
 
@@ -284,7 +286,7 @@ def make_model(
 
 
 def parameter_counts(checkpoint: str | Path) -> dict[str, int]:
-    """Parameters of an HF checkpoint from its safetensors headers: ``total``, ``mtp`` (``mtp.*``) and
+    """Parameters of an HF checkpoint from its safetensors headers: ``total``, ``mtp`` (its MTP head) and
     ``embedding`` (input embedding and LM head)."""
     from safetensors import safe_open
 
@@ -296,7 +298,7 @@ def parameter_counts(checkpoint: str | Path) -> dict[str, int]:
                 for dim in handle.get_slice(name).get_shape():
                     numel *= dim
                 counts["total"] += numel
-                if name.startswith("mtp."):
+                if is_hf_mtp_tensor(name):
                     counts["mtp"] += numel
                 if name in ("model.embed_tokens.weight", "lm_head.weight"):
                     counts["embedding"] += numel

@@ -35,7 +35,7 @@ def derived_config(source: str, target: Path, overrides: dict[str, Any]) -> Path
 
 def run_cli(subcommand: str, config: Path, title: str) -> None:
     """`lightning-megatron <subcommand> --config <config>` in its own process, its output in `<config>.log`."""
-    command = [sys.executable, "-m", "lightning_megatron.cli.megatron_cli", subcommand, "--config", str(config)]
+    command = [sys.executable, "-m", "lightning_megatron.cli", subcommand, "--config", str(config)]
     print(f"{title}: lightning-megatron {subcommand} --config {config}", flush=True)
     log = config.with_suffix(".log")
     with log.open("w") as output:

@@ -5,8 +5,8 @@ norm: at position ``t`` it combines that hidden state ``h_t`` with the embedding
 layer at rotary position ``t`` and predicts token ``t+2`` through the shared output layer. :class:`MTPDraftHead`
 computes exactly that with the target's own Hugging Face modules (the same decoder-layer and norm classes, the
 shared embedding, rotary embedding and LM head), plus a KV cache of its own, so that it can draft one token per
-decoding step without re-reading the prefix. ``lightning_megatron.testing.checkpoints.hf_mtp_reference_logits`` is the
-independent, cache-free statement of the same computation.
+decoding step without re-reading the prefix. ``lightning_megatron.testing.references.hf_mtp_reference_logits`` is
+the independent, cache-free statement of the same computation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,44 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-
-@dataclass(frozen=True)
-class MTPLayout:
-    """Where one family keeps its (single) MTP layer in an HF checkpoint."""
-
-    family: str
-    embedding_norm: str
-    hidden_norm: str
-    projection: str
-    hidden_first: bool  # the projection's input is cat([hidden, embedding]) rather than cat([embedding, hidden])
-    layer_prefix: str  # the decoder layer's tensors, named as in the main decoder's layers
-    final_norm: str
-
-
-# Spelled out from megatron-bridge 0.6.2's qwen3_bridge.py and mimo_bridge.py mappings.
-LAYOUTS = (
-    MTPLayout(
-        family="qwen3",
-        embedding_norm="mtp.pre_fc_norm_embedding",
-        hidden_norm="mtp.pre_fc_norm_hidden",
-        projection="mtp.fc",
-        hidden_first=False,
-        layer_prefix="mtp.layers.0.",
-        final_norm="mtp.norm",
-    ),
-    MTPLayout(
-        family="mimo",
-        embedding_norm="model.mtp_layers.0.token_layernorm",
-        hidden_norm="model.mtp_layers.0.hidden_layernorm",
-        projection="model.mtp_layers.0.input_proj",
-        hidden_first=True,
-        layer_prefix="model.mtp_layers.0.",
-        final_norm="model.mtp_layers.0.final_layernorm",
-    ),
-)
-
-MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
-"""Tensor-name prefixes of the MTP layers in :data:`LAYOUTS`: what the target model leaves unloaded."""
+from lightning_megatron.families import MTP_PREFIXES, MTPNames, distinct_mtp_names
 
 
 class MTPDraftHead(nn.Module):
@@ -71,10 +33,10 @@ class MTPDraftHead(nn.Module):
     or later-trained LM head is always the one the target uses.
     """
 
-    def __init__(self, target: PreTrainedModel, layout: MTPLayout) -> None:
+    def __init__(self, target: PreTrainedModel, family: str, names: MTPNames) -> None:
         super().__init__()
         config = target.config
-        self.layout = layout
+        self.family, self.names = family, names  # the HF layout it was loaded from
         norm_class, layer_class = type(target.model.norm), type(target.model.layers[0])
         self.config = config
         self.enorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
@@ -154,40 +116,42 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
     """The MTP head stored in the HF checkpoint at ``hf_path``, on ``target``'s device and dtype, in eval mode.
 
     Only the MTP tensors are read from the safetensors. Raises ``ValueError`` when the checkpoint carries no MTP
-    layer in a layout listed in :data:`LAYOUTS`.
+    layer in a layout of :data:`lightning_megatron.families.MODEL_FAMILIES`.
     """
     hf_path = Path(hf_path)
     files = sorted(hf_path.glob("*.safetensors"))
-    names = {name: file for file in files for name in _tensor_names(file)}
-    layout = _detect_layout(hf_path, names)
-    head = MTPDraftHead(target, layout)
+    tensor_files = {name: file for file in files for name in _tensor_names(file)}
+    family, names = _detect_layout(hf_path, tensor_files)
+    head = MTPDraftHead(target, family, names)
+    tensors, layer_prefix = names.head(0), names.layer.format(i=0)
 
     def read(name: str) -> torch.Tensor:
-        with safe_open(names[name], framework="pt") as reader:
+        with safe_open(tensor_files[name], framework="pt") as reader:
             return reader.get_tensor(name)
 
-    projection = read(f"{layout.projection}.weight")
-    if layout.hidden_first:
+    projection = read(tensors["projection"])
+    if names.hidden_first:
         hidden_half, embedding_half = projection.chunk(2, dim=1)
         projection = torch.cat([embedding_half, hidden_half], dim=1)
-    layer_names = [f"{layout.layer_prefix}{name}" for name in head.layer.state_dict()]
-    missing = [name for name in layer_names if name not in names]
+    layer_names = [f"{layer_prefix}{name}" for name in head.layer.state_dict()]
+    missing = [name for name in layer_names if name not in tensor_files]
     if missing:
-        raise ValueError(f"{hf_path}: the {layout.family} MTP layer is missing tensors {missing}")
-    head.enorm.load_state_dict({"weight": read(f"{layout.embedding_norm}.weight")})
-    head.hnorm.load_state_dict({"weight": read(f"{layout.hidden_norm}.weight")})
+        raise ValueError(f"{hf_path}: the {family} MTP layer is missing tensors {missing}")
+    head.enorm.load_state_dict({"weight": read(tensors["embedding_norm"])})
+    head.hnorm.load_state_dict({"weight": read(tensors["hidden_norm"])})
     head.eh_proj.load_state_dict({"weight": projection})
-    head.layer.load_state_dict({name.removeprefix(layout.layer_prefix): read(name) for name in layer_names})
-    head.final_norm.load_state_dict({"weight": read(f"{layout.final_norm}.weight")})
+    head.layer.load_state_dict({name.removeprefix(layer_prefix): read(name) for name in layer_names})
+    head.final_norm.load_state_dict({"weight": read(tensors["final_norm"])})
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def _detect_layout(hf_path: Path, tensor_names: Collection[str]) -> MTPLayout:
-    """The MTP layout whose projection tensor the checkpoint holds."""
-    for layout in LAYOUTS:
-        if f"{layout.projection}.weight" in tensor_names:
-            return layout
-    known = ", ".join(f"{layout.family} ({layout.projection}.weight)" for layout in LAYOUTS)
+def _detect_layout(hf_path: Path, tensor_names: Collection[str]) -> tuple[str, MTPNames]:
+    """The family (the first in the table with these names) and MTP names whose projection the checkpoint holds."""
+    layouts = distinct_mtp_names()
+    for names, family in layouts.items():
+        if names.head(0)["projection"] in tensor_names:
+            return family, names
+    known = ", ".join(f"{family} ({names.head(0)['projection']})" for names, family in layouts.items())
     raise ValueError(
         f"{hf_path} has no MTP head in a layout this decoder knows: {known}. "
         "Export the checkpoint with its MTP head kept (ModelOptions(mtp=True))."

@@ -118,7 +118,7 @@ def measure_checkpoint(
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     report = {
         "checkpoint": str(hf_path),
-        "mtp_layout": head.layout.family,
+        "mtp_layout": head.family,
         "max_new_tokens": max_new_tokens,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),

@@ -4,25 +4,27 @@ Tiny by default; any real dense shape on request (the benchmarks write a Qwen3-0
 downloads anything: every checkpoint (weights, config, tokenizer, remote code) is built from the arguments alone
 (a tokenizer passed in included), so the same call gives byte-identical files (for the same transformers and
 tokenizers versions; config.json records the transformers version). The MTP families carry exactly the tensor
-names megatron-bridge 0.6.2 maps (``qwen/qwen3_bridge.py``, ``mimo/mimo_bridge.py``), and
-:func:`hf_mtp_reference_logits` computes what the MTP head should predict using Hugging Face modules only, as an
-independent check on whatever Megatron computes.
+names of the family table (`lightning_megatron.families`), which megatron-bridge 0.6.2 maps
+(``qwen/qwen3_bridge.py``, ``mimo/mimo_bridge.py``). The tokenizer is `testing.tokenizer`'s, MiMo's remote code
+`testing.mimo`'s; `testing.references.hf_mtp_reference_logits` says what the MTP head should predict.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from lightning_megatron.atomic import write_atomically
+from lightning_megatron.families import MODEL_FAMILIES, MOE_MODEL_TYPES, mtp_names
+from lightning_megatron.testing.mimo import write_mimo_remote_code
+from lightning_megatron.testing.tokenizer import build_tokenizer, special_token_roles, tokenizer_config
 
 Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe"]
 
@@ -41,149 +43,8 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
 shared expert) replace every MLP with routed experts (:class:`MoEShape`); a Qwen3-MoE MTP layer is a Qwen3-MoE
 decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out."""
 
-_ARCHITECTURES: dict[Family, str] = {
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "mimo": "MiMoForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
-_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
-
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
-
-_ENDOFTEXT = "<|endoftext|>"
-_IM_START = "<|im_start|>"
-_IM_END = "<|im_end|>"
-_SPECIAL_TOKENS = (_ENDOFTEXT, _IM_START, _IM_END)
-
-# Qwen-style ChatML. The {% generation %} block lets apply_chat_template(return_assistant_tokens_mask=True) mark
-# the assistant reply (content and its <|im_end|>) as the part to train on.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-# Fixed training text for the byte-level BPE: English prose, chat-like lines and Python, so the merges are
-# plausible for the prompts tests and the demo use. Changing it changes every tokenizer (and so every checkpoint).
-_TOKENIZER_CORPUS = '''\
-The quick brown fox jumps over the lazy dog. A language model reads a sequence of tokens and predicts the next
-one. During training, the model sees many examples and slowly learns which words tend to follow which. The loss
-goes down, the learning rate warms up and then decays, and the checkpoint is saved to disk at the end of every
-epoch. Multi-token prediction adds a small extra head that guesses the token after the next one, which makes
-speculative decoding faster: the draft head proposes tokens and the main model verifies them in one pass.
-
-User: What is the capital of France?
-Assistant: The capital of France is Paris.
-User: Can you write a function that adds two numbers?
-Assistant: Sure. Here is a short Python function that returns the sum of its two arguments.
-User: Thank you! How do I run the tests?
-Assistant: Install the package, then run pytest from the repository root. Every test should pass in a few seconds.
-System: You are a helpful assistant. Answer briefly and correctly, and say when you do not know.
-
-Tensor parallelism splits each weight matrix across devices, pipeline parallelism splits the layers, and data
-parallelism splits the batch. The optimizer keeps a copy of the parameters in full precision, while the forward
-and backward passes may run in bfloat16 to save memory and time. Gradients are reduced across the data parallel
-group before the optimizer step. A learning rate that is too high makes the loss diverge; one that is too low
-makes training slow. Always check that the validation loss follows the training loss.
-
-import math
-from pathlib import Path
-
-
-def add(a: int, b: int) -> int:
-    """Return the sum of a and b."""
-    return a + b
-
-
-class Counter:
-    def __init__(self, start: int = 0) -> None:
-        self.value = start
-
-    def step(self, amount: int = 1) -> int:
-        self.value += amount
-        return self.value
-
-
-def read_lines(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as handle:
-        return [line.rstrip("\\n") for line in handle if line.strip()]
-
-
-for index in range(10):
-    if index % 2 == 0:
-        print(f"even: {index}")
-    else:
-        print(f"odd: {index}, square root {math.sqrt(index):.3f}")
-
-config = {"hidden_size": 64, "num_layers": 2, "vocab_size": 384, "learning_rate": 1e-3}
-result = [add(x, y) for x, y in zip(range(5), range(5, 10))]
-assert result == [5, 7, 9, 11, 13], result
-'''
-
-_CONFIGURATION_MIMO_PY = '''\
-"""MiMo configuration: Qwen2 plus a number of MTP (next-n prediction) layers."""
-
-from transformers import Qwen2Config
-
-
-class MiMoConfig(Qwen2Config):
-    model_type = "mimo"
-
-    num_nextn_predict_layers: int = 1
-'''
-
-_MODELING_MIMO_PY = '''\
-"""MiMo = Qwen2 with MTP layers under model.mtp_layers.N, laid out as in XiaomiMiMo/MiMo-7B.
-
-The MTP layers are only declared here, so the checkpoint loads without missing or unexpected keys; the forward
-pass is plain Qwen2. Each MTP layer is a Qwen2 decoder layer (input_layernorm, self_attn, post_attention_layernorm,
-mlp) plus token_layernorm, hidden_layernorm, input_proj (applied to cat([hidden, embedding])) and final_layernorm.
-"""
-
-from torch import nn
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model, Qwen2RMSNorm
-
-from .configuration_mimo import MiMoConfig
-
-
-class MiMoMTPLayer(Qwen2DecoderLayer):
-    def __init__(self, config: MiMoConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.token_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.input_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.final_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class MiMoModel(Qwen2Model):
-    config_class = MiMoConfig
-
-    def __init__(self, config: MiMoConfig) -> None:
-        super().__init__(config)
-        # MiMo builds every MTP attention with layer_idx 0.
-        self.mtp_layers = nn.ModuleList([MiMoMTPLayer(config, 0) for _ in range(config.num_nextn_predict_layers)])
-        self.post_init()
-
-
-class MiMoForCausalLM(Qwen2ForCausalLM):
-    config_class = MiMoConfig
-
-    def __init__(self, config: MiMoConfig) -> None:
-        super().__init__(config)
-        self.model = MiMoModel(config)
-        self.post_init()
-'''
 
 
 def make_tiny_checkpoint(
@@ -226,8 +87,9 @@ def make_tiny_checkpoint(
     roles (eos ``<|im_end|>``; bos and pad ``<|endoftext|>``) and the chat template is written; otherwise its
     lowest-id special token is bos, eos and pad, and no chat template is written.
 
-    The checkpoint is built in a temporary directory next to ``path`` and renamed into place, replacing what
-    was there, so a reader never sees a half-written checkpoint.
+    The checkpoint is built in a hidden folder next to ``path`` (one per process) and renamed into place,
+    replacing what was there (`lightning_megatron.atomic.write_atomically`), so a reader never sees a half-written
+    checkpoint and processes writing the same one do not write into each other's files.
 
     ``moe``: the experts of the MoE families (default :class:`MoEShape()`); refused for the dense ones.
     """
@@ -246,28 +108,23 @@ def make_tiny_checkpoint(
     _check_shape(family, shape, explicit_head_dim=head_dim is not None)
     moe = _check_moe_shape(family, moe)
     if tokenizer is None:
-        tokenizer = _build_tokenizer(vocab_size)
+        tokenizer = build_tokenizer(vocab_size)
     elif tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the given tokenizer's {tokenizer.get_vocab_size()} tokens; "
             f"pass vocab_size >= {tokenizer.get_vocab_size()}"
         )
-    roles = _special_token_roles(tokenizer)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
-    try:
-        ids = {role: tokenizer.token_to_id(token) for role, token in roles.items()}
+    roles = special_token_roles(tokenizer)
+    ids = {role: tokenizer.token_to_id(token) for role, token in roles.items()}
+
+    def write(folder: Path) -> None:
         config = _model_config(family, mtp, tied, dtype, shape, ids, moe)
-        tensors = {
-            name: _random_tensor(name, tensor_shape, seed).to(dtype)
-            for name, tensor_shape in _with_experts(family, _tensor_shapes(family, mtp, tied, shape), moe, shape).items()
-        }
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _write_json(tmp / "config.json", config)
-        _write_json(
-            tmp / "generation_config.json",
+        shapes = _with_experts(family, _tensor_shapes(family, mtp, tied, shape), moe, shape)
+        tensors = {name: random_tensor(name, tensor_shape, seed).to(dtype) for name, tensor_shape in shapes.items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        write_json(folder / "config.json", config)
+        write_json(
+            folder / "generation_config.json",
             {
                 "bos_token_id": ids["bos"],
                 "eos_token_id": [ids["eos"], ids["bos"]] if ids["eos"] != ids["bos"] else ids["eos"],
@@ -275,105 +132,15 @@ def make_tiny_checkpoint(
                 "do_sample": False,
             },
         )
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(roles, shape.max_position_embeddings))
+        tokenizer.save(str(folder / "tokenizer.json"))
+        write_json(folder / "tokenizer_config.json", tokenizer_config(roles, shape.max_position_embeddings))
         if family == "mimo":
-            (tmp / "configuration_mimo.py").write_text(_CONFIGURATION_MIMO_PY)
-            (tmp / "modeling_mimo.py").write_text(_MODELING_MIMO_PY)
-        _move_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
-    """MTP-head logits of the checkpoint at ``path``, computed with Hugging Face modules only (no Megatron).
-
-    This is the independent reference a Megatron MTP implementation is checked against. It is computed in float32
-    from the safetensors with stock transformers modules (MiMo's remote code is not executed):
-
-    1. ``h = final_norm(decoder(ids))``: the main model's last hidden states, after its final norm.
-    2. ``e = embed_tokens(ids[:, 1:])``: the input ids rolled left by one (position ``t`` sees token ``t+1``).
-    3. Combine, per family:
-
-       * Qwen3-MTP: ``x = fc(cat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)))``;
-       * MiMo: ``x = input_proj(cat(hidden_layernorm(h), token_layernorm(e)))``. MiMo puts the hidden state
-         first, which is why megatron-bridge swaps the two column halves of ``input_proj`` into ``eh_proj``
-         (Megatron concatenates ``[embedding, hidden]``).
-
-    4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` holding the ``mtp.layers.0`` /
-       ``model.mtp_layers.0`` weights) with a causal mask and the same rotary positions ``0..S-2``.
-    5. The MTP final norm (``mtp.norm`` / ``final_layernorm``), then the LM head (``embed_tokens`` if tied).
-
-    Returns logits ``[batch, seq - 1, vocab]`` for positions ``0..seq-2``: position ``t`` predicts token ``t+2``.
-    Megatron's MTP also computes a last position (from a rolled-in pad token); causal attention keeps it from
-    affecting the others, so it is left out here.
-    """
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from transformers.masking_utils import create_causal_mask
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+            write_mimo_remote_code(folder)
 
     path = Path(path)
-    if input_ids.ndim != 2 or input_ids.shape[1] < 2:
-        raise ValueError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}")
-    raw_config = json.loads((path / "config.json").read_text())
-    weights = {name: t.float() for name, t in load_file(str(path / "model.safetensors")).items()}
-    config_fields = {k: v for k, v in raw_config.items() if k not in ("architectures", "auto_map", "model_type")}
-    config_fields.update(dtype="float32", attn_implementation="eager")
+    write_atomically(path, write)
+    return path
 
-    if raw_config["model_type"] == "mimo":
-        config = Qwen2Config(**config_fields)
-        model_cls, layer_cls, norm_cls = Qwen2ForCausalLM, Qwen2DecoderLayer, Qwen2RMSNorm
-        prefix = "model.mtp_layers.0."
-        layer_names = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "final": "final_layernorm"}
-        proj_name, hidden_first = "input_proj", True
-    elif raw_config["model_type"] == "qwen3" and "mtp.fc.weight" in weights:
-        config = Qwen3Config(**config_fields)
-        model_cls, layer_cls, norm_cls = Qwen3ForCausalLM, Qwen3DecoderLayer, Qwen3RMSNorm
-        prefix = "mtp."
-        layer_names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "final": "norm"}
-        proj_name, hidden_first = "fc", False
-    else:
-        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP or MiMo)")
-
-    mtp_weights = {name[len(prefix) :]: t for name, t in weights.items() if name.startswith(prefix)}
-    main_weights = {name: t for name, t in weights.items() if not name.startswith(prefix)}
-
-    model = model_cls(config).eval()
-    missing, unexpected = model.load_state_dict(main_weights, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-        raise ValueError(f"{path}: main model weights do not match: missing={missing}, unexpected={unexpected}")
-
-    def norm(name: str) -> torch.nn.Module:
-        module = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
-        module.load_state_dict({"weight": mtp_weights[f"{name}.weight"]})
-        return module
-
-    layer_prefix = "layers.0." if prefix == "mtp." else ""
-    layer = layer_cls(config, layer_idx=0).eval()
-    layer.load_state_dict({name: mtp_weights[layer_prefix + name] for name in layer.state_dict()})
-
-    with torch.no_grad():
-        hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1]
-        embedded = model.model.embed_tokens(input_ids[:, 1:])
-        parts = [norm(layer_names["enorm"])(embedded), norm(layer_names["hnorm"])(hidden)]
-        if hidden_first:
-            parts.reverse()
-        x = torch.nn.functional.linear(torch.cat(parts, dim=-1), mtp_weights[f"{proj_name}.weight"])
-        position_ids = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
-        mask = create_causal_mask(
-            config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
-        )
-        x = layer(
-            x,
-            attention_mask=mask,
-            position_ids=position_ids,
-            position_embeddings=model.model.rotary_emb(x, position_ids),
-        )
-        x = norm(layer_names["final"])(x)
-        return model.lm_head(x)
 
 
 @dataclass(frozen=True)
@@ -409,19 +176,6 @@ def _check_shape(family: Family, shape: _Shape, *, explicit_head_dim: bool) -> N
         )
 
 
-def _special_token_roles(tokenizer: Tokenizer) -> dict[str, str]:
-    """bos/eos/pad token strings: the ChatML ones if the tokenizer has all of them, else its first special token."""
-    if all(tokenizer.token_to_id(token) is not None for token in _SPECIAL_TOKENS):
-        return {"bos": _ENDOFTEXT, "eos": _IM_END, "pad": _ENDOFTEXT}
-    specials = sorted((i, t.content) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-    if not specials:
-        raise ValueError(
-            "the given tokenizer has neither the ChatML tokens (<|endoftext|>, <|im_start|>, <|im_end|>) nor any "
-            "special token to use as bos/eos/pad; add one with tokenizer.add_special_tokens([...])"
-        )
-    first = specials[0][1]
-    return {"bos": first, "eos": first, "pad": first}
-
 
 def _model_config(
     family: Family,
@@ -436,7 +190,7 @@ def _model_config(
     from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     fields: dict[str, Any] = dict(
-        architectures=[_ARCHITECTURES[family]],
+        architectures=[MODEL_FAMILIES[family].architecture],
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -455,7 +209,7 @@ def _model_config(
         fields["head_dim"] = shape.head_dim
     if mtp:
         # The key megatron-bridge maps to mtp_num_layers (model_bridge.py CONFIG_MAPPING; mimo_bridge.py).
-        fields["num_nextn_predict_layers"] = 1
+        fields[mtp_names(family).layers_key] = 1
     config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config,
                   "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig}[family]
     if moe is not None:
@@ -482,27 +236,11 @@ def _tensor_shapes(family: Family, mtp: bool, tied: bool, shape: _Shape) -> dict
         shapes["lm_head.weight"] = (vocab_size, hidden_size)
     for i in range(shape.num_layers):
         shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape))
-    if family in ("qwen3", "qwen3_moe") and mtp:
-        shapes.update(
-            {
-                "mtp.fc.weight": (hidden_size, 2 * hidden_size),
-                "mtp.pre_fc_norm_embedding.weight": (hidden_size,),
-                "mtp.pre_fc_norm_hidden.weight": (hidden_size,),
-                "mtp.norm.weight": (hidden_size,),
-            }
-        )
-        shapes.update(_decoder_layer_shapes("mtp.layers.0.", family, shape))
-    if family == "mimo":
-        prefix = "model.mtp_layers.0."
-        shapes.update(
-            {
-                f"{prefix}token_layernorm.weight": (hidden_size,),
-                f"{prefix}hidden_layernorm.weight": (hidden_size,),
-                f"{prefix}input_proj.weight": (hidden_size, 2 * hidden_size),
-                f"{prefix}final_layernorm.weight": (hidden_size,),
-            }
-        )
-        shapes.update(_decoder_layer_shapes(prefix, family, shape))
+    if mtp:  # one MTP layer, named as the family table says
+        names = mtp_names(family)
+        for role, name in names.head(0).items():
+            shapes[name] = (hidden_size, 2 * hidden_size) if role == "projection" else (hidden_size,)
+        shapes.update(_decoder_layer_shapes(names.layer.format(i=0), family, shape))
     return shapes
 
 
@@ -531,7 +269,7 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: _Shape) -> dict[st
     return shapes
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """A float32 tensor that depends only on (seed, name, shape).
 
     Norm weights are ``1 + N(0, 0.1)`` rather than ones, so that mixing up two norms (e.g. the MTP embedding and
@@ -547,63 +285,9 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
     return values / shape[-1] ** 0.5
 
 
-def _build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE trained on the fixed corpus, so any text round-trips.
-
-    The vocab is exactly ``vocab_size``: ChatML specials first (ids 0, 1, 2), the 256 bytes, the merges, and, when
-    the corpus runs out of merges (past about 900), ``<|reserved_N|>`` special tokens to fill up.
-    """
-    minimum = 256 + len(_SPECIAL_TOKENS)
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + special tokens), got {vocab_size}")
-    return train_byte_level_bpe([_TOKENIZER_CORPUS], vocab_size, list(_SPECIAL_TOKENS))
-
-
-def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
-    """Byte-level BPE (any text round-trips) trained on ``texts``, ``special_tokens`` first, with exactly
-    ``vocab_size`` ids: when the texts run out of merges, ``<|reserved_N|>`` special tokens fill up."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
-    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tokenizer.get_vocab_size())])
-    return tokenizer
-
-
-def _tokenizer_config(roles: dict[str, str], max_length: int) -> dict[str, Any]:
-    """tokenizer_config.json: tokenizer.json used as-is, its specials, the ChatML chat template if it has ChatML."""
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": roles["eos"],
-        "pad_token": roles["pad"],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-    }
-    if roles["eos"] == _IM_END:
-        config["chat_template"] = CHAT_TEMPLATE
-    return config
-
-
-def _write_json(file: Path, content: dict[str, Any]) -> None:
+def write_json(file: Path, content: dict[str, Any]) -> None:
+    """JSON as the checkpoint files have it: indented, keys sorted, a final newline (byte-identical reruns)."""
     file.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-
-
-def _move_into_place(tmp: Path, path: Path) -> None:
-    """Rename the finished ``tmp`` directory to ``path``; an existing ``path`` is moved aside, then deleted."""
-    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex}") if path.exists() else None
-    if old is not None:
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 @dataclass(frozen=True)
@@ -622,9 +306,9 @@ class MoEShape:
 
 
 def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
-    if family not in _MOE_FAMILIES:
+    if not MODEL_FAMILIES[family].moe:
         if moe is not None:
-            raise ValueError(f"moe= applies to the MoE families {_MOE_FAMILIES}, not {family!r}")
+            raise ValueError(f"moe= applies to the MoE families {MOE_MODEL_TYPES}, not {family!r}")
         return None
     moe = moe or MoEShape()
     if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
@@ -679,23 +363,3 @@ def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoESh
             result[f"{mlp}shared_expert.down_proj.weight"] = (hidden_size, shared_size)
             result[f"{mlp}shared_expert_gate.weight"] = (1, hidden_size)
     return result
-
-
-class RandomTokenDataset(torch.utils.data.Dataset):
-    """Fixed random token sequences as SFT microbatch rows (the first quarter of each is a prompt the loss skips)."""
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, vocab_size, (num_samples, seq_length + 1), generator=generator)
-        self.seq_length = seq_length
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        tokens = self.tokens[index]
-        loss_mask = torch.ones(self.seq_length)
-        loss_mask[: self.seq_length // 4] = 0
-        return {"input_ids": tokens[:-1], "labels": tokens[1:], "loss_mask": loss_mask,
-                "position_ids": torch.arange(self.seq_length)}
-

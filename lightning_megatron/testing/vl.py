@@ -11,22 +11,19 @@ full ``*VLProcessor`` also wants a video processor, which does). The same argume
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from lightning_megatron.testing.checkpoints import (
-    _ENDOFTEXT,
-    _IM_END,
-    _IM_START,
-    _TOKENIZER_CORPUS,
-    _move_into_place,
-    _random_tensor,
-    _tokenizer_config,
-    _write_json,
+from lightning_megatron.atomic import write_atomically
+from lightning_megatron.testing.checkpoints import random_tensor, write_json
+from lightning_megatron.testing.tokenizer import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    TOKENIZER_CORPUS,
+    tokenizer_config,
     train_byte_level_bpe,
 )
 
@@ -35,7 +32,7 @@ VLFamily = Literal["qwen2_5_vl", "qwen3_vl"]
 VL_FAMILIES: tuple[VLFamily, ...] = ("qwen2_5_vl", "qwen3_vl")
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
-_VL_SPECIAL_TOKENS = (_ENDOFTEXT, _IM_START, _IM_END, VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD,
+_VL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD,
                       "<|video_pad|>")
 
 # Qwen-VL ChatML: a message's content is a string or a list of {"type": "text", "text": ...} and
@@ -102,35 +99,32 @@ def make_tiny_vl_checkpoint(
     if head_dim * num_attention_heads != hidden_size or head_dim % 16:
         raise ValueError(f"hidden_size / num_attention_heads = {hidden_size / num_attention_heads} must be a "
                          "multiple of 16 (MRoPE splits half the head dimension 2:3:3 into 3 sections)")
-    tokenizer = train_byte_level_bpe([_TOKENIZER_CORPUS], min(vocab_size, _MAX_TOKENIZER_SIZE),
+    tokenizer = train_byte_level_bpe([TOKENIZER_CORPUS], min(vocab_size, _MAX_TOKENIZER_SIZE),
                                      list(_VL_SPECIAL_TOKENS))
     ids = {token: tokenizer.token_to_id(token) for token in _VL_SPECIAL_TOKENS}
     config = _vl_config(family, ids, num_layers, hidden_size, num_attention_heads, num_key_value_heads,
                         intermediate_size or 2 * hidden_size, vocab_size, vision_depth, vision_hidden_size,
                         vision_num_heads, vision_intermediate_size or 2 * vision_hidden_size,
                         vision_full_attention_every, tied, dtype)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    try:
+
+    def write(folder: Path) -> None:
         if with_weights:
             model = _hf_model(config)
-            model.load_state_dict({name: _random_tensor(name, tuple(t.shape), seed).to(dtype)
+            model.load_state_dict({name: random_tensor(name, tuple(t.shape), seed).to(dtype)
                                    for name, t in model.state_dict().items()})
-            model.save_pretrained(tmp)
+            model.save_pretrained(folder)
         else:
             config.architectures = [_hf_model_class(config).__name__]
-            config.save_pretrained(tmp)
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        roles = {"bos": _ENDOFTEXT, "eos": _IM_END, "pad": _ENDOFTEXT}
-        tokenizer_config = _tokenizer_config(roles, 4096)
-        tokenizer_config["chat_template"] = VL_CHAT_TEMPLATE
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
-        _write_json(tmp / "preprocessor_config.json", _preprocessor_config(family, max_pixels))
-        _move_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            config.save_pretrained(folder)
+        tokenizer.save(str(folder / "tokenizer.json"))
+        roles = {"bos": ENDOFTEXT, "eos": IM_END, "pad": ENDOFTEXT}
+        vl_tokenizer_config = tokenizer_config(roles, 4096)
+        vl_tokenizer_config["chat_template"] = VL_CHAT_TEMPLATE
+        write_json(folder / "tokenizer_config.json", vl_tokenizer_config)
+        write_json(folder / "preprocessor_config.json", _preprocessor_config(family, max_pixels))
+
+    path = Path(path)
+    write_atomically(path, write)
     return path
 
 
@@ -159,7 +153,7 @@ def _vl_config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        bos_token_id=ids[_ENDOFTEXT], eos_token_id=ids[_IM_END], pad_token_id=ids[_ENDOFTEXT],
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT],
         tie_word_embeddings=tied, dtype=str(dtype).removeprefix("torch."),
     )
     vision: dict[str, Any] = dict(

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_megatron.attention import SDPAttention, with_core_attention
+from lightning_megatron.families import VL_MODEL_TYPES, family
 from lightning_megatron.options import AttentionBackend
 
-VL_MODEL_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
 CONTEXT_PARALLEL_VL_MODELS = ("qwen3_vl",)
 
 
@@ -24,7 +24,7 @@ class VLOptionError(ValueError):
 def vl_model_type(hf_config: dict[str, Any]) -> str | None:
     """The VL family of an HF ``config.json`` (``"qwen2_5_vl"``, ``"qwen3_vl"``), or None for a text model."""
     model_type = hf_config.get("model_type")
-    return model_type if model_type in VL_MODEL_NAMES else None
+    return model_type if model_type in VL_MODEL_TYPES else None
 
 
 def check_vl_options(hf_config: dict[str, Any], *, bridge_name: str, context_parallel_size: int,
@@ -33,7 +33,7 @@ def check_vl_options(hf_config: dict[str, Any], *, bridge_name: str, context_par
     model_type = vl_model_type(hf_config)
     if model_type is None:
         return
-    name = VL_MODEL_NAMES[model_type]
+    name = family(model_type).vl_name
     if bridge_name != "megatron-bridge":
         raise VLOptionError(f"{name} checkpoints are built through megatron-bridge here; set bridge_type: "
                             "megatron-bridge")

@@ -1,0 +1,98 @@
+"""The independent Hugging Face statement of Megatron's MTP layer: what a checkpoint's MTP head should predict.
+
+Cache-free and computed with stock transformers modules only (no Megatron, no remote code), so a Megatron MTP
+implementation, a bridge's mapping or the speculative decoder's draft head can each be checked against it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from lightning_megatron.families import MODEL_FAMILIES
+
+
+def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """MTP-head logits of the checkpoint at ``path``, computed with Hugging Face modules only (no Megatron).
+
+    This is the independent reference a Megatron MTP implementation is checked against. It is computed in float32
+    from the safetensors with stock transformers modules (MiMo's remote code is not executed):
+
+    1. ``h = final_norm(decoder(ids))``: the main model's last hidden states, after its final norm.
+    2. ``e = embed_tokens(ids[:, 1:])``: the input ids rolled left by one (position ``t`` sees token ``t+1``).
+    3. Combine, per family:
+
+       ``x = projection(cat(embedding_norm(e), hidden_norm(h)))``, the names the family table gives
+       (:class:`lightning_megatron.families.MTPNames`). MiMo puts the hidden state first (``hidden_first``), which
+       is why megatron-bridge swaps the two column halves of its projection into ``eh_proj`` (Megatron
+       concatenates ``[embedding, hidden]``).
+
+    4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` holding the MTP layer's weights) with a
+       causal mask and the same rotary positions ``0..S-2``.
+    5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
+
+    Returns logits ``[batch, seq - 1, vocab]`` for positions ``0..seq-2``: position ``t`` predicts token ``t+2``.
+    Megatron's MTP also computes a last position (from a rolled-in pad token); causal attention keeps it from
+    affecting the others, so it is left out here.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+
+    path = Path(path)
+    if input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}")
+    raw_config = json.loads((path / "config.json").read_text())
+    weights = {name: t.float() for name, t in load_file(str(path / "model.safetensors")).items()}
+    config_fields = {k: v for k, v in raw_config.items() if k not in ("architectures", "auto_map", "model_type")}
+    config_fields.update(dtype="float32", attn_implementation="eager")
+
+    classes = {
+        "mimo": (Qwen2Config, Qwen2ForCausalLM, Qwen2DecoderLayer, Qwen2RMSNorm),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, Qwen3DecoderLayer, Qwen3RMSNorm),
+    }
+    model_type = raw_config["model_type"]
+    names = MODEL_FAMILIES[model_type].mtp if model_type in classes else None
+    if names is None or names.projection.format(i=0) not in weights:
+        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP or MiMo)")
+    config_cls, model_cls, layer_cls, norm_cls = classes[model_type]
+    config = config_cls(**config_fields)
+    head, layer_prefix = names.head(0), names.layer.format(i=0)
+    main_weights = {name: t for name, t in weights.items() if not name.startswith(names.prefix)}
+
+    model = model_cls(config).eval()
+    missing, unexpected = model.load_state_dict(main_weights, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
+        raise ValueError(f"{path}: main model weights do not match: missing={missing}, unexpected={unexpected}")
+
+    def norm(role: str) -> torch.nn.Module:
+        module = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        module.load_state_dict({"weight": weights[head[role]]})
+        return module
+
+    layer = layer_cls(config, layer_idx=0).eval()
+    layer.load_state_dict({name: weights[layer_prefix + name] for name in layer.state_dict()})
+
+    with torch.no_grad():
+        hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        embedded = model.model.embed_tokens(input_ids[:, 1:])
+        parts = [norm("embedding_norm")(embedded), norm("hidden_norm")(hidden)]
+        if names.hidden_first:
+            parts.reverse()
+        x = torch.nn.functional.linear(torch.cat(parts, dim=-1), weights[head["projection"]])
+        position_ids = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+        mask = create_causal_mask(
+            config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
+        )
+        x = layer(
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=model.model.rotary_emb(x, position_ids),
+        )
+        x = norm("final_norm")(x)
+        return model.lm_head(x)
