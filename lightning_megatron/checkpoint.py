@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.atomic import move_into_place
+from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.safe_load import UnsafeFileError, load_dcp_metadata, load_torch_file, weights_only_everywhere
 
 COMPLETE_MARKER = "COMPLETE"
@@ -86,9 +87,11 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
     dist_checkpointing.save(sharded, str(staging / "megatron"), content_metadata=metadata)
     torch.save(_rng_states(), staging / "rng" / f"rank{rank}.pt")
     if rank == 0:
-        lightning_part = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        lightning_part = {key: value for key, value in checkpoint.items()
+                          if key not in ("state_dict", "optimizer_states")}
         lightning_part["megatron_optimizer_saved"] = optimizer is not None
-        lightning_part["megatron_layout"] = {**_parallel_layout(), "optimizer_sharding": optimizer_sharding}
+        layout = ParallelSizes.current().layout()
+        lightning_part["megatron_layout"] = {**layout, "optimizer_sharding": optimizer_sharding}
         torch.save(lightning_part, staging / "lightning.pt")
     dist.barrier()
     files = _share(_written_files(staging))
@@ -207,7 +210,7 @@ def _check_layout(path: Path, saved: dict[str, Any], sharding: str) -> None:
     """A distributed-optimizer state that is not fully reshardable loads only with the sizes it was saved with."""
     if sharding in FULLY_RESHARDABLE or not saved:
         return
-    current = _parallel_layout()
+    current = ParallelSizes.current().layout()
     must_match = [key for key in current if key != "data_parallel_size" or sharding != "dp_reshardable"]
     differing = [key for key in must_match if saved.get(key) != current[key]]
     if differing:
@@ -259,14 +262,6 @@ def _describe(file: Path) -> dict[str, int]:
         while chunk := stream.read(_CRC_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return {"size": file.stat().st_size, "crc32": crc}
-
-
-def _parallel_layout() -> dict[str, int | None]:
-    from megatron.core import parallel_state
-
-    from lightning_megatron.distributed import parallel_sizes
-
-    return {**parallel_sizes(), "data_parallel_size": parallel_state.get_data_parallel_world_size()}
 
 
 def _model_keys(model_chunks: list[torch.nn.Module]) -> list[str]:

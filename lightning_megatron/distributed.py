@@ -1,4 +1,5 @@
-"""Distributed helpers every room shares: the parallel sizes, agreeing on a failure, a one-process group.
+"""Distributed helpers every room shares: the parallel sizes as one object, agreeing on a failure, a one-process
+group.
 
 A leaf: it imports nothing of `lightning_megatron` at import time (Megatron-Core only inside functions), so the
 checkpoint writer, the bridges and the weight sync can use it without importing each other.
@@ -8,24 +9,97 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def parallel_sizes() -> dict[str, int | None]:
-    """The current Megatron parallel state, under the names `TransformerConfig` uses."""
-    from megatron.core import parallel_state
+@dataclass(frozen=True)
+class ParallelSizes:
+    """The sizes of Megatron's parallel groups, read together: tensor, pipeline, virtual pipeline, context, expert,
+    expert-tensor and data parallel (data without context parallelism, as Megatron counts it)."""
 
-    return {
-        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
-        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
-        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
-    }
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int | None = None
+    context: int = 1
+    expert: int = 1
+    expert_tensor: int | None = 1
+    data: int = 1
+
+    @classmethod
+    def current(cls) -> ParallelSizes:
+        """The sizes of Megatron's current parallel state (`initialize_model_parallel` must have run)."""
+        from megatron.core import parallel_state
+
+        return cls(
+            tensor=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline=parallel_state.get_pipeline_model_parallel_world_size(),
+            virtual_pipeline=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            context=parallel_state.get_context_parallel_world_size(),
+            expert=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor=parallel_state.get_expert_tensor_parallel_world_size(),
+            data=parallel_state.get_data_parallel_world_size(),
+        )
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tensor: int, pipeline: int, virtual_pipeline: int | None, context: int,
+                  expert: int, expert_tensor: int) -> ParallelSizes:
+        """The sizes asked for on `world_size` processes, the data-parallel size derived; raises when the world is
+        not a multiple of tensor x pipeline x context parallel sizes."""
+        model_parallel = tensor * pipeline * context
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of tensor x pipeline x context parallel sizes "
+                f"(tensor_model_parallel_size {tensor} x pipeline_model_parallel_size {pipeline} x "
+                f"context_parallel_size {context}); change devices/num_nodes or the parallel sizes"
+            )
+        return cls(tensor=tensor, pipeline=pipeline, virtual_pipeline=virtual_pipeline, context=context,
+                   expert=expert, expert_tensor=expert_tensor, data=world_size // model_parallel)
+
+    def initialize(self, *, timeout_minutes: int) -> None:
+        """Make Megatron's parallel state these sizes (the process group must exist).
+
+        Megatron never frees a process group it made: a second fit in the same process (a notebook, a test)
+        keeps the parallel state when the sizes are the same rather than leaking another set of groups.
+        """
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized() and ParallelSizes.current() == self:
+            return
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(**self.config_fields(), distributed_timeout_minutes=timeout_minutes)
+
+    def config_fields(self) -> dict[str, int | None]:
+        """The model-parallel sizes under the names `TransformerConfig` (and `initialize_model_parallel`) use."""
+        return {
+            "tensor_model_parallel_size": self.tensor,
+            "pipeline_model_parallel_size": self.pipeline,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline,
+            "context_parallel_size": self.context,
+            "expert_model_parallel_size": self.expert,
+            "expert_tensor_parallel_size": self.expert_tensor,
+        }
+
+    def layout(self) -> dict[str, int | None]:
+        """`config_fields` plus `data_parallel_size`: the layout a training checkpoint records (keys and order are
+        part of its on-disk format)."""
+        return {**self.config_fields(), "data_parallel_size": self.data}
+
+
+def all_reduced(tensor: torch.Tensor, *, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """A reduced copy of `tensor` over `group`: `reduce_op` "mean"/"avg" (None too; an integer tensor stays
+    integer, as in Lightning's DDP), "sum", "max", "min", or a `torch.distributed.ReduceOp`."""
+    name = "mean" if reduce_op is None else reduce_op.lower() if isinstance(reduce_op, str) else None
+    mean = name in ("mean", "avg")
+    op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, name.upper()) if name else reduce_op
+    result = tensor.clone()
+    dist.all_reduce(result, op=op, group=group)
+    if mean:
+        result.copy_(result / dist.get_world_size(group))
+    return result
 
 
 def agree_on_failure(error: BaseException | None, *, collective: bool = True,

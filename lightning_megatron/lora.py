@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import save_file
 
 from lightning_megatron.atomic import write_atomically
-from lightning_megatron.bridges.base import BridgeError
+from lightning_megatron.bridges import Bridge, BridgeError, capable_backends
 
 if TYPE_CHECKING:
     from lightning_megatron.strategy import MegatronStrategy
@@ -64,11 +64,12 @@ class LoRAConfig:
         return LoRA(target_modules=list(self.target_modules), dim=self.rank, alpha=self.alpha, dropout=self.dropout)
 
 
-def check_lora_supported(bridge_type: str, mtp_only: bool) -> None:
-    """Raise, before any model is built, for the combinations LoRA cannot serve."""
-    if bridge_type != "megatron-bridge":
-        raise BridgeError(f"bridge_type: {bridge_type} has no LoRA/PEFT support (LoRACallback); "
-                          "set bridge_type: megatron-bridge")
+def check_lora_supported(bridge: Bridge | type[Bridge], mtp_only: bool) -> None:
+    """Raise, before any model is built, for the combinations LoRA cannot serve (`bridge`: the strategy's bridge,
+    or a backend's registered class)."""
+    if not bridge.supports_lora:
+        raise BridgeError(f"bridge_type: {bridge.name} has no LoRA/PEFT support (LoRACallback); set bridge_type: "
+                          f"{capable_backends(lambda backend: backend.supports_lora)}")
     if mtp_only:
         raise ValueError("LoRACallback and MTPOnlyCallback cannot be used together: LoRA freezes every base weight, "
                          "the MTP head's included, and trains only adapters, while MTPOnlyCallback trains the whole "
@@ -95,12 +96,12 @@ class LoRACallback(pl.Callback):
         )
         self._hooked_strategy: Any = None
 
-    def validate_megatron_setup(self, strategy: Any, module: pl.LightningModule) -> None:
+    def validate_megatron_setup(self, strategy: MegatronStrategy, module: pl.LightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
         from lightning_megatron.callbacks import MTPOnlyCallback
 
         mtp_only = any(isinstance(callback, MTPOnlyCallback) for callback in module.trainer.callbacks)
-        check_lora_supported(strategy.bridge_type, mtp_only)
+        check_lora_supported(strategy.bridge, mtp_only)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -198,11 +199,10 @@ def export_lora_merged(strategy: MegatronStrategy, path: str | Path) -> Path:
 def _megatron_bridge_and_chunks(strategy: MegatronStrategy) -> tuple[Any, list[torch.nn.Module]]:
     from megatron.core.utils import unwrap_model
 
-    check_lora_supported(strategy.bridge_type, mtp_only=False)
-    bridge = strategy.bridge
-    if bridge is None or not strategy.model_chunks:
+    if not strategy.model_chunks:
         raise RuntimeError("export: the strategy has no model yet; call it after trainer.fit(...)")
-    return bridge, [unwrap_model(chunk) for chunk in strategy.model_chunks]
+    check_lora_supported(strategy.bridge, mtp_only=False)
+    return strategy.bridge, [unwrap_model(chunk) for chunk in strategy.model_chunks]
 
 
 def _trained_lora(chunks: list[torch.nn.Module], caller: str) -> Any:

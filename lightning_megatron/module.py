@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +32,9 @@ class MegatronLightningModule(pl.LightningModule):
     """
 
     model: torch.nn.ModuleList
+    # True for a model that fuses other inputs into the sequence first (Qwen3-VL's images) and so cuts it for
+    # context parallelism itself: the strategy then hands `forward_step` whole rows.
+    cuts_context_parallel_in_model: ClassVar[bool] = False
 
     def model_options(self) -> ModelOptions:
         """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""

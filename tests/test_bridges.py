@@ -315,7 +315,7 @@ def test_threaded_sharded_writer_gives_safetensors_that_load_bit_for_bit(tmp_pat
 def _collective_write(rank: int, world_size: int, root: str) -> dict[str, object]:
     import time
 
-    from lightning_megatron.bridges import base
+    from lightning_megatron import atomic as base
 
     move = base.move_into_place
 

@@ -124,6 +124,18 @@ def test_the_saved_checkpoint_lists_every_file_and_resumes(saved):
     assert saved["strategy"].load_checkpoint(saved["path"])["global_step"] == 1
 
 
+def test_the_saved_layout_keeps_its_on_disk_keys_and_values(saved):
+    from lightning_megatron.safe_load import load_torch_file
+
+    layout = load_torch_file(saved["path"] / "lightning.pt")["megatron_layout"]
+    assert list(layout.items()) == [
+        ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+        ("virtual_pipeline_model_parallel_size", None), ("context_parallel_size", 1),
+        ("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", 1), ("data_parallel_size", 1),
+        ("optimizer_sharding", "fully_reshardable"),
+    ]
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 

@@ -39,6 +39,7 @@ FLOORS: dict[str, int] = {
     # 3: the strategy and what it drives
     "lightning_megatron.strategy": 3,
     "lightning_megatron.checkpoint": 3,
+    "lightning_megatron.schedule": 3,
     "lightning_megatron.module": 3,
     "lightning_megatron.vl": 3,
     # the VL bridge glue (VL model types and option checks) lives in vl/ as DESIGN.md says, but the bridges'

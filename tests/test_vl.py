@@ -183,19 +183,20 @@ def test_overlong_rows_are_reported_or_dropped_never_cut(vl_checkpoints, vl_data
 
 
 def test_vl_options_a_model_cannot_serve_are_refused_naming_model_and_option(vl_checkpoints):
-    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.bridges import BridgeError, create_bridge
+    from lightning_megatron.options import ModelOptions
     from lightning_megatron.vl.bridge import VLOptionError, check_vl_options
 
     config = create_bridge("megatron-bridge", vl_checkpoints["qwen2_5_vl"]).hf_config
     with pytest.raises(VLOptionError, match=r"context_parallel_size: 2 is not supported for Qwen2\.5-VL"):
-        check_vl_options(config, bridge_name="megatron-bridge", context_parallel_size=2)
-    with pytest.raises(VLOptionError, match="Qwen2.5-VL checkpoints are built through megatron-bridge here; set "
-                                            "bridge_type: megatron-bridge"):
-        check_vl_options(config, bridge_name="mbridge", context_parallel_size=1)
+        check_vl_options(config, context_parallel_size=2)
+    with pytest.raises(BridgeError, match="Qwen2.5-VL checkpoints are built through megatron-bridge here; set "
+                                          "bridge_type: megatron-bridge"):
+        create_bridge("mbridge", vl_checkpoints["qwen2_5_vl"]).validate(ModelOptions())
     qwen3_vl = create_bridge("megatron-bridge", vl_checkpoints["qwen3_vl"]).hf_config
-    check_vl_options(qwen3_vl, bridge_name="megatron-bridge", context_parallel_size=2)
+    check_vl_options(qwen3_vl, context_parallel_size=2)
     with pytest.raises(VLOptionError, match="attention_backend: local is not supported for Qwen3-VL"):
-        check_vl_options(qwen3_vl, bridge_name="megatron-bridge", context_parallel_size=1, attention_backend="local")
+        check_vl_options(qwen3_vl, context_parallel_size=1, attention_backend="local")
 
 
 class _Record(pl.Callback):

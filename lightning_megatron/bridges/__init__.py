@@ -1,24 +1,34 @@
-"""Bridge backends: HF checkpoints in and out of Megatron-Core, behind one small protocol (`base.Bridge`)."""
+"""Bridge backends: HF checkpoints in and out of Megatron-Core, behind one small protocol (`base.Bridge`).
+
+Each backend module registers its class by name (`@base.register_backend`) and declares on it what it can do
+(`supports_mtp_training`, `supports_lora`, `supports_vl`, `moe_model_types`). This factory is the one place a
+`bridge_type` string is looked up: everywhere else a capability is asked of the bridge or its registered class.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_megatron.bridges.base import Bridge, BridgeError
+from lightning_megatron.bridges import mbridge, megatron_bridge
+from lightning_megatron.bridges.base import Bridge, BridgeError, capable_backends, registered_backends
 from lightning_megatron.options import BridgeType, ModelOptions
 
-
-def create_bridge(bridge_type: BridgeType, hf_path: str | Path, *, trust_remote_code: bool = False) -> Bridge:
-    """The backend named by `bridge_type` for one HF checkpoint; imports only that backend's library."""
-    if bridge_type == "mbridge":
-        from lightning_megatron.bridges.mbridge import MBridge
-
-        return MBridge(hf_path, trust_remote_code=trust_remote_code)
-    if bridge_type == "megatron-bridge":
-        from lightning_megatron.bridges.megatron_bridge import MegatronBridge
-
-        return MegatronBridge(hf_path, trust_remote_code=trust_remote_code)
-    raise BridgeError(f"bridge_type: {bridge_type!r} is not one of 'mbridge', 'megatron-bridge'")
+# The backends register themselves when their modules are imported (above); their libraries load only at build.
+BACKEND_MODULES = (mbridge, megatron_bridge)
 
 
-__all__ = ["Bridge", "BridgeError", "BridgeType", "ModelOptions", "create_bridge"]
+def backend_class(bridge_type: BridgeType | str) -> type[Bridge]:
+    """The backend class registered as `bridge_type`, for asking its capabilities before a bridge is built."""
+    backends = registered_backends()
+    if bridge_type not in backends:
+        raise BridgeError(f"bridge_type: {bridge_type!r} is not one of {', '.join(map(repr, backends))}")
+    return backends[bridge_type]
+
+
+def create_bridge(bridge_type: BridgeType | str, hf_path: str | Path, *, trust_remote_code: bool = False) -> Bridge:
+    """The backend named by `bridge_type` for one HF checkpoint; it imports its library when it builds a model."""
+    return backend_class(bridge_type)(hf_path, trust_remote_code=trust_remote_code)
+
+
+__all__ = ["Bridge", "BridgeError", "BridgeType", "ModelOptions", "backend_class", "capable_backends",
+           "create_bridge", "registered_backends"]

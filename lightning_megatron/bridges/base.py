@@ -12,16 +12,16 @@ import dataclasses
 import json
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lightning_megatron.atomic import write_atomically
-from lightning_megatron.distributed import parallel_sizes
-from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers, is_hf_mtp_tensor
+from lightning_megatron.distributed import ParallelSizes
+from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers, family, is_hf_mtp_tensor
 from lightning_megatron.hf_io import (
     LoadReport,
     TensorSpec,
@@ -53,7 +53,7 @@ class BridgeError(ValueError):
 
 def apply_parallel_state(config: Any, options: ModelOptions) -> None:
     """Make a model config (or provider) match the current parallel state."""
-    for key, value in parallel_sizes().items():
+    for key, value in ParallelSizes.current().config_fields().items():
         setattr(config, key, value)
     config.sequence_parallel = options.sequence_parallel
 
@@ -88,11 +88,16 @@ def _auto_map_references(auto_map: dict[str, Any]) -> list[str]:
 
 
 class Bridge(ABC):
-    """Build, load and export Megatron-Core chunks for one HF checkpoint."""
+    """Build, load and export Megatron-Core chunks for one HF checkpoint.
 
-    name: ClassVar[BridgeType]
-    supports_mtp_training: ClassVar[bool]
-    supports_lora: ClassVar[bool]
+    A backend declares what it can do on its class, so that callers ask it (or its registered class, before a
+    bridge exists) rather than comparing `bridge_type` names.
+    """
+
+    name: ClassVar[BridgeType]  # the `bridge_type` it is registered as (`register_backend`)
+    supports_mtp_training: ClassVar[bool] = False  # builds and trains the checkpoint's MTP heads
+    supports_lora: ClassVar[bool] = False  # LoRA adapters (`lora.LoRACallback`) and their HF export
+    supports_vl: ClassVar[bool] = False  # the Qwen vision-language checkpoints of `vl.bridge`
     moe_model_types: ClassVar[tuple[str, ...]] = ()  # the MoE families whose experts this bridge maps
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
@@ -114,9 +119,11 @@ class Bridge(ABC):
             raise BridgeError(f"attention_backend: {options.attention_backend!r} is not one of "
                               f"{', '.join(map(repr, ATTENTION_BACKENDS))}")
         if options.mtp and not self.supports_mtp_training:
-            raise BridgeError(f"bridge_type: {self.name} cannot build or train MTP heads; set bridge_type: megatron-bridge")
+            raise BridgeError(f"bridge_type: {self.name} cannot build or train MTP heads; set bridge_type: "
+                              f"{capable_backends(lambda backend: backend.supports_mtp_training)}")
         if lora and not self.supports_lora:
-            raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: megatron-bridge")
+            raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: "
+                              f"{capable_backends(lambda backend: backend.supports_lora)}")
         if options.mtp and self.checkpoint_mtp_layers == 0:
             raise BridgeError(
                 f"{self.hf_path}: config.json declares no MTP layers (none of {', '.join(MTP_CONFIG_KEYS)}); a "
@@ -132,9 +139,14 @@ class Bridge(ABC):
             )
         if options.mtp and options.mtp_loss_scaling_factor > 0:
             check_mtp_training_options(options.mtp_loss_scaling_factor, self.checkpoint_mtp_layers)
-        if vl_model_type(self.hf_config) is not None:
-            check_vl_options(self.hf_config, bridge_name=self.name, attention_backend=options.attention_backend,
-                             context_parallel_size=parallel_sizes()["context_parallel_size"])
+        vl_type = vl_model_type(self.hf_config)
+        if vl_type is not None:
+            if not self.supports_vl:
+                capable = capable_backends(lambda backend: backend.supports_vl)
+                raise BridgeError(f"{family(vl_type).vl_name} checkpoints are built through {capable} here; set "
+                                  f"bridge_type: {capable}")
+            check_vl_options(self.hf_config, attention_backend=options.attention_backend,
+                             context_parallel_size=ParallelSizes.current().context)
         self._validate_moe(options)
         self._validate_vocabulary()
 
@@ -145,7 +157,7 @@ class Bridge(ABC):
         if not parallel_state.model_parallel_is_initialized():
             return
         vocab_size = self.hf_config.get("vocab_size") or self.hf_config.get("text_config", {}).get("vocab_size")
-        tensor_parallel = parallel_sizes()["tensor_model_parallel_size"] or 1
+        tensor_parallel = ParallelSizes.current().tensor or 1
         if vocab_size and vocab_size % tensor_parallel:
             divisors = [size for size in range(2, 9) if vocab_size % size == 0]
             fix = (f"use a tensor_model_parallel_size that divides it (e.g. {', '.join(map(str, divisors))})"
@@ -160,20 +172,19 @@ class Bridge(ABC):
 
         model_type = self.hf_config.get("model_type")
         if checkpoint_num_experts(self.hf_config) and model_type not in self.moe_model_types:
-            others = "mbridge" if self.name == "megatron-bridge" else "megatron-bridge"
+            capable = capable_backends(lambda backend: model_type in backend.moe_model_types)
+            fix = f"set bridge_type: {capable}" if capable else "no bridge_type maps them"
             raise BridgeError(f"bridge_type: {self.name} does not map the experts of {model_type!r} checkpoints "
-                              f"(it maps {', '.join(self.moe_model_types)}); set bridge_type: {others} if it does")
+                              f"(it maps {', '.join(self.moe_model_types)}); {fix}")
         try:
             moe_config_overrides(self.hf_config, options.config_overrides)
         except ValueError as error:
             raise BridgeError(str(error)) from None
         if parallel_state.model_parallel_is_initialized():
-            sizes = parallel_sizes()
+            sizes = ParallelSizes.current()
             try:
-                check_expert_parallel(self.hf_config, sizes["expert_model_parallel_size"] or 1,
-                                      sizes["expert_tensor_parallel_size"] or 1)
-                check_moe_sequence_parallel(self.hf_config, sizes["tensor_model_parallel_size"] or 1,
-                                            options.sequence_parallel)
+                check_expert_parallel(self.hf_config, sizes.expert or 1, sizes.expert_tensor or 1)
+                check_moe_sequence_parallel(self.hf_config, sizes.tensor or 1, options.sequence_parallel)
             except ValueError as error:
                 raise BridgeError(str(error)) from None
 
@@ -290,3 +301,28 @@ class Bridge(ABC):
             config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
+
+BridgeClass = TypeVar("BridgeClass", bound=type[Bridge])
+
+_BACKENDS: dict[str, type[Bridge]] = {}
+
+
+def register_backend(cls: BridgeClass) -> BridgeClass:
+    """Class decorator: make a `Bridge` subclass available as `bridge_type: <cls.name>` (`bridges.create_bridge`)."""
+    if cls.name in _BACKENDS and _BACKENDS[cls.name] is not cls:
+        raise ValueError(f"bridge_type {cls.name!r} is registered twice ({_BACKENDS[cls.name].__name__}, "
+                         f"{cls.__name__}); give one of them another name")
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def registered_backends() -> dict[str, type[Bridge]]:
+    """Every registered backend by its `bridge_type` name, in registration order (importing
+    `lightning_megatron.bridges` registers them all)."""
+    return dict(_BACKENDS)
+
+
+def capable_backends(can: Callable[[type[Bridge]], bool]) -> str:
+    """The registered `bridge_type`s whose class `can` do something, as the fix an error suggests
+    ("megatron-bridge", "a or b"); empty when none can."""
+    return " or ".join(name for name, cls in _BACKENDS.items() if can(cls))

@@ -10,16 +10,18 @@ import torch
 
 from lightning_megatron._compat import import_mbridge
 from lightning_megatron.attention import with_core_attention
-from lightning_megatron.bridges.base import Bridge
+from lightning_megatron.bridges.base import Bridge, register_backend
 from lightning_megatron.bridges.sliced_load import load_mbridge
 from lightning_megatron.hf_io import LoadReport
 from lightning_megatron.options import ModelOptions
 
 
+@register_backend
 class MBridge(Bridge):
     name = "mbridge"
     supports_mtp_training = False
     supports_lora = False
+    supports_vl = False
     moe_model_types = ("qwen3_moe", "qwen2_moe")
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:

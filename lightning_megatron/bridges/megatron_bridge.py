@@ -10,7 +10,7 @@ import torch
 
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
-from lightning_megatron.bridges.base import Bridge, apply_parallel_state
+from lightning_megatron.bridges.base import Bridge, apply_parallel_state, register_backend
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.hf_io import LoadReport
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
@@ -18,10 +18,12 @@ from lightning_megatron.options import ModelOptions
 from lightning_megatron.vl.bridge import prepare_vl_provider
 
 
+@register_backend
 class MegatronBridge(Bridge):
     name = "megatron-bridge"
     supports_mtp_training = True
     supports_lora = True
+    supports_vl = True
     moe_model_types = ("qwen3_moe",)
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:

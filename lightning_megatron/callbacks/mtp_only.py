@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.bridges import capable_backends
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp.skip_main_head import skip_main_lm_head_backward
+
+if TYPE_CHECKING:
+    from lightning_megatron.strategy import MegatronStrategy
 
 
 class MTPOnlyCallback(pl.Callback):
@@ -51,16 +55,18 @@ class MTPOnlyCallback(pl.Callback):
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
         self._hook_handles: list[Any] = []
 
-    def validate_megatron_setup(self, strategy: Any, module: pl.LightningModule) -> None:
+    def validate_megatron_setup(self, strategy: MegatronStrategy, module: pl.LightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
-        if strategy.bridge_type != "megatron-bridge":
-            raise ValueError(f"MTPOnlyCallback needs bridge_type: megatron-bridge (got {strategy.bridge_type!r}; "
-                             "mbridge cannot build MTP heads)")
+        bridge = strategy.bridge
+        if not bridge.supports_mtp_training:
+            capable = capable_backends(lambda backend: backend.supports_mtp_training)
+            raise ValueError(f"MTPOnlyCallback needs bridge_type: {capable} (got {bridge.name!r}; "
+                             f"{bridge.name} cannot build MTP heads)")
         if not getattr(module, "enable_mtp_training", False):
             raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
                              "(enable_mtp_training then defaults to true)")
         overrides = module.model_options().config_overrides
-        provider = strategy.bridge.auto_bridge.to_megatron_provider(load_weights=False)
+        provider = bridge.auto_bridge.to_megatron_provider(load_weights=False)
         if overrides.get("moe_router_enable_expert_bias", getattr(provider, "moe_router_enable_expert_bias", False)):
             raise ValueError("MTPOnlyCallback cannot freeze a model whose MoE router updates its expert bias every "
                              "step (moe_router_enable_expert_bias); set it to false or train jointly")

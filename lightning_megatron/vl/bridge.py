@@ -27,16 +27,14 @@ def vl_model_type(hf_config: dict[str, Any]) -> str | None:
     return model_type if model_type in VL_MODEL_TYPES else None
 
 
-def check_vl_options(hf_config: dict[str, Any], *, bridge_name: str, context_parallel_size: int,
+def check_vl_options(hf_config: dict[str, Any], *, context_parallel_size: int,
                      attention_backend: AttentionBackend = "auto") -> None:
-    """Refuse, before any model is built, what a VL checkpoint cannot do with these options."""
+    """Refuse, before any model is built, what a VL checkpoint cannot do with these options (which bridge can
+    build it is the bridge's own `supports_vl`)."""
     model_type = vl_model_type(hf_config)
     if model_type is None:
         return
     name = family(model_type).vl_name
-    if bridge_name != "megatron-bridge":
-        raise VLOptionError(f"{name} checkpoints are built through megatron-bridge here; set bridge_type: "
-                            "megatron-bridge")
     if model_type == "qwen3_vl" and attention_backend == "local":
         raise VLOptionError("attention_backend: local is not supported for Qwen3-VL: its vision tower runs one packed "
                             "sequence per image, which Megatron-Core's local attention cannot; set attention_backend: "

@@ -1,0 +1,202 @@
+"""One Lightning batch = one global batch through Megatron's schedule.
+
+`GlobalBatches` groups a DataLoader's microbatches into the global batches `MegatronStrategy` hands its module;
+`wrap_chunks` puts Float16Module and Megatron DDP around the model chunks, with the hooks the schedule calls;
+`run_schedule` runs one global batch through Megatron-Core's forward-backward schedule (no pipelining, 1F1B or
+interleaved) and returns its metrics token-weighted over microbatches, data- and context-parallel ranks and
+pipeline stages; `seed_everything_megatron` seeds the RNGs the way Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.microbatch import LossOutput, Microbatch, check_microbatch, split_for_context_parallel
+
+
+def microbatches_per_global_batch(global_batch_size: int | None, micro_batch_size: int,
+                                  data_parallel_size: int) -> int:
+    """How many microbatches each data-parallel rank runs per global batch (None: one microbatch per rank)."""
+    global_batch_size = global_batch_size or micro_batch_size * data_parallel_size
+    if global_batch_size % (micro_batch_size * data_parallel_size):
+        raise ValueError(
+            f"global_batch_size: {global_batch_size} must be a multiple of micro_batch_size x data-parallel "
+            f"size = {micro_batch_size} x {data_parallel_size}"
+        )
+    return global_batch_size // (micro_batch_size * data_parallel_size)
+
+
+class GlobalBatches:
+    """Groups a DataLoader's microbatches into global batches; resumable mid-epoch (Lightning saves its state).
+
+    The position saved is the number of global batches *trained* this epoch (the strategy counts them), not the
+    number fetched, because Lightning fetches one batch ahead.
+    """
+
+    def __init__(self, dataloader: Any, num_microbatches: int) -> None:
+        self.dataloader = dataloader
+        self.num_microbatches = num_microbatches
+        self.drop_last = bool(getattr(dataloader, "drop_last", False))
+        self.consumed = 0
+        self._epoch = 0
+        self._skip = 0
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.dataloader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        return getattr(self.dataloader, "batch_sampler", None)
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.dataloader), self.num_microbatches)
+        return full if self.drop_last or not rest else full + 1
+
+    def __iter__(self) -> Iterator[list[Microbatch]]:
+        skip, self._skip = self._skip, 0
+        self._epoch = getattr(self.sampler, "epoch", 0)
+        self.consumed = skip
+        group: list[Microbatch] = []
+        index = 0
+        for microbatch in self.dataloader:
+            group.append(microbatch)
+            if len(group) == self.num_microbatches:
+                if index >= skip:
+                    yield group
+                index += 1
+                group = []
+        if group and not self.drop_last and index >= skip:
+            yield group
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        finished_epoch = state_dict["consumed"] >= len(self)
+        self._skip = 0 if finished_epoch else state_dict["consumed"]
+        if not finished_epoch and callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(state_dict["epoch"])
+
+
+def seed_everything_megatron(seed: int) -> None:
+    """Megatron-LM's seeding: a different seed per pipeline stage, Megatron's named model-parallel RNG streams."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
+
+
+def wrap_chunks(chunks: list[torch.nn.Module], *, bf16: bool, train: bool, grad_reduce_in_fp32: bool,
+                overlap_grad_reduce: bool, use_distributed_optimizer: bool) -> list[torch.nn.Module]:
+    """Float16Module (bf16) and, for training, Megatron DDP around each chunk, with the hooks the schedule calls
+    (`no_sync_func`, `finalize_model_grads_func`) set on the model config.
+
+    Megatron DDP registers only the parameters that require grad when it wraps: freeze before calling this.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    if bf16:
+        config.bf16 = True
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    if not train:
+        return chunks
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def run_schedule(
+    model_chunks: list[torch.nn.Module],
+    microbatches: list[Microbatch],
+    forward_step: Callable[[torch.nn.Module, Microbatch], torch.Tensor],
+    loss_func: Callable[[Microbatch, torch.Tensor], LossOutput],
+    *,
+    forward_only: bool,
+    cut_for_context_parallel: bool,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Megatron's schedule over one global batch; returns each metric of `loss_func` token-weighted.
+
+    `cut_for_context_parallel`: hand `forward_step` this rank's part of each microbatch (False when the model cuts
+    the sequence itself). Metrics are summed over microbatches and data-parallel x context-parallel ranks, then
+    divided by their token counts, and are the same on every rank (pipeline stages without the loss receive it).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    for microbatch in microbatches:  # bad layouts fail here, before any forward pass of the step
+        check_microbatch(microbatch, cp_size)
+
+    def megatron_forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple:
+        microbatch = next(data_iterator)
+        if cut_for_context_parallel:
+            microbatch = split_for_context_parallel(microbatch, cp_rank, cp_size)
+        return forward_step(model, microbatch), partial(loss_func, microbatch)
+
+    iterators: Any = [iter(microbatches) for _ in model_chunks]
+    seq_length, micro_batch_size = microbatches[0]["input_ids"].shape[1], microbatches[0]["input_ids"].shape[0]
+    losses = get_forward_backward_func()(
+        forward_step_func=megatron_forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=model_chunks,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return _reduce_metrics(losses, device, parallel_state)
+
+
+def _reduce_metrics(losses: list[dict[str, torch.Tensor]], device: torch.device, parallel_state: Any) -> dict:
+    """Sum `[sum, count]` pairs over microbatches and DP x CP ranks; broadcast from the last pipeline stage."""
+    names = sorted(losses[0]) if losses else []
+    names = _metric_names_from_last_stage(names, parallel_state)
+    totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    for microbatch_losses in losses:
+        for row, name in enumerate(names):
+            totals[row] += microbatch_losses[name].to(device, torch.float64).view(2)
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return {name: (totals[row, 0] / totals[row, 1].clamp(min=1)).float() for row, name in enumerate(names)}
+
+
+def _metric_names_from_last_stage(names: list[str], parallel_state: Any) -> list[str]:
+    """The metric names known on the last pipeline stage, on every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return names
+    container = [names]
+    dist.broadcast_object_list(container, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return container[0]
