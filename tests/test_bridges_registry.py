@@ -21,7 +21,8 @@ from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.lora import LoRACallback
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy, ValidatesMegatronSetup
-from lightning_megatron.testing.checkpoints import RandomTokenDataset, make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron"
 
