@@ -90,8 +90,8 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
         lightning_part = {key: value for key, value in checkpoint.items()
                           if key not in ("state_dict", "optimizer_states")}
         lightning_part["megatron_optimizer_saved"] = optimizer is not None
-        layout = ParallelSizes.current().layout()
-        lightning_part["megatron_layout"] = {**layout, "optimizer_sharding": optimizer_sharding}
+        sizes = ParallelSizes.current().saved_fields()
+        lightning_part["megatron_layout"] = {**sizes, "optimizer_sharding": optimizer_sharding}
         torch.save(lightning_part, staging / "lightning.pt")
     dist.barrier()
     files = _share(_written_files(staging))
@@ -118,12 +118,12 @@ def load(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None)
             "interrupted while being written, or was saved by another strategy; pick an earlier checkpoint"
         )
     checkpoint, rng_states, dcp_metadata = _read_and_verify(path)
-    layout = checkpoint.pop("megatron_layout", None) or {}
+    saved_sizes = checkpoint.pop("megatron_layout", None) or {}
     if not checkpoint.pop("megatron_optimizer_saved"):
         optimizer = None
-    sharding = layout.get("optimizer_sharding", "fully_reshardable")
+    sharding = saved_sizes.get("optimizer_sharding", "fully_reshardable")
     if optimizer is not None:
-        _check_layout(path, layout, sharding)
+        _check_parallel_sizes(path, saved_sizes, sharding)
     metadata = {**SHARDED_METADATA, "distrib_optim_sharding_type": sharding}
     sharded = _sharded_state_dict(model_chunks, optimizer, metadata, is_loading=True)
     with weights_only_everywhere():
@@ -206,11 +206,11 @@ def _check_manifest_share(path: Path) -> list[str]:
     return problems
 
 
-def _check_layout(path: Path, saved: dict[str, Any], sharding: str) -> None:
+def _check_parallel_sizes(path: Path, saved: dict[str, Any], sharding: str) -> None:
     """A distributed-optimizer state that is not fully reshardable loads only with the sizes it was saved with."""
     if sharding in FULLY_RESHARDABLE or not saved:
         return
-    current = ParallelSizes.current().layout()
+    current = ParallelSizes.current().saved_fields()
     must_match = [key for key in current if key != "data_parallel_size" or sharding != "dp_reshardable"]
     differing = [key for key in must_match if saved.get(key) != current[key]]
     if differing:

@@ -83,8 +83,8 @@ class ParallelSizes:
             "expert_tensor_parallel_size": self.expert_tensor,
         }
 
-    def layout(self) -> dict[str, int | None]:
-        """`config_fields` plus `data_parallel_size`: the layout a training checkpoint records (keys and order are
+    def saved_fields(self) -> dict[str, int | None]:
+        """`config_fields` plus `data_parallel_size`: the sizes a training checkpoint records (keys and order are
         part of its on-disk format)."""
         return {**self.config_fields(), "data_parallel_size": self.data}
 

@@ -108,7 +108,7 @@ def test_parallel_sizes_read_megatron_and_name_config_fields(model_parallel):
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
     ]
-    assert sizes.layout() == {**sizes.config_fields(), "data_parallel_size": 1}
+    assert sizes.saved_fields() == {**sizes.config_fields(), "data_parallel_size": 1}
 
 
 def test_parallel_sizes_for_a_world_derive_data_parallel_and_refuse_a_misfit():

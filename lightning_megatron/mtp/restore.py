@@ -61,26 +61,26 @@ def restore_mtp_head(
     _check_output(output, finetuned=finetuned, source=source)
 
     config = _read_config(finetuned, "finetuned")
-    model_type, layout = _mtp_family(config, finetuned, "finetuned")
+    model_type, names = _mtp_family(config, finetuned, "finetuned")
     shapes = _tensor_shapes(finetuned, "finetuned")
-    present = sorted(name for name in shapes if name.startswith(layout.prefix))
+    present = sorted(name for name in shapes if name.startswith(names.prefix))
     if checkpoint_mtp_layers(config) or present:
         raise MTPRestoreError(
             f"finetuned: {finetuned} already has an MTP head (config.json declares {checkpoint_mtp_layers(config)} MTP "
-            f"layer(s); {len(present)} {layout.prefix}* tensor(s)); restore into a checkpoint exported with mtp=False"
+            f"layer(s); {len(present)} {names.prefix}* tensor(s)); restore into a checkpoint exported with mtp=False"
         )
 
     if source is not None:
         source_config = _read_config(source, "source")
         mtp_layers = _check_source(finetuned, config, source, source_config, model_type)
-        expected = _mtp_shapes(layout, config, shapes, mtp_layers)
-        _check_source_tensors(source, _tensor_shapes(source, "source"), layout, expected)
+        expected = _mtp_shapes(names, config, shapes, mtp_layers)
+        _check_source_tensors(source, _tensor_shapes(source, "source"), names, expected)
     else:
         source_config = {}
         mtp_layers = 1
-        expected = _mtp_shapes(layout, config, shapes, mtp_layers)
+        expected = _mtp_shapes(names, config, shapes, mtp_layers)
 
-    keys = [key for key in MTP_CONFIG_KEYS if key in config or key in source_config] or [layout.layers_key]
+    keys = [key for key in MTP_CONFIG_KEYS if key in config or key in source_config] or [names.layers_key]
     restored_config = {**config, **dict.fromkeys(keys, mtp_layers)}
     # Listed before anything is written: `output` (and its staging folder) may lie inside `finetuned`.
     copied = [
@@ -169,7 +169,7 @@ def _check_source(
 
 
 def _mtp_shapes(
-    layout: MTPNames, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], mtp_layers: int
+    names: MTPNames, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], mtp_layers: int
 ) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Every MTP tensor the fine-tuned checkpoint needs: its shape, and the decoder tensor it mirrors (if any).
 
@@ -185,23 +185,23 @@ def _mtp_shapes(
         )
     expected: dict[str, tuple[tuple[int, ...], str | None]] = {}
     for i in range(mtp_layers):
-        expected[layout.projection.format(i=i)] = ((hidden, 2 * hidden), None)
-        expected.update({norm.format(i=i): ((hidden,), None) for norm in layout.norms})
+        expected[names.projection.format(i=i)] = ((hidden, 2 * hidden), None)
+        expected.update({norm.format(i=i): ((hidden,), None) for norm in names.norms})
         for suffix, name in decoder_layer.items():
-            expected[layout.layer.format(i=i) + suffix] = (shapes[name], name)
+            expected[names.layer.format(i=i) + suffix] = (shapes[name], name)
     return expected
 
 
 def _check_source_tensors(
     source: Path,
     shapes: dict[str, tuple[int, ...]],
-    layout: MTPNames,
+    names: MTPNames,
     expected: dict[str, tuple[tuple[int, ...], str | None]],
 ) -> None:
-    present = {name for name in shapes if name.startswith(layout.prefix)}
+    present = {name for name in shapes if name.startswith(names.prefix)}
     if not present:
         raise MTPRestoreError(
-            f"source: {source} has no MTP head (no {layout.prefix}* tensors, though config.json declares MTP layers)"
+            f"source: {source} has no MTP head (no {names.prefix}* tensors, though config.json declares MTP layers)"
         )
     missing = sorted(set(expected) - present)
     if missing:
