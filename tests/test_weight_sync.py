@@ -299,23 +299,23 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     import lightning.pytorch as pl
-    from lightning_megatron import hf_io
+    from lightning_megatron import staged_write
     from lightning_megatron.callbacks import WeightSync
     from tests.test_weight_sync import _fit
 
-    write_file = hf_io.write_safetensors_file
+    create_file = staged_write.create_file
 
-    def dies_half_way_through_version_3(file, tensors):
+    def dies_half_way_through_version_3(file, layout):
         if file.parent.name.startswith(".v00000003"):
             with open(file, "wb") as handle:
                 handle.write(b"half a file")
             os.kill(os.getpid(), signal.SIGKILL)
-        write_file(file, tensors)
+        return create_file(file, layout)
 
     if __name__ == "__main__":
         workdir, hf_checkpoint = Path(sys.argv[1]), Path(sys.argv[2])
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-        hf_io.write_safetensors_file = dies_half_way_through_version_3
+        staged_write.create_file = dies_half_way_through_version_3
         saver = pl.callbacks.ModelCheckpoint(dirpath=workdir / "ckpts", every_n_train_steps=2, save_top_k=-1)
         sync = WeightSync("disk", every_n_steps=1, root=str(workdir / "versions"), keep_last=3)
         _fit(workdir, hf_checkpoint, [sync], None, steps=4, extra_callbacks=(saver,))
