@@ -379,3 +379,47 @@ def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tm
         sender.close()
         process.kill()
         process.wait()
+
+
+def _corrupt(folder: Path, how: str) -> Path:
+    """Break the last safetensors file of `folder` (the others are fine: a receiver that loaded file by file would
+    already have changed weights when it reached it)."""
+    from safetensors.torch import save_file
+
+    file = sorted(folder.glob("*.safetensors"))[-1]
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    if how == "truncated":
+        file.write_bytes(file.read_bytes()[:-7])
+    elif how == "zero-length":
+        file.write_bytes(b"")
+    elif how == "wrong dtype":
+        save_file({**tensors, name: tensors[name].to(torch.float16)}, file, metadata={"format": "pt"})
+    else:
+        save_file({**tensors, name: tensors[name].reshape(-1)[1:]}, file, metadata={"format": "pt"})
+    return file
+
+
+@pytest.mark.parametrize("how", ["truncated", "zero-length", "wrong dtype", "wrong shape"])
+def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_the_last_version(
+        checkpoints, receivers, tmp_path, how):
+    from lightning_megatron.hf_io import write_safetensors
+    from lightning_megatron.serving import disk
+
+    url, original = receivers["tied"], checkpoints["tied"]
+    source = load_file(original / "model.safetensors")
+    disk.notify_engine(url, "sglang", original, 7, 60)
+    served = _receiver_tensors(url, sorted(source))
+    assert all(torch.equal(served[name], tensor) for name, tensor in source.items())
+
+    broken = tmp_path / "v00000008"
+    broken.mkdir()
+    write_safetensors(broken, {name: tensor * 2 for name, tensor in source.items()}, shard_bytes=4096)
+    assert len(list(broken.glob("*.safetensors"))) >= 3
+    bad_file = _corrupt(broken, how)
+    with pytest.raises(WeightSyncError, match=f"answered (400|500).*{bad_file.name}"):
+        disk.notify_engine(url, "sglang", broken, 8, 60)
+    assert post_json(f"{url}/model_info", {}, 60)["weight_version"] == "7"
+    assert post_json(f"{url}/model_info", {}, 60)["model_path"] == str(original.resolve())
+    served = _receiver_tensors(url, sorted(source))
+    assert [name for name, tensor in source.items() if not torch.equal(served[name], tensor)] == []
