@@ -53,6 +53,8 @@ def test_sharded_files_are_safetensors_own_bytes(tmp_path):
     tensors = _tensors()
     write_safetensors(tmp_path, tensors, shard_bytes=256)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(tensor.nbytes for tensor in tensors.values())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 3
     for file in files:
