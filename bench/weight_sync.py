@@ -4,7 +4,7 @@ One GPU, one process for the trainer side (the model built by megatron-bridge fr
 untied, one MTP layer, random bf16 weights) and the package's receiver (a `transformers` model of the same
 checkpoint) in a second process on the same GPU. Medians over `--repeats` after one warm-up:
 - `disk`: `serving.disk.sync_to_disk` with the bridge's `save_hf` (what `WeightSync(mode="disk")` runs), against a
-  raw `save_file` of the same tensors from the GPU (target <= 1.5x); the engine-side read is the receiver's
+  raw write of the same tensors from the GPU (target <= 1.2x); the engine-side read is the receiver's
   `/update_weights_from_disk` of that folder; the disk round trip is write + engine-side read.
 - `colocated`: `ColocatedSender` of the whole model over CUDA IPC (target <= 2 s and <= 0.25x the disk round
   trip); the sender's extra GPU memory is the peak during the sync over what was allocated before it (target
@@ -260,7 +260,7 @@ def main() -> None:
             else f"{args.checkpoint} (Qwen3-8B shape, untied, one MTP layer)",
             "output_folder": str(workdir),
             "repeats": args.repeats,
-            "targets": {"disk_sync_vs_raw_write": 1.5, "disk_sync_gb_per_s": 4.0, "colocated_sync_s": 2.0,
+            "targets": {"disk_sync_vs_raw_write": 1.2, "disk_sync_gb_per_s": 4.0, "colocated_sync_s": 2.0,
                         "colocated_vs_disk_round_trip": 0.25, "extra_sender_memory": "2 x bucket + largest tensor",
                         "step_time_ratio": 1.01},
         }
