@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -104,8 +105,6 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     from a one-layer checkpoint of the same shape family, and the weights are drawn on the GPU (when there is one)
     shard by shard and written with the package's threaded safetensors writer.
     """
-    import shutil
-
     from lightning_megatron.hf_io import plan_shards, shard_file_names, write_index, write_shard_files
     from lightning_megatron.testing.checkpoints import _Shape, _tensor_shapes, make_tiny_checkpoint
 
@@ -260,6 +259,26 @@ def median_seconds(action: Callable[[], Any], repeats: int) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def require_free_space(folder: Path, nbytes: int, step: str) -> None:
+    """Stop a step before it writes when `folder`'s file system cannot hold `nbytes` (8B copies are 17 GB each)."""
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        raise SystemExit(f"{step}: {folder} has {free / 1e9:.1f} GB free but needs {nbytes / 1e9:.1f} GB "
+                         f"(TMPDIR={os.environ.get('TMPDIR')!r}); free space there or set TMPDIR to a folder with more")
+
+
+def raw_write(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """The fastest plain write of these tensors: HF's shard plan, the files written in parallel, GPU tensors
+    through pinned staging, tensors taken from every file in turn (the package's writer with no export before it:
+    a save's ratio to this is what the export and its order cost)."""
+    from lightning_megatron.hf_io import plan_shards, shard_file_names, write_shard_files
+
+    shards = plan_shards({name: tensor.nbytes for name, tensor in tensors.items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    write_shard_files(folder, {file: {name: tensors[name] for name in shard}
+                               for file, shard in zip(shard_file_names(len(shards)), shards)})
 
 
 def fresh_memory() -> None:

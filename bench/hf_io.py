@@ -2,7 +2,11 @@
 
 For each bridge: `build` (model creation without random init, HF weights loaded) and `save_hf` (a complete HF
 checkpoint written atomically), against reading the same tensors raw with safetensors onto the device the bridge
-puts the model on, and writing them raw from there. The load alone into the built model is timed twice: the
+puts the model on, and writing them raw from there. The raw write is the fastest plain write of the same tensors
+(`bench.common.raw_write`: HF's shards written in parallel, GPU tensors through pinned staging, no export), so
+`save_vs_raw_write` is what the export costs; `export_s` times the export alone (tensors left on the device,
+nothing written) and `save_gb_per_s` is the save's bytes over its time (target >= 4 GB/s at 8B, to a RAM-backed
+folder: `TMPDIR=/dev/shm`). The load alone into the built model is timed twice: the
 package's sliced load (`load_s`, what `build` uses: each rank reads its slices on several threads) and the
 library's own loader (`library_load_s`, one run); `load_report` says how the sliced load filled the parameters
 (all from slices, `converted` 0, for the stock Qwen3 mappings). megatron-bridge loads and saves the MTP head when
@@ -23,12 +27,12 @@ import gc
 import shutil
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from bench.common import (
     QWEN3_8B,
@@ -38,6 +42,8 @@ from bench.common import (
     make_checkpoint,
     make_large_checkpoint,
     median_seconds,
+    raw_write,
+    require_free_space,
 )
 from lightning_megatron.distributed import init_single_process
 from lightning_megatron.families import is_hf_mtp_tensor
@@ -73,6 +79,12 @@ def _median_build_seconds(bridge: Any, options: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _export_only(bridge: Any, chunks: list[torch.nn.Module]) -> None:
+    """The export a save runs, its tensors left where the model is and dropped: what the save adds to the write."""
+    for _ in bridge.export_hf_tensors(chunks, on_host=next(chunks[0].parameters()).device.type == "cpu"):
+        pass
+
+
 def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: int, save: bool = True
                    ) -> dict[str, Any]:
     from lightning_megatron.bridges import create_bridge
@@ -93,8 +105,12 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
     tensors = _raw_read(files, names, device)
     size = sum(tensor.nbytes for tensor in tensors.values())
     raw_read_s = median_seconds(lambda: _raw_read(files, names, device), repeats)
-    if save:
-        raw_write_s = median_seconds(lambda: save_file(tensors, workdir / f"raw-{bridge_type}.safetensors"), repeats)
+    if save:  # the raw copy goes before the export's: at 8B each is 17 GB; a replacing save holds two exports
+        require_free_space(workdir, int(2.05 * size), f"hf_io {bridge_type}")
+        try:
+            raw_write_s = median_seconds(partial(raw_write, tensors, workdir / f"raw-{bridge_type}"), repeats)
+        finally:
+            shutil.rmtree(workdir / f"raw-{bridge_type}", ignore_errors=True)
     del tensors
     build_s = _median_build_seconds(bridge, options, repeats)
     sliced_load_s = median_seconds(lambda: bridge.load_hf_weights(chunks), repeats)
@@ -113,13 +129,16 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
         "library_load_vs_raw_read": library_load_s / raw_read_s,
         "load_report": dataclasses.asdict(bridge.load_hf_weights(chunks)),
     }
-    result.update(raw_write_s=None, save_s=None, save_vs_raw_write=None)  # `--load-only`: the report says n/a
+    result.update(raw_write_s=None, save_s=None, save_vs_raw_write=None, export_s=None, save_gb_per_s=None,
+                  raw_write_gb_per_s=None)  # `--load-only`: the report says n/a
     if save:
-        save_s = median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
-        result.update(raw_write_s=raw_write_s, save_s=save_s, save_vs_raw_write=save_s / raw_write_s)
-        # what this bridge wrote goes before the next one writes: at 8B each copy is 17 GB of a 64 GB disk
-        (workdir / f"raw-{bridge_type}.safetensors").unlink()
-        shutil.rmtree(workdir / f"export-{bridge_type}")
+        export_s = median_seconds(lambda: _export_only(bridge, chunks), repeats)
+        try:
+            save_s = median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
+        finally:
+            shutil.rmtree(workdir / f"export-{bridge_type}", ignore_errors=True)
+        result.update(raw_write_s=raw_write_s, save_s=save_s, save_vs_raw_write=save_s / raw_write_s,
+                      export_s=export_s, save_gb_per_s=size / save_s / 1e9, raw_write_gb_per_s=size / raw_write_s / 1e9)
     return result
 
 
@@ -138,20 +157,24 @@ def main() -> None:
         parser.error("--tiny, --checkpoint and --qwen3-8b exclude each other")
 
     workdir = Path(tempfile.mkdtemp(prefix="hf_io_"))
-    if args.qwen3_8b:
-        args.checkpoint = make_large_checkpoint(args.qwen3_8b, mtp=True, tied=False, **QWEN3_8B)
-    checkpoint = args.checkpoint or make_checkpoint(workdir / "tiny-qwen3-mtp", tiny=True)
-    init_single_process()
-    result: dict[str, Any] = {
-        "benchmark": "hf_io",
-        **environment(),
-        "checkpoint": str(checkpoint) if args.checkpoint else "tiny qwen3 + MTP (bench.common.make_checkpoint)",
-        "repeats": args.repeats,
-        "target_vs_raw": 1.5,
-        "target_save_vs_raw": 1.2,
-        "bridges": {bridge_type: measure_bridge(bridge_type, checkpoint, workdir, args.repeats, not args.load_only)
-                    for bridge_type in args.bridges},
-    }
+    try:
+        if args.qwen3_8b:
+            args.checkpoint = make_large_checkpoint(args.qwen3_8b, mtp=True, tied=False, **QWEN3_8B)
+        checkpoint = args.checkpoint or make_checkpoint(workdir / "tiny-qwen3-mtp", tiny=True)
+        init_single_process()
+        result: dict[str, Any] = {
+            "benchmark": "hf_io",
+            **environment(),
+            "checkpoint": str(checkpoint) if args.checkpoint else "tiny qwen3 + MTP (bench.common.make_checkpoint)",
+            "output_folder": str(workdir),
+            "repeats": args.repeats,
+            "target_vs_raw": 1.5,
+            "target_save_vs_raw": 1.2,
+            "bridges": {bridge_type: measure_bridge(bridge_type, checkpoint, workdir, args.repeats, not args.load_only)
+                        for bridge_type in args.bridges},
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     emit(result, args.out)
 
 

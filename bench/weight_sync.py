@@ -4,13 +4,17 @@ One GPU, one process for the trainer side (the model built by megatron-bridge fr
 untied, one MTP layer, random bf16 weights) and the package's receiver (a `transformers` model of the same
 checkpoint) in a second process on the same GPU. Medians over `--repeats` after one warm-up:
 - `disk`: `serving.disk.sync_to_disk` with the bridge's `save_hf` (what `WeightSync(mode="disk")` runs), against a
-  raw `save_file` of the same tensors from the GPU (target <= 1.5x); the engine-side read is the receiver's
+  raw write of the same tensors from the GPU (target <= 1.2x); the engine-side read is the receiver's
   `/update_weights_from_disk` of that folder; the disk round trip is write + engine-side read.
 - `colocated`: `ColocatedSender` of the whole model over CUDA IPC (target <= 2 s and <= 0.25x the disk round
   trip); the sender's extra GPU memory is the peak during the sync over what was allocated before it (target
   <= 2 buckets + the largest tensor).
-- step time between syncs: a smaller model trained through Lightning with and without a `WeightSync` callback
-  whose next sync lies beyond the timed steps, alternating runs (target <= 1.01x).
+- step time between syncs: a smaller model trained through Lightning without a `WeightSync`, with one attached
+  whose next sync lies beyond the timed steps (target <= 1.01x), after a disk or a colocated sync in the warm-up,
+  and with the engine's process alive on the device; mirrored rounds (`measure_step_overhead`).
+The raw write is the fastest plain write of the same tensors (`bench.common.raw_write`); `disk_sync_gb_per_s` is
+the sync's bytes over its time (target >= 4 GB/s to a RAM-backed folder, `TMPDIR=/dev/shm`). Every temporary
+folder is removed at the end, and each write first checks that the folder's file system can hold it.
 `collective` needs two GPUs (NCCL refuses two ranks on one); `--tiny` runs it over gloo on the CPU too.
 `--tiny`: a tiny checkpoint, everything on the CPU (the colocated hand-over through shared memory).
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -29,9 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from bench.common import QWEN3_8B, emit, environment, make_large_checkpoint, median_seconds
+from bench.common import (
+    QWEN3_8B,
+    emit,
+    environment,
+    make_large_checkpoint,
+    median_seconds,
+    raw_write,
+    require_free_space,
+)
 from lightning_megatron.distributed import init_single_process
 
 
@@ -60,10 +73,13 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
     engine_start = ThreadPoolExecutor(1).submit(spawn_receiver, checkpoint, device=str(device), timeout_s=600,
                                                 log=workdir / "receiver.log")
     exported = dict(bridge.export_hf_tensors(chunks, on_host=False))
-    raw_file = workdir / "raw.safetensors"
-    raw_write_s = _median(partial(save_file, exported, str(raw_file)), repeats)
+    # the raw copy goes before the syncs; a sync with keep_last=1 holds two versions while it writes
+    require_free_space(workdir, int(2.05 * model_bytes), "weight_sync disk")
+    try:
+        raw_write_s = _median(partial(raw_write, exported, workdir / "raw"), repeats)
+    finally:
+        shutil.rmtree(workdir / "raw", ignore_errors=True)
     del exported  # the raw write's copy of the model; the syncs below hold at most a bucket
-    raw_file.unlink()  # the disk holds the checkpoint and at most two versions (keep_last=1) at 8B: 3 x 17 GB
     root = workdir / "versions"
     versions = iter(range(1, 1000))
     disk_sync_s = _median(lambda: disk.sync_to_disk(lambda path: bridge.save_hf(chunks, path), root, next(versions),
@@ -112,6 +128,7 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
         "raw_write_s": raw_write_s,
         "disk_sync_s": disk_sync_s,
         "disk_sync_vs_raw_write": disk_sync_s / raw_write_s,
+        "disk_sync_gb_per_s": model_bytes / disk_sync_s / 1e9,
         "engine_read_s": engine_read_s,
         "disk_round_trip_s": round_trip_s,
         "colocated_sync_s": colocated_s,
@@ -122,20 +139,35 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
     }
 
 
-def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: int) -> dict:
-    """Median step time with and without a WeightSync callback (no sync inside the timed steps), mirrored runs."""
+ARMS = ("without", "attached", "after_disk_sync", "receiver_idle", "after_colocated_sync")
+
+
+def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: int, rounds: int) -> dict:
+    """Median step time of a small model per arm, in mirrored rounds (every arm, then every arm backwards), so that
+    one H200 run tells which part of a sync's set-up costs step time between syncs:
+    - `without`: no callback, no engine; `attached`: a `WeightSync` whose next sync lies beyond the run (the
+      target: its `on_train_batch_end` compares a step count, nothing else);
+    - `after_disk_sync`: one disk sync during the warm-up steps (the allocator's state after an export);
+    - `receiver_idle`: no callback, the package's receiver holding the model on the same device, idle;
+    - `after_colocated_sync`: that receiver and one colocated sync during the warm-up (the sender keeps its staging
+      buffer, the engine its copy).
+    `noise` is the spread of the `without` runs (max / min - 1): a ratio within it is not a cost."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     from lightning_megatron import MegatronStrategy, SFTModule, WeightSync
+    from lightning_megatron.serving.receiver import spawn_receiver
     from lightning_megatron.testing.datasets import RandomTokenDataset
 
     class StepTimes(pl.Callback):
-        def __init__(self) -> None:
+        def __init__(self, sync: WeightSync | None) -> None:
             self.times: list[float] = []
             self._last = 0.0
+            self._sync = sync
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if self._sync is not None and trainer.global_step == 1:  # a warm-up step: not timed
+                self._sync.sync(trainer)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             now = time.perf_counter()
@@ -144,31 +176,52 @@ def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: i
             self._last = now
 
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine, url = spawn_receiver(checkpoint, device=device, timeout_s=600, log=workdir / "step-receiver.log")
+    engine.send_signal(signal.SIGSTOP)  # alive (its memory held) but absent, except in the arms that use it
 
-    def run(with_sync: bool) -> float:
-        timer = StepTimes()
-        callbacks: list[pl.Callback] = [timer]
-        if with_sync:
-            callbacks.insert(0, WeightSync("disk", every_n_steps=10 * (steps + warmup), root=str(workdir / "never"),
-                                           sync_on_train_end=False))
+    def run(arm: str) -> float:
+        never = 10 * (steps + warmup)
+        sync = {"attached": lambda: WeightSync("disk", every_n_steps=never, root=str(workdir / "never"),
+                                               sync_on_train_end=False),
+                "after_disk_sync": lambda: WeightSync("disk", every_n_steps=never, root=str(workdir / "step-syncs"),
+                                                      keep_last=1, sync_on_train_end=False),
+                "after_colocated_sync": lambda: WeightSync("colocated", every_n_steps=never, engine_url=url,
+                                                           sync_on_train_end=False)}.get(arm, lambda: None)()
+        timer = StepTimes(sync if arm.startswith("after_") else None)
         precision = "bf16" if torch.cuda.is_available() else "fp32"
         trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), micro_batch_size=2,
                                                        global_batch_size=8, precision=precision),
                              accelerator="auto", devices=1, max_steps=steps + warmup + 1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=callbacks, default_root_dir=workdir)
+                             callbacks=[callback for callback in (sync, timer) if callback is not None],
+                             default_root_dir=workdir)
         loader = DataLoader(RandomTokenDataset(8 * (steps + warmup + 1), 256, vocab), batch_size=2, drop_last=True)
-        trainer.fit(SFTModule(lr=1e-5), loader)
+        engine_used = arm in ("receiver_idle", "after_colocated_sync")
+        if engine_used:
+            engine.send_signal(signal.SIGCONT)
+        try:
+            trainer.fit(SFTModule(lr=1e-5), loader)
+        finally:
+            if engine_used:
+                engine.send_signal(signal.SIGSTOP)
+            shutil.rmtree(workdir / "step-syncs", ignore_errors=True)
         return statistics.median(timer.times[warmup:])
 
-    order = [False, True, True, False]
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for with_sync in order:
-        times[with_sync].append(run(with_sync))
-    without, with_callback = statistics.median(times[False]), statistics.median(times[True])
-    return {"steps": steps, "warmup": warmup, "order": ["without" if not w else "with" for w in order],
-            "step_s_without": times[False], "step_s_with": times[True],
-            "step_time_ratio": with_callback / without}
+    order = [arm for _ in range(rounds) for arm in (*ARMS, *reversed(ARMS))]
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    try:
+        for arm in order:
+            times[arm].append(run(arm))
+    finally:
+        engine.send_signal(signal.SIGCONT)
+        engine.kill()
+        engine.wait()
+    medians = {arm: statistics.median(values) for arm, values in times.items()}
+    return {"steps": steps, "warmup": warmup, "order": order, "step_s": times,
+            "ratios": {arm: medians[arm] / medians["without"] for arm in ARMS[1:]},
+            "noise": max(times["without"]) / min(times["without"]) - 1,
+            "step_time_ratio": medians["attached"] / medians["without"]}
 
 
 def main() -> None:
@@ -178,34 +231,46 @@ def main() -> None:
                         help="the Qwen3-8B-shaped checkpoint (made there once when missing, then reused)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
     parser.add_argument("--bucket-mb", type=float, default=1024.0)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="mirrored rounds of the step-time arms")
+    parser.add_argument("--parts", nargs="+", choices=["sync", "steps"], default=["sync", "steps"],
+                        help="the sync figures, the step times between syncs, or both")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="weight_sync_"))
-    init_single_process()
-    if args.tiny:
-        from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+    try:
+        init_single_process()
+        if args.tiny:
+            from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
-        checkpoint = make_tiny_checkpoint(workdir / "tiny-qwen3-mtp", "qwen3", mtp=True)
-        step_checkpoint = checkpoint
-    else:
-        started = time.perf_counter()
-        checkpoint = make_large_checkpoint(args.checkpoint, mtp=True, tied=False, **QWEN3_8B)
-        print(f"checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
-        step_checkpoint = make_large_checkpoint(workdir / "step-model", mtp=False, tied=False, num_layers=4,
-                                                hidden_size=1024, vocab_size=32000, intermediate_size=3072)
-    result = {
-        "benchmark": "weight_sync",
-        **environment(),
-        "checkpoint": "tiny qwen3 + MTP" if args.tiny else f"{args.checkpoint} (Qwen3-8B shape, untied, one MTP layer)",
-        "repeats": args.repeats,
-        "targets": {"disk_sync_vs_raw_write": 1.5, "colocated_sync_s": 2.0, "colocated_vs_disk_round_trip": 0.25,
-                    "extra_sender_memory": "2 x bucket + largest tensor", "step_time_ratio": 1.01},
-        "sync": measure_syncs(checkpoint, workdir, args.repeats, args.bucket_mb, collective=args.tiny),
-        "steps_between_syncs": measure_step_overhead(step_checkpoint, workdir, args.steps, args.warmup),
-    }
+            checkpoint = make_tiny_checkpoint(workdir / "tiny-qwen3-mtp", "qwen3", mtp=True)
+            step_checkpoint = checkpoint
+        else:
+            started = time.perf_counter()
+            checkpoint = make_large_checkpoint(args.checkpoint, mtp=True, tied=False, **QWEN3_8B)
+            print(f"checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
+            step_checkpoint = make_large_checkpoint(workdir / "step-model", mtp=False, tied=False, num_layers=4,
+                                                    hidden_size=1024, vocab_size=32000, intermediate_size=3072)
+        result: dict[str, Any] = {
+            "benchmark": "weight_sync",
+            **environment(),
+            "checkpoint": "tiny qwen3 + MTP" if args.tiny
+            else f"{args.checkpoint} (Qwen3-8B shape, untied, one MTP layer)",
+            "output_folder": str(workdir),
+            "repeats": args.repeats,
+            "targets": {"disk_sync_vs_raw_write": 1.2, "disk_sync_gb_per_s": 4.0, "colocated_sync_s": 2.0,
+                        "colocated_vs_disk_round_trip": 0.25, "extra_sender_memory": "2 x bucket + largest tensor",
+                        "step_time_ratio": 1.01},
+        }
+        if "sync" in args.parts:
+            result["sync"] = measure_syncs(checkpoint, workdir, args.repeats, args.bucket_mb, collective=args.tiny)
+        if "steps" in args.parts:
+            result["steps_between_syncs"] = measure_step_overhead(step_checkpoint, workdir, args.steps, args.warmup,
+                                                                  args.rounds)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     emit(result, args.out)
 
 

@@ -287,31 +287,6 @@ def test_virtual_pipeline_chunks_export_the_original(checkpoints, tmp_path, brid
     _assert_same_tensors(path, tmp_path / "export")
 
 
-def test_threaded_sharded_writer_gives_safetensors_that_load_bit_for_bit(tmp_path):
-    from safetensors import safe_open
-
-    from lightning_megatron.hf_io import write_safetensors
-
-    generator = torch.Generator().manual_seed(0)
-    tensors = {  # odd byte counts next to wider dtypes: every tensor must still land aligned
-        "a.bf16_odd": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
-        "b.fp32": torch.randn(7, 9, generator=generator),
-        "c.int64": torch.arange(11),
-        "d.bool": torch.tensor([True, False, True]),
-        "e.empty": torch.empty(0, 4),
-        "f.scalar": torch.tensor(2.5, dtype=torch.float16),
-        "g.large_fp32": torch.randn(64, 64, generator=generator),
-    }
-    write_safetensors(tmp_path, tensors, shard_bytes=256)
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(tensors) and len(set(index["weight_map"].values())) >= 3
-    assert index["metadata"]["total_size"] == sum(tensor.nbytes for tensor in tensors.values())
-    for name, tensor in tensors.items():
-        with safe_open(tmp_path / index["weight_map"][name], framework="pt") as reader:
-            loaded = reader.get_tensor(name)
-        assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor), name
-
-
 def _collective_write(rank: int, world_size: int, root: str) -> dict[str, object]:
     import time
 

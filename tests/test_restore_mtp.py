@@ -242,13 +242,13 @@ def test_an_output_that_is_not_a_checkpoint_folder_is_not_replaced(checkpoints, 
 
 
 def test_a_failed_write_leaves_no_output_and_keeps_an_earlier_one(checkpoints, tmp_path, monkeypatch):
-    import lightning_megatron.hf_io as hf_io
+    import lightning_megatron.staged_write as staged_write
 
-    def disk_full(filename, tensors):
+    def disk_full(filename, layout):
         Path(filename).write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hf_io, "write_safetensors_file", disk_full)
+    monkeypatch.setattr(staged_write, "create_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         restore_mtp_head(checkpoints["qwen3"], tmp_path / "out" / "restored", init="random")
     assert list((tmp_path / "out").iterdir()) == []
@@ -256,7 +256,7 @@ def test_a_failed_write_leaves_no_output_and_keeps_an_earlier_one(checkpoints, t
     monkeypatch.undo()
     earlier = restore_mtp_head(checkpoints["qwen3"], tmp_path / "out" / "restored", init="random", seed=1)
     earlier_bytes = (earlier / "model.safetensors").read_bytes()
-    monkeypatch.setattr(hf_io, "write_safetensors_file", disk_full)
+    monkeypatch.setattr(staged_write, "create_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         restore_mtp_head(checkpoints["qwen3"], earlier, init="random")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["restored"]

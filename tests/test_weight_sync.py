@@ -300,23 +300,23 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     import lightning.pytorch as pl
-    from lightning_megatron import hf_io
+    from lightning_megatron import staged_write
     from lightning_megatron.callbacks import WeightSync
     from tests.test_weight_sync import _fit
 
-    write_file = hf_io.write_safetensors_file
+    create_file = staged_write.create_file
 
-    def dies_half_way_through_version_3(file, tensors):
+    def dies_half_way_through_version_3(file, layout):
         if file.parent.name.startswith(".v00000003"):
             with open(file, "wb") as handle:
                 handle.write(b"half a file")
             os.kill(os.getpid(), signal.SIGKILL)
-        write_file(file, tensors)
+        return create_file(file, layout)
 
     if __name__ == "__main__":
         workdir, hf_checkpoint = Path(sys.argv[1]), Path(sys.argv[2])
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-        hf_io.write_safetensors_file = dies_half_way_through_version_3
+        staged_write.create_file = dies_half_way_through_version_3
         saver = pl.callbacks.ModelCheckpoint(dirpath=workdir / "ckpts", every_n_train_steps=2, save_top_k=-1)
         sync = WeightSync("disk", every_n_steps=1, root=str(workdir / "versions"), keep_last=3)
         _fit(workdir, hf_checkpoint, [sync], None, steps=4, extra_callbacks=(saver,))
@@ -380,3 +380,47 @@ def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tm
         sender.close()
         process.kill()
         process.wait()
+
+
+def _corrupt(folder: Path, how: str) -> Path:
+    """Break the last safetensors file of `folder` (the others are fine: a receiver that loaded file by file would
+    already have changed weights when it reached it)."""
+    from safetensors.torch import save_file
+
+    file = sorted(folder.glob("*.safetensors"))[-1]
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    if how == "truncated":
+        file.write_bytes(file.read_bytes()[:-7])
+    elif how == "zero-length":
+        file.write_bytes(b"")
+    elif how == "wrong dtype":
+        save_file({**tensors, name: tensors[name].to(torch.float16)}, file, metadata={"format": "pt"})
+    else:
+        save_file({**tensors, name: tensors[name].reshape(-1)[1:]}, file, metadata={"format": "pt"})
+    return file
+
+
+@pytest.mark.parametrize("how", ["truncated", "zero-length", "wrong dtype", "wrong shape"])
+def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_the_last_version(
+        checkpoints, receivers, tmp_path, how):
+    from lightning_megatron.hf_io import write_safetensors
+    from lightning_megatron.serving import disk
+
+    url, original = receivers["tied"], checkpoints["tied"]
+    source = load_file(original / "model.safetensors")
+    disk.notify_engine(url, "sglang", original, 7, 60)
+    served = _receiver_tensors(url, sorted(source))
+    assert all(torch.equal(served[name], tensor) for name, tensor in source.items())
+
+    broken = tmp_path / "v00000008"
+    broken.mkdir()
+    write_safetensors(broken, {name: tensor * 2 for name, tensor in source.items()}, shard_bytes=4096)
+    assert len(list(broken.glob("*.safetensors"))) >= 3
+    bad_file = _corrupt(broken, how)
+    with pytest.raises(WeightSyncError, match=f"answered (400|500).*{bad_file.name}"):
+        disk.notify_engine(url, "sglang", broken, 8, 60)
+    assert post_json(f"{url}/model_info", {}, 60)["weight_version"] == "7"
+    assert post_json(f"{url}/model_info", {}, 60)["model_path"] == str(original.resolve())
+    served = _receiver_tensors(url, sorted(source))
+    assert [name for name, tensor in source.items() if not torch.equal(served[name], tensor)] == []

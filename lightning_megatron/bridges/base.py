@@ -30,6 +30,7 @@ from lightning_megatron.hf_io import (
     plan_shards,
     read_json,
     shard_file_names,
+    shard_writer,
     write_index,
     write_shard_files,
 )
@@ -258,35 +259,40 @@ class Bridge(ABC):
         """Write an HF checkpoint atomically; raises, leaving nothing behind, when a tensor would be missing.
 
         Tensors keep the dtype of the source checkpoint's tensor of the same name unless `dtype` is given.
-        All ranks must call it. The shards are split over the ranks (each keeps only its own shards' tensors on
-        the host) and each rank writes its shards with several threads; global rank 0 writes the index and the
-        other files and renames the folder into place.
+        All ranks must call it. The shards are split over the ranks; each rank's files are laid out before the
+        export starts and every tensor is written into them as the export yields it (from a GPU through pinned
+        staging, overlapping the export of the next tensors, one thread per file: `hf_io.shard_writer`), so no
+        rank holds the model on the host. Global rank 0 writes the index and the other files and renames the
+        folder into place.
         """
         path = Path(path)
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        sizes = {name: spec.nbytes for name, spec in self.hf_tensor_specs(dtype).items()}
-        owner = {name: index % world_size for index, shard in enumerate(plan_shards(sizes)) for name in shard}
-        tensors: dict[str, torch.Tensor] = {}
-        extra_sizes: dict[str, int] = {}
-        try:
-            for name, tensor in self.export_hf_tensors(chunks, dtype=dtype):
-                if name not in owner:
-                    extra_sizes[name] = tensor.nbytes
-                if owner.get(name, 0) == rank:
-                    tensors[name] = tensor.to("cpu").contiguous()
-        except BridgeError as error:
-            raise BridgeError(f"save_hf: {error}; nothing was written to {path}") from error
-        # a tensor the source lacks (none for the supported families) goes into the first shard, written by rank 0
+        specs = self.hf_tensor_specs(dtype)
+        sizes = {name: spec.nbytes for name, spec in specs.items()}
         shards = plan_shards(sizes)
-        shards[0] = sorted([*shards[0], *extra_sizes])
-        files = {file: {name: tensors[name] for name in shard}
-                 for index, (file, shard) in enumerate(zip(shard_file_names(len(shards)), shards))
-                 if index % world_size == rank}
+        files = shard_file_names(len(shards))
+        mine = {file: [specs[name] for name in shard]
+                for index, (file, shard) in enumerate(zip(files, shards)) if index % world_size == rank}
+        owned = {spec.name for file_specs in mine.values() for spec in file_specs}
+        # a GPU model's tensors are staged from the GPU by the writer (a host copy per tensor would be slower)
+        on_host = not any(parameter.is_cuda for chunk in chunks for parameter in chunk.parameters())
 
         def write(folder: Path) -> None:
-            write_shard_files(folder, files)
+            extras: dict[str, torch.Tensor] = {}
+            try:
+                with shard_writer(folder, mine) as writer:
+                    for name, tensor in self.export_hf_tensors(chunks, dtype=dtype, on_host=on_host):
+                        if name in owned:
+                            writer.write(name, tensor)
+                        elif name not in specs and rank == 0:
+                            extras[name] = tensor.to("cpu")
+            except BridgeError as error:
+                raise BridgeError(f"save_hf: {error}; nothing was written to {path}") from error
             if rank == 0:
-                write_index(folder, shards, {**sizes, **extra_sizes})
+                if extras:  # a tensor the source lacks (none for the supported families) joins the first shard
+                    _add_to_shard(folder / files[0], extras)
+                    shards[0] = sorted([*shards[0], *extras])
+                write_index(folder, shards, {**sizes, **{name: tensor.nbytes for name, tensor in extras.items()}})
                 self._write_folder(folder)
 
         write_atomically(path, write, every_rank=True)
@@ -300,6 +306,15 @@ class Bridge(ABC):
         if not self.options.mtp and self.checkpoint_mtp_layers:
             config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _add_to_shard(file: Path, extras: dict[str, torch.Tensor]) -> None:
+    """Rewrite a written shard with `extras` added (its layout, fixed before the export, could not hold them)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as reader:
+        tensors = {name: reader.get_tensor(name).clone() for name in reader.keys()}  # not views of the file
+    write_shard_files(file.parent, {file.name: {**tensors, **extras}})
 
 
 BridgeClass = TypeVar("BridgeClass", bound=type[Bridge])

@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 
 from lightning_megatron.atomic import write_text_atomically
-from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, safetensors_files
+from lightning_megatron.hf_io import SAFETENSORS_DTYPES, TensorSpec, checkpoint_tensor_specs, safetensors_files
 from lightning_megatron.serving.protocol import (
     WeightSyncError,
     broadcast,
@@ -163,17 +163,37 @@ class WeightReceiver:
 
     def update_weights_from_disk(self, request: dict[str, Any]) -> dict[str, Any]:
         path = Path(request["model_path"])
-        specs = list(checkpoint_tensor_specs(path).values())
-        self._check(specs)
-        missing = sorted(set(checkpoint_tensor_specs(self.checkpoint)) - {spec.name for spec in specs})
+        files = self._read_headers(path)  # every file readable, complete and matching, before any byte is loaded
+        names = {spec.name for specs in files.values() for spec in specs}
+        missing = sorted(set(checkpoint_tensor_specs(self.checkpoint)) - names)
         if missing:
             raise WeightSyncError(f"{path} lacks {len(missing)} tensor(s) the engine serves, e.g. {missing[:5]}")
         device = next(self.model.parameters()).device
-        for file in safetensors_files(path):
+        for file in files:
             with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
                 self._load((name, reader.get_tensor(name)) for name in reader.keys())
         self.checkpoint = path
-        return self._updated(request, len(specs))
+        return self._updated(request, len(names))
+
+    def _read_headers(self, path: Path) -> dict[Path, list[TensorSpec]]:
+        """Each safetensors file of `path` and its tensors, from the headers: a file that cannot be opened (missing
+        permissions, zero length, truncated: safetensors checks that the data covers the file exactly) or whose
+        tensors this engine does not serve as they are is refused by name, and nothing is loaded."""
+        files = safetensors_files(path)
+        if not files:
+            raise WeightSyncError(f"model_path: {path} holds no *.safetensors file; nothing was loaded")
+        headers = {}
+        for file in files:
+            try:
+                with safe_open(file, framework="pt") as reader:
+                    slices = {name: reader.get_slice(name) for name in reader.keys()}
+                    headers[file] = [TensorSpec(name, tuple(part.get_shape()), SAFETENSORS_DTYPES[part.get_dtype()])
+                                     for name, part in slices.items()]
+            except Exception as error:  # safetensors' own error type, OSError, an unknown dtype
+                raise WeightSyncError(f"{file} cannot be read as a safetensors file ({type(error).__name__}: "
+                                      f"{error}); nothing was loaded") from error
+            self._check(headers[file], source=file)
+        return headers
 
     def model_info(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"model_path": str(self.checkpoint), "weight_version": self.weight_version, "is_generation": True}
@@ -200,7 +220,7 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ checks and copies
 
-    def _check(self, specs: list[TensorSpec]) -> None:
+    def _check(self, specs: list[TensorSpec], source: Path | None = None) -> None:
         served = self.named_tensors()
         unknown = [spec.name for spec in specs if spec.name not in served]
         mismatched = [f"{spec.name}: sent as {spec.shape} {dtype_name(spec.dtype)}, served as "
@@ -208,9 +228,9 @@ class WeightReceiver:
                       for spec in specs if spec.name in served
                       and (tuple(served[spec.name].shape) != spec.shape or served[spec.name].dtype != spec.dtype)]
         if unknown or mismatched:
-            raise WeightSyncError(f"nothing was loaded: {len(unknown)} name(s) this model and its draft do not have "
-                                  f"(e.g. {unknown[:3]}); {len(mismatched)} shape or dtype mismatch(es) "
-                                  f"(e.g. {mismatched[:3]})")
+            raise WeightSyncError(f"nothing was loaded: {'' if source is None else f'{source}: '}{len(unknown)} "
+                                  f"name(s) this model and its draft do not have (e.g. {unknown[:3]}); "
+                                  f"{len(mismatched)} shape or dtype mismatch(es) (e.g. {mismatched[:3]})")
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         served = self.named_tensors()
@@ -267,6 +287,8 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                     else (400, {"success": False, "message": f"unknown tensor {error}"})
             except (WeightSyncError, ValueError, RuntimeError) as error:
                 status, reply = 400, {"success": False, "message": str(error)}
+            except Exception as error:  # whatever else failed: answered, never a dropped connection
+                status, reply = 500, {"success": False, "message": f"{type(error).__name__}: {error}"}
             body = json.dumps(reply).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

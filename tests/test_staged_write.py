@@ -1,0 +1,119 @@
+"""The HF writer lays files out first and writes tensors as they come: the files are byte for byte safetensors'
+own serialisation (what the writer wrote before it streamed), from host tensors and through pinned GPU staging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+from lightning_megatron.bridges import BridgeError, create_bridge
+from lightning_megatron.hf_io import TensorSpec, safetensors_layout, write_safetensors
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.staged_write import StagedWriter
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+
+
+def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {  # odd byte counts next to wider dtypes, an empty tensor, a scalar, one of several chunks
+        "a.bf16_odd": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
+        "b.fp32": torch.randn(7, 9, generator=generator),
+        "c.int64": torch.arange(11),
+        "d.bool": torch.tensor([True, False, True]),
+        "e.empty": torch.empty(0, 4),
+        "f.scalar": torch.tensor(2.5, dtype=torch.float16),
+        "g.large_fp32": torch.randn(64, 64, generator=generator),
+        "h.transposed": torch.randn(8, 6, generator=generator).t(),  # not contiguous
+    }
+    return {name: tensor.to(device) for name, tensor in tensors.items()}
+
+
+def _library_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save({name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, metadata={"format": "pt"})
+
+
+def _write_out_of_order(path: Path, tensors: dict[str, torch.Tensor], **options: int) -> None:
+    layout = safetensors_layout(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    with StagedWriter({path: layout}, **options) as writer:
+        for name in reversed(list(tensors)):  # an export's order is not the file's
+            writer.write(name, tensors[name])
+
+
+def test_a_file_written_out_of_order_in_small_chunks_is_safetensors_own_bytes(tmp_path):
+    tensors = _tensors()
+    _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=40, staging_bytes=80, threads=2)
+    assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
+
+
+def test_sharded_files_are_safetensors_own_bytes(tmp_path):
+    tensors = _tensors()
+    write_safetensors(tmp_path, tensors, shard_bytes=256)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(tensor.nbytes for tensor in tensors.values())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3
+    for file in files:
+        assert (tmp_path / file).read_bytes() == _library_bytes(load_file(tmp_path / file)), file
+
+
+def test_a_failed_file_raises_at_close_not_before_and_a_missing_tensor_is_named(tmp_path):
+    tensors = _tensors()
+    layout = safetensors_layout(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    writer = StagedWriter({tmp_path / "no such folder" / "model.safetensors": layout})
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)  # every rank must keep iterating the export: nothing raises here
+    with pytest.raises(FileNotFoundError):
+        writer.close()
+
+    writer = StagedWriter({tmp_path / "model.safetensors": layout})
+    writer.write("b.fp32", tensors["b.fp32"])
+    with pytest.raises(ValueError, match="never written.*a.bf16_odd"):
+        writer.close()
+
+
+@pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
+def test_a_round_trip_export_is_the_source_file_byte_for_byte(model_parallel, tmp_path, bridge_type):
+    source = make_tiny_checkpoint(tmp_path / "source", "qwen3")  # written by safetensors itself
+    bridge = create_bridge(bridge_type, source)
+    exported = bridge.save_hf(bridge.build(ModelOptions()), tmp_path / "export")
+    assert (exported / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_an_export_failing_mid_way_leaves_nothing(model_parallel, tmp_path):
+    from lightning_megatron.bridges.mbridge import MBridge
+
+    class FailsHalfWay(MBridge):
+        def export_hf_weights(self, chunks, *, on_host=True):
+            for index, (name, tensor) in enumerate(super().export_hf_weights(chunks, on_host=on_host)):
+                if index == 3:
+                    raise BridgeError("the gather failed")
+                yield name, tensor
+
+    bridge = FailsHalfWay(make_tiny_checkpoint(tmp_path / "source", "qwen3"))
+    with pytest.raises(BridgeError, match="save_hf: the gather failed; nothing was written"):
+        bridge.save_hf(bridge.build(ModelOptions()), tmp_path / "out" / "export")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_through_pinned_staging_give_the_same_bytes(tmp_path):
+    tensors = _tensors("cuda")
+    # a window of two small slots: every slot is reused many times while earlier chunks are still being written
+    _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=64, staging_bytes=128, threads=2)
+    assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bridge_type", ["mbridge", "megatron-bridge"])
+def test_gpu_model_export_is_the_source_file_byte_for_byte(model_parallel, tmp_path, bridge_type):
+    source = make_tiny_checkpoint(tmp_path / "source", "qwen3")
+    bridge = create_bridge(bridge_type, source)
+    chunks = bridge.build(ModelOptions())
+    assert next(chunks[0].parameters()).is_cuda
+    exported = bridge.save_hf(chunks, tmp_path / "export")
+    assert (exported / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
