@@ -108,3 +108,18 @@ def test_a_receiver_child_imports_the_package_from_where_this_process_did(monkey
     assert receiver.child_pythonpath() == os.pathsep.join([import_root, "/elsewhere"])
     monkeypatch.setattr(site, "getsitepackages", lambda: ["/a/site-packages", import_root])
     assert receiver.child_pythonpath() == "/elsewhere"
+
+
+def test_the_entry_point_table_is_what_pyproject_installs() -> None:
+    """`cli.COMMANDS` is the one table of commands: its console scripts are exactly `[project.scripts]`, and every
+    target names a function that exists (the modules are imported here, which loads Lightning: fine in a test)."""
+    import importlib
+    import tomllib
+
+    from lightning_megatron.cli import COMMANDS
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {command.script: command.target for command in COMMANDS if command.script is not None}
+    for command in COMMANDS:
+        module, function = command.target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), command.target
