@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 import traceback
@@ -268,7 +269,7 @@ def profile_step(step: Any, step_s: float) -> dict[str, Any]:
     }
 
 
-def markdown(results: dict[str, Any], real_tokens: int, seq: int) -> str:
+def markdown(results: dict[str, Any]) -> str:
     lines = ["| candidate | step | real tokens/s | over full | GPU busy | busy / step | kernels | launch calls | "
              "graph launches | sync calls | peak GiB |", "|---" * 11 + "|"]
     full = results.get("full", {}).get("real_tokens_per_s")
@@ -320,13 +321,20 @@ def main() -> None:
         spent[name] = time.perf_counter() - begun
         print(f"{name}: {spent[name]:.0f} s, " + (results[name].get("error") or
               f"{results[name]['real_tokens_per_s']:.0f} real tokens/s"), flush=True)
-    table = markdown(results, real_tokens, args.seq)
-    if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(table)
-    emit({**environment(), "benchmark": "P5 packing profile", "real_tokens": real_tokens, "seconds": spent,
-          "candidates": results}, args.out)
-    print(table.split("\n\n")[0])
+        _write(args, results, real_tokens, spent)  # so far: a run stopped from outside keeps what it measured
+    emit(_write(args, results, real_tokens, spent), None)
+    print(markdown(results).split("\n\n")[0])
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any], real_tokens: int, spent: dict[str, float]
+           ) -> dict[str, Any]:
+    result = {**environment(), "benchmark": "P5 packing profile", "real_tokens": real_tokens, "seconds": spent,
+              "candidates": results}
+    for path, text in ((args.markdown, markdown(results)), (args.out, json.dumps(result, indent=2) + "\n")):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return result
 
 
 if __name__ == "__main__":
