@@ -100,7 +100,8 @@ def train_steps(args: argparse.Namespace, microbatches: list[dict[str, torch.Ten
     model, optimizer = trainable(*gpt_model(args, "sdpa", calculate_per_token_loss=True,
                                             cross_entropy_loss_fusion=False), bf16=args.dtype == "bf16")
     target = device()
-    on_device = [{key: value.to(target) for key, value in microbatch.items()} for microbatch in microbatches]
+    on_device = [{key: value.to(target) if isinstance(value, torch.Tensor) else value for key, value in microbatch.items()}
+                 for microbatch in microbatches]
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
         microbatch = next(data_iterator)
