@@ -6,18 +6,19 @@ bf16, one Megatron-Core training step over all rows), one candidate after anothe
 | candidate | rows | what it changes |
 |---|---|---|
 | `full` | full | nothing: eager, causal SDPA |
-| `packed` | packed | BlockMask from the layout's bounds, RoPE gather once per microbatch (the code now) |
-| `packed_before` | packed | flex BlockMask by `create_block_mask` and the THD RoPE index per layer (the code before) |
-| `packed_host_max` | packed | `packed` with `max_seqlen` known on the host (no `int()` of a device tensor per microbatch) |
+| `packed` | packed | BlockMask from the layout's bounds, RoPE gather once per microbatch, host `max_seqlen` (now) |
+| `padded` | padded | nothing: eager, one sequence per row |
+| `packed_before` | packed | `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back from the device |
 | `full_graph` | full | the whole forward-backward captured once and replayed (Megatron-Core's `FullCudaGraphWrapper`) |
 | `packed_graph` | packed | the same for packed rows: `cu_seqlens` padded to one count, one `max_seqlen` for all |
 | `full_layer_graphs` | full | Megatron-Core's per-layer graphs (`cuda_graph_impl="local"`; it switches the current stream) |
-| `padded` | padded | nothing: eager, one sequence per row |
 
 Per candidate: median step time, real tokens/s, peak memory, and one profiled step (`torch.profiler`, CPU + CUDA):
 the GPU busy time (union of all device activity) over the un-profiled step time, device kernels, kernel-launch and
-graph-launch calls, synchronising runtime calls (with the operators that made them), the top CUDA kernels and CPU
-operators by time. A failing candidate records its error and the others still run; `--deadline-s` skips the
+graph-launch calls, synchronising runtime calls (with the operators that made them, and the Python lines from
+`torch.cuda.set_sync_debug_mode("warn")` in one more step), Python's garbage collections in one step, the CPU time
+inside the ranges of `RANGES` (microbatch inputs, layout, block mask, RoPE gather, core attention, Megatron's
+forward_step / backward_step), the top CUDA kernels and CPU operators by time. A failing candidate records its error and the others still run; `--deadline-s` skips the
 candidates that no longer fit.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import time
@@ -47,12 +49,11 @@ TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
 CANDIDATES = {  # name: (rows, mode), in the order they run
     "full": ("full", "eager"),
     "packed": ("packed", "eager"),
+    "padded": ("padded", "eager"),
     "packed_before": ("packed", "before"),
     "full_graph": ("full", "graph"),
     "packed_graph": ("packed", "graph"),
-    "packed_host_max": ("packed", "host_max"),
     "full_layer_graphs": ("full", "layer_graphs"),
-    "padded": ("padded", "eager"),
 }
 GRAPH_MODES = ("graph", "layer_graphs")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -96,7 +97,12 @@ def _forward_step_func(rows: str, mode: str) -> Any:
     from lightning_megatron.module import masked_token_loss
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
-        microbatch = next(data_iterator)
+        with torch.profiler.record_function("## microbatch inputs"):
+            microbatch = next(data_iterator)
+            inputs = _inputs(microbatch)
+        return model(**inputs), lambda output: masked_token_loss(microbatch, output)
+
+    def _inputs(microbatch: dict) -> dict:
         if "max_seqlen_host" in microbatch:
             cu_seqlens, longest = microbatch["cu_seqlens"], microbatch["max_seqlen_host"]
             inputs = {key: microbatch[key] for key in ("input_ids", "position_ids", "labels", "loss_mask")}
@@ -106,14 +112,15 @@ def _forward_step_func(rows: str, mode: str) -> Any:
                 max_seqlen_kv=longest)
         else:
             inputs = model_inputs(microbatch)
-        return model(**inputs), lambda output: masked_token_loss(microbatch, output)
+        return inputs
 
     return forward_step
 
 
 @contextlib.contextmanager
 def _before() -> Any:
-    """The code before: `create_block_mask`, and the THD RoPE index computed for every call."""
+    """The code before: `create_block_mask`, and the THD RoPE index computed for every call (and `max_seqlen` on the
+    device, `run_candidate`)."""
     builder, gathered = attention_layout.BLOCK_MASK_BUILDER, packed_rope._gathered_freqs
 
     def every_call(*args: Any) -> torch.Tensor:
@@ -129,7 +136,9 @@ def _before() -> Any:
 
 @contextlib.contextmanager
 def _cudagraphable_rng() -> Any:
-    """Megatron's per-layer graphs need the graph-safe RNG tracker; `gpt_model` seeds without it."""
+    """Megatron's CUDA graphs (whole-iteration and per-layer) need the graph-safe RNG tracker: the capture registers
+    each tracked generator state (`FullCudaGraphWrapper` fails with "expected a Generator, but got Tensor" on the
+    default tracker's plain state tensors); `gpt_model` seeds without it."""
     from megatron.core import tensor_parallel
 
     seed = tensor_parallel.model_parallel_cuda_manual_seed
@@ -149,13 +158,13 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
         if longest >= args.seq:
             raise ValueError(f"a sequence fills the row ({longest} tokens): RoPE would read offsets")
         microbatches = _fixed_count(microbatches, longest)
-    if mode == "host_max":
-        microbatches = [{**m, "max_seqlen_host": int(m["max_seqlen"])} for m in microbatches]
+    if mode == "before":  # max_seqlen on the device: packed_seq_params reads it back once per microbatch
+        microbatches = [{**m, "max_seqlen": torch.tensor(m["max_seqlen"])} for m in microbatches]
     fresh_memory()
     overrides: dict[str, Any] = dict(calculate_per_token_loss=True, cross_entropy_loss_fusion=False)
     if mode == "layer_graphs":
         overrides.update(cuda_graph_impl="local", cuda_graph_modules=[], cuda_graph_warmup_steps=1)
-    with _cudagraphable_rng() if mode == "layer_graphs" else contextlib.nullcontext():
+    with _cudagraphable_rng() if mode in GRAPH_MODES else contextlib.nullcontext():
         model, optimizer = trainable(*gpt_model(args, "sdpa", **overrides), bf16=args.dtype == "bf16")
     target = device()
     on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]
@@ -188,9 +197,13 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
                     times.append(time.perf_counter() - started)
                 losses.append(float(sum(m["lm_loss"][0] for m in result) / sum(m["lm_loss"][1] for m in result)))
             step_s = statistics.median(times)
+            with _gc_time() as collections:
+                step()
+                _synchronize()
             profile = profile_step(step, step_s)
+            sites = sync_sites(step) if mode not in GRAPH_MODES else {}
         return {"step_s": step_s, "steps_s": times, "losses": losses, "peak_memory_gib": peak_memory_gib(),
-                "rows": len(microbatches), **profile}
+                "rows": len(microbatches), "gc_per_step": collections, "sync_sites": sites, **profile}
     finally:
         if wrapper is not None:
             from megatron.core.full_cuda_graph import StaticBufferLoader
@@ -198,6 +211,83 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
             wrapper.reset_cuda_graph()
             StaticBufferLoader.static_buffers["training"].clear()
         release_model([model])  # the next candidate's fresh_memory() then frees it
+
+
+@contextlib.contextmanager
+def _gc_time() -> Any:
+    """Python's garbage collections during the block: count and seconds per generation."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            total = totals[f"gen{info['generation']}"]
+            total[0] += 1
+            total[1] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(callback)
+    result: dict[str, Any] = {}
+    try:
+        yield result
+    finally:
+        gc.callbacks.remove(callback)
+        result.update({gen: {"count": int(c), "s": round(t, 4)} for gen, (c, t) in sorted(totals.items())})
+
+
+def sync_sites(step: Any) -> dict[str, int]:
+    """The Python lines whose operators synchronised with the device during one step (sync debug mode "warn")."""
+    if not torch.cuda.is_available():
+        return {}
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+                        if "synchroniz" in str(w.message)).most_common(12))
+
+
+RANGES = (  # (module, attribute path, label): CPU ranges around a microbatch's host work, in the profiled step only
+    ("lightning_megatron.attention", "SDPAttention.forward", "## core attention"),
+    ("lightning_megatron.attention", "build_layout", "## layout"),
+    ("lightning_megatron.attention_layout", "Layout.block_mask", "## block mask"),
+    ("lightning_megatron._compat.packed_rope", "_gathered_freqs", "## rope gather"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_step", "## forward_step"),
+    ("megatron.core.pipeline_parallel.schedules", "backward_step", "## backward_step"),
+)
+
+
+@contextlib.contextmanager
+def _ranges() -> Any:
+    """`RANGES` wrapped in `record_function`, put back after."""
+    import functools
+    import importlib
+
+    undo = []
+    for module_name, path, label in RANGES:
+        owner = importlib.import_module(module_name)
+        *parents, attribute = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = getattr(owner, attribute)
+
+        def wrapped(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(_label):
+                return _original(*args, **kwargs)
+
+        setattr(owner, attribute, functools.wraps(original)(wrapped))
+        undo.append((owner, attribute, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(undo):
+            setattr(owner, attribute, original)
 
 
 def _synchronize() -> None:
@@ -234,7 +324,7 @@ def profile_step(step: Any, step_s: float) -> dict[str, Any]:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     _synchronize()
-    with profile(activities=activities) as prof:
+    with _ranges(), profile(activities=activities) as prof:
         started = time.perf_counter()
         step()
         _synchronize()
@@ -264,6 +354,8 @@ def profile_step(step: Any, step_s: float) -> dict[str, Any]:
         "sync_sources": dict(Counter(f"{e.name} in {_top_level(e)}" for e in syncs).most_common(12)),
         "top_cuda_kernels": [{"name": name[:120], "ms": round(ms, 3), "count": count} for name, (ms, count) in
                              sorted(by_kernel.items(), key=lambda item: -item[1][0])[:12]],
+        "ranges_cpu_ms": {a.key: {"total_ms": round(a.cpu_time_total / 1e3, 3), "count": a.count}
+                          for a in averages if a.key.startswith(("## ", "Torch-Compiled Region", "CompiledFunction"))},
         "top_cpu_ops": [{"name": a.key[:120], "self_cpu_ms": round(a.self_cpu_time_total / 1e3, 3), "count": a.count}
                         for a in sorted(averages, key=lambda a: -a.self_cpu_time_total)[:15]],
     }
@@ -291,6 +383,11 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "| top CPU ops (self) | ms | count |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['self_cpu_ms']} | {k['count']} |" for k in r["top_cpu_ops"]]
         lines += ["", "sync calls: " + (", ".join(f"{k}: {v}" for k, v in r["sync_sources"].items()) or "none")]
+        lines += ["", "sync lines: " + (", ".join(f"`{k}`: {v}" for k, v in r["sync_sites"].items()) or "none")]
+        lines += ["", "CPU ranges (inclusive ms / calls): " + ", ".join(
+            f"{k} {v['total_ms']:.0f} / {v['count']}" for k, v in r["ranges_cpu_ms"].items())]
+        lines += ["", "garbage collections in one step: " + (", ".join(
+            f"{gen} {v['count']} ({v['s']:.3f} s)" for gen, v in r["gc_per_step"].items()) or "none")]
     return "\n".join(lines) + "\n"
 
 
