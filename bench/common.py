@@ -324,8 +324,18 @@ def environment() -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "versions": {package: _version(package) for package in PACKAGES},
         "python": platform.python_version(),
+        "cpu": _cpu_model(),  # host-bound steps follow the host's CPU
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor())
 
 
 def emit(result: dict[str, Any], out: Path | None) -> None:

@@ -7,9 +7,16 @@ three layouts of rows of `--seq` tokens (one row per microbatch):
   `cu_seqlens`; flex_attention's block mask on CUDA);
 - `padded`: the same sequences, one per row, padded to `--seq` (what `SFTDataModule(packing=False)` feeds);
 - `full`: unpadded `--seq`-token rows (causal SDPA), as many as the real tokens fill.
-Reported per layout: real (non-pad) tokens/s, step time, peak memory; and the ratios packed / full and
-packed / padded next to the padding fraction (the targets: packed >= 0.95x full, and packed beats padded by at least
-the padding fraction, packed / padded >= 1 + padding fraction; removing all padding would give 1 / (1 - fraction)).
+Each layout runs as `bench.packing_profile`'s candidate of that name (`--layouts`; `packed_before` is the packed
+path before issue 29, `full_graph` / `packed_graph` Megatron-Core's whole-iteration CUDA graph). Reported per layout:
+real (non-pad) tokens/s, step time, peak memory, the GPU-busy fraction of the step (device activity from one
+`torch.profiler` step over the un-profiled step time), kernel launches, host syncs (and the Python lines that made
+them), the CPU time of the microbatch's host work and the top kernels and CPU operators (`--markdown` writes those
+tables); and the ratios packed / full and packed / padded next to the padding fraction (the targets: packed >= 0.95x
+full, and packed beats padded by at least the padding fraction, packed / padded >= 1 + padding fraction; removing
+all padding would give 1 / (1 - fraction)). Full rows are host-bound too, so their speed follows the host's CPU: the
+same code measured 1.20-1.31 s a step on one H200 machine and 1.41-1.71 s on earlier ones (`environment()` records
+the CPU model).
 
 Without Transformer Engine, Megatron-Core's THD rotary embedding is replaced by a vectorized one
 (`lightning_megatron._compat.packed_rope`); the packed layout then runs a second time with upstream's, side by side
@@ -26,9 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.attention import add_shape_options, device, gpt_model, trainable
-from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
+from bench.attention import add_shape_options, gpt_model
+from bench.common import emit, environment, parse_with_tiny
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.distributed import init_single_process
 
@@ -55,6 +60,13 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (after warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--layouts", nargs="+", default=["full", "packed", "padded", "packed_before"],
+                        choices=["full", "packed", "padded", "packed_before", "full_graph", "packed_graph"],
+                        help="bench.packing_profile candidates: packed_before is the code before issue 29, the "
+                        "*_graph ones Megatron-Core's whole-iteration CUDA graph")
+    parser.add_argument("--upstream-rope", action=argparse.BooleanOptionalAction, default=True,
+                        help="also packed rows with Megatron-Core's own THD RoPE (packed_upstream_rope)")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the profile tables here")
     parser.add_argument("--cp-seq", type=int, default=256, help="row length of the gloo CP run")
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8], help="CP sizes of the scaling table")
     return parse_with_tiny(parser, TINY)
@@ -87,46 +99,6 @@ def layouts(args: argparse.Namespace, sequences: list[torch.Tensor]) -> dict[str
         full.append({"input_ids": tokens[None, :-1], "labels": tokens[None, 1:],
                      "loss_mask": torch.ones(1, args.seq), "position_ids": torch.arange(args.seq)[None]})
     return {"packed": packed, "padded": padded, "full": full}
-
-
-def train_steps(args: argparse.Namespace, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """Median step time of Megatron training steps over `microbatches` (one global batch), and peak memory."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from lightning_megatron.microbatch import model_inputs
-    from lightning_megatron.module import masked_token_loss
-
-    fresh_memory()
-    model, optimizer = trainable(*gpt_model(args, "sdpa", calculate_per_token_loss=True,
-                                            cross_entropy_loss_fusion=False), bf16=args.dtype == "bf16")
-    target = device()
-    on_device = [{key: value.to(target) for key, value in microbatch.items()} for microbatch in microbatches]
-
-    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
-        microbatch = next(data_iterator)
-        return model(**model_inputs(microbatch)), lambda output: masked_token_loss(microbatch, output)
-
-    forward_backward = get_forward_backward_func()
-    times, loss = [], float("nan")
-    for index in range(args.warmup + args.steps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(on_device), model=[model],
-                                  num_microbatches=len(on_device), seq_length=args.seq, micro_batch_size=1,
-                                  forward_only=False)
-        optimizer.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if index >= args.warmup:
-            times.append(time.perf_counter() - started)
-        loss = float(sum(m["lm_loss"][0] for m in losses) / sum(m["lm_loss"][1] for m in losses))
-    result = {"step_s": statistics.median(times), "peak_memory_gib": peak_memory_gib(), "last_loss": loss}
-    del model, optimizer
-    fresh_memory()
-    return result
 
 
 def cp_bytes_formula(tokens: int, cp: int, kv_groups: int, head_dim: int, element_bytes: int) -> float:
@@ -207,19 +179,27 @@ def main() -> None:
     real_tokens = sum(int(s.numel()) for s in sequences)
     rows = layouts(args, sequences)
     init_single_process()
+    from bench.packing_profile import CANDIDATES, markdown, run_candidate
+
     (vectorized_rope,) = packed_rope.ADJUSTMENTS
-    if vectorized_rope.active:
-        rows["packed_upstream_rope"] = rows["packed"]
+    names = list(args.layouts) + (["packed_upstream_rope"] if vectorized_rope.active and args.upstream_rope else [])
     results: dict[str, Any] = {}
-    for name, microbatches in rows.items():
+    for name in names:
+        candidate = "packed" if name == "packed_upstream_rope" else name
+        microbatches = rows[CANDIDATES[candidate][0]]
         with vectorized_rope.suspended() if name == "packed_upstream_rope" else contextlib.nullcontext():
-            run = train_steps(args, microbatches)
-        tokens = real_tokens if name != "full" else len(microbatches) * args.seq
-        results[name] = {**run, "rows": len(microbatches), "real_tokens_per_step": tokens,
+            run = run_candidate(args, candidate, microbatches)
+        tokens = real_tokens if CANDIDATES[candidate][0] != "full" else len(microbatches) * args.seq
+        results[name] = {**run, "last_loss": run["losses"][-1], "real_tokens_per_step": tokens,
                          "real_tokens_per_s": tokens / run["step_s"]}
+        print(f"{name}: {results[name]['real_tokens_per_s']:.0f} real tokens/s", flush=True)
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(results))
     padding_fraction = 1 - real_tokens / (len(rows["padded"]) * args.seq)
     packed_padding_fraction = 1 - real_tokens / (len(rows["packed"]) * args.seq)
     speed = {name: result["real_tokens_per_s"] for name, result in results.items()}
+    busy = {name: result["gpu_busy_fraction"] for name, result in results.items()}
     summary = {
         "packed_over_full_tokens_per_s": speed["packed"] / speed["full"],
         "packed_over_padded_tokens_per_s": speed["packed"] / speed["padded"],
@@ -228,7 +208,12 @@ def main() -> None:
         "target_packed_over_full": 0.95,
         "target_packed_over_padded": 1 + padding_fraction,
         "ideal_packed_over_padded": 1 / (1 - padding_fraction),
+        "gpu_busy_fraction": busy,
+        "target_full_tokens_per_s": 1.3 * 33.5e3,
+        "target_full_gpu_busy_fraction": 0.9,
     }
+    if "packed_before" in speed:
+        summary["packed_over_packed_before_tokens_per_s"] = speed["packed"] / speed["packed_before"]
     if "packed_upstream_rope" in speed:
         summary["packed_over_packed_upstream_rope_tokens_per_s"] = speed["packed"] / speed["packed_upstream_rope"]
     emit({**environment(), "benchmark": "P5 packing", "shape": {key: getattr(args, key) for key in (

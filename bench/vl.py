@@ -82,7 +82,7 @@ def _sequences(args: argparse.Namespace, config: dict[str, Any]) -> list[VLToken
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: value.to(device) for key, value in batch.items()}
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
 
 
 def _run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[dict[str, torch.Tensor]],

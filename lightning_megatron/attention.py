@@ -11,8 +11,9 @@ forward, so TP, PP and the MTP layer use it unchanged, and serves every layout o
   row positions, built once per microbatch and reused by every layer (cached on the microbatch's tensors). With
   CP > 1 each rank all-gathers K and V over the CP group (autograd-aware: the backward reduce-scatters their
   gradients) and masks with its queries' positions in Megatron's load-balanced chunk layout.
-  On CUDA the layout becomes a flex_attention `BlockMask` (built once per microbatch, compiled kernel compiled once
-  per shape): block-sparse, so fully masked blocks (other sequences, other branches) cost nothing and no
+  On CUDA the layout becomes a flex_attention `BlockMask` (built once per microbatch from the layout's bounds with a
+  few tensor ops and no host read, `lightning_megatron.attention_layout` says why; the compiled kernel is compiled
+  once per shape): block-sparse, so fully masked blocks (other sequences, other branches) cost nothing and no
   seq x seq tensor is ever made; one kernel serves packed, tree and CP rows alike, which varlen SDPA / nested
   tensors cannot (no trees, no CP offsets). `bench/packing.py` (P5) measures it against full unpadded rows.
   On the CPU (flex has no CPU backward) and with attention dropout (flex has none), the same layout becomes a dense
@@ -45,7 +46,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
-from lightning_megatron.microbatch import context_parallel_positions, packed_row_bounds
+from lightning_megatron.attention_layout import Layout, build_layout
+from lightning_megatron.microbatch import packed_row_bounds
 from lightning_megatron.options import ATTENTION_BACKENDS, AttentionBackend
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -206,7 +208,8 @@ class SDPAttention(MegatronModule):
             layout = self._layout((subtree_end,), query.size(0), query.device,
                                   lambda length: _tree_bounds(subtree_end), AttnMaskType.causal)
         else:
-            layout = self._layout((), query.size(0), query.device, _row_bounds, mask_type)
+            layout = self._layout((), query.size(0), query.device,
+                                  lambda length: _row_bounds(length, query.device), mask_type)
         q = query.permute(1, 2, 0, 3)
         k, v = (self._gather_context_parallel(t).permute(1, 2, 0, 3) for t in (key, value))
         context = self._attend_layout(q, k, v, layout)
@@ -219,125 +222,27 @@ class SDPAttention(MegatronModule):
         return gather_from_sequence_parallel_region(tensor, tensor_parallel_output_grad=True, group=self.cp_group)
 
     def _layout(self, keys: tuple, local_length: int, device: torch.device,
-                bounds: Callable[[int], tuple[torch.Tensor, ...]], mask_type: AttnMaskType) -> _Layout:
+                bounds: Callable[[int], tuple[torch.Tensor, ...]], mask_type: AttnMaskType) -> Layout:
         """The microbatch's visibility on this CP rank; one per microbatch, shared by every layer."""
         cp_size = self.cp_size
-        cp_rank = self.cp_group.rank() if cp_size > 1 else 0
-        causal = mask_type in _CAUSAL_TYPES
-        signature = (local_length, cp_rank, cp_size, causal, self.window_size, device)
-        cached = _LAYOUT_CACHE.get(keys, signature)
-        if cached is not None:
-            return cached
-        length = local_length * cp_size
-        lower, end, member = (t.to(device) for t in bounds(length))  # each [b or 1, length], whole-row positions
-        if cp_size > 1:
-            boundaries = _cp_boundaries(keys, length)
-            rank_positions = [context_parallel_positions(boundaries, rank, cp_size).to(device)
-                              for rank in range(cp_size)]
-            query_position, key_position = rank_positions[cp_rank], torch.cat(rank_positions)
-        else:
-            query_position = key_position = torch.arange(length, device=device)
-        key_end = end[:, key_position]
-        key_lower = key_position.expand_as(key_end) if causal else lower[:, key_position]
-        layout = _Layout(query_position=query_position.expand(end.size(0), -1), key_position=key_position.expand(
-            end.size(0), -1), key_lower=key_lower, key_end=key_end,
-            query_member=None if bool(member.all()) else member[:, query_position], window=self.window_size)
-        _LAYOUT_CACHE.put(keys, signature, layout)
-        return layout
+        return build_layout(keys, local_length, device, bounds, causal=mask_type in _CAUSAL_TYPES,
+                            window=self.window_size, cp_rank=self.cp_group.rank() if cp_size > 1 else 0,
+                            cp_size=cp_size)
 
-    def _attend_layout(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: _Layout
+    def _attend_layout(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Layout
                        ) -> torch.Tensor:
         """[b, heads, s, d] attention under `layout`: flex_attention on CUDA, SDPA with the dense mask elsewhere."""
         dropout_p = self.attention_dropout_p if self.training else 0.0
         enable_gqa = key.size(1) != query.size(1)
         if query.is_cuda and dropout_p == 0.0:
-            context = _compiled_flex_attention()(query, key, value, block_mask=layout.block_mask(query.size(0)),
-                                                 scale=self.softmax_scale, enable_gqa=enable_gqa)
-        else:
-            with self._dropout_rng(dropout_p):
-                context = F.scaled_dot_product_attention(query, key, value, attn_mask=layout.dense_mask(),
-                                                         dropout_p=dropout_p, scale=self.softmax_scale,
-                                                         enable_gqa=enable_gqa)
-        if layout.query_member is not None:
-            context = context * layout.query_member[:, None, :, None].to(context.dtype)
-        return context
-
-
-@dataclasses.dataclass
-class _Layout:
-    """Whole-row positions of this rank's queries and of all keys; key k is visible to query q iff
-    key_lower[k] <= q < key_end[k] (and q - k <= the left window). All [b or 1, s]."""
-
-    query_position: torch.Tensor
-    key_position: torch.Tensor
-    key_lower: torch.Tensor
-    key_end: torch.Tensor
-    query_member: torch.Tensor | None
-    window: tuple[int, int] | None
-    _dense: torch.Tensor | None = None
-    _block_masks: dict = dataclasses.field(default_factory=dict)
-
-    def dense_mask(self) -> torch.Tensor:
-        """[b or 1, 1, sq, sk] bool, True = attend (SDPA's meaning)."""
-        if self._dense is None:
-            q = self.query_position[:, :, None]
-            visible = (self.key_lower[:, None, :] <= q) & (q < self.key_end[:, None, :])
-            if self.window is not None:
-                visible &= q - self.key_position[:, None, :] <= self.window[0]
-            self._dense = visible[:, None]
-        return self._dense
-
-    def block_mask(self, batch: int) -> Any:
-        """flex_attention's BlockMask of this layout for `batch` rows (built once, reused by every layer)."""
-        if batch not in self._block_masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            query_position, key_position, key_lower, key_end = (
-                t.expand(batch, -1) for t in (self.query_position, self.key_position, self.key_lower, self.key_end)
-            )
-            window = self.window
-
-            def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-                position = query_position[b, q]
-                allowed = (key_lower[b, kv] <= position) & (position < key_end[b, kv])
-                if window is not None:
-                    allowed = allowed & (position - key_position[b, kv] <= window[0])
-                return allowed
-
-            self._block_masks[batch] = create_block_mask(visible, batch, None, query_position.size(1),
-                                                         key_position.size(1), device=query_position.device)
-        return self._block_masks[batch]
-
-
-class _LayoutCache:
-    """The last microbatch's layout, keyed by the tensors it was built from (kept alive here, so that an equal
-    data pointer means the same tensor) and by what else shapes it."""
-
-    def __init__(self) -> None:
-        self._entry: tuple[tuple, tuple, _Layout] | None = None
-
-    def get(self, keys: tuple, signature: tuple) -> _Layout | None:
-        if self._entry is None:
-            return None
-        cached_keys, cached_signature, layout = self._entry
-        if cached_signature != signature or len(cached_keys) != len(keys):
-            return None
-        return layout if all(_same_tensor(a, b) for a, b in zip(cached_keys, keys)) else None
-
-    def put(self, keys: tuple, signature: tuple, layout: _Layout) -> None:
-        self._entry = (keys, signature, layout)
-
-
-def _same_tensor(cached: Any, given: Any) -> bool:
-    if cached is given:
-        return True
-    if not isinstance(cached, torch.Tensor) or not isinstance(given, torch.Tensor):
-        return False
-    return (cached.data_ptr() == given.data_ptr() and cached.shape == given.shape and cached.dtype == given.dtype
-            and cached.device == given.device and cached._version == given._version)
-
-
-_LAYOUT_CACHE = _LayoutCache()
+            return _compiled_flex_attention()(query, key, value, block_mask=layout.block_mask(query.size(0)),
+                                              scale=self.softmax_scale, enable_gqa=enable_gqa)
+        with self._dropout_rng(dropout_p):
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=layout.dense_mask(),
+                                                     dropout_p=dropout_p, scale=self.softmax_scale,
+                                                     enable_gqa=enable_gqa)
+        scale = layout.dense_output_scale()
+        return context if scale is None else context * scale[:, None, :, None].to(context.dtype)
 
 
 def _is_structure(attention_mask: torch.Tensor | None) -> bool:
@@ -356,19 +261,11 @@ def _tree_bounds(subtree_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return position, end, torch.ones_like(end, dtype=torch.bool)
 
 
-def _row_bounds(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sequence filling the row (causal rows cut for CP)."""
-    return (torch.zeros(1, length, dtype=torch.long), torch.full((1, length), length, dtype=torch.long),
-            torch.ones(1, length, dtype=torch.bool))
-
-
-def _cp_boundaries(keys: tuple, length: int) -> list[int]:
-    """The segments Megatron's CP layout cuts: the packed slots, or the whole row."""
-    if not keys:
-        return [0, length]
-    cu_seqlens, padded = keys
-    boundaries = [int(b) for b in (cu_seqlens if padded is None else padded)]
-    return boundaries if boundaries[-1] == length else [*boundaries, length]
+def _row_bounds(length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence filling the row (causal rows cut for CP), made on the device (no blocking copy)."""
+    return (torch.zeros(1, length, dtype=torch.long, device=device),
+            torch.full((1, length), length, dtype=torch.long, device=device),
+            torch.ones(1, length, dtype=torch.bool, device=device))
 
 
 @functools.cache

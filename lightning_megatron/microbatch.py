@@ -5,7 +5,8 @@ A leaf: nothing here imports the rest of `lightning_megatron`, so every room can
 A microbatch is a dict of tensors in one of three layouts, told apart by its keys:
 - padded rows: `input_ids`, `labels`, `loss_mask`, `position_ids`, each `[b, s]`; causal attention per row.
 - packed THD: the same keys with `b == 1`, plus `cu_seqlens` (int32 `[n + 1]`, from 0 to `s`: where each sequence
-  starts) and `max_seqlen`; optionally `cu_seqlens_padded` when each sequence sits in a larger slot (the tokens of a
+  starts) and `max_seqlen` (the longest slot; a Python int, so that nothing is read back from the device, or a
+  tensor); optionally `cu_seqlens_padded` when each sequence sits in a larger slot (the tokens of a
   slot past its sequence then see only themselves and give zeros). A token attends to the earlier tokens of its own
   sequence only. Megatron-Core's MTP roll reads `cu_seqlens` alone, so MTP training wants the padding inside each
   sequence's segment (as `SFTDataModule` packs) rather than `cu_seqlens_padded`.
@@ -179,14 +180,21 @@ def model_inputs(microbatch: Microbatch) -> dict[str, Any]:
 
 
 def packed_seq_params(microbatch: Microbatch) -> Any:
-    """Megatron-Core's THD `PackedSeqParams` of a packed microbatch (whole-row boundaries, int32)."""
+    """Megatron-Core's THD `PackedSeqParams` of a packed microbatch (whole-row boundaries, int32).
+
+    Megatron wants `max_seqlen` as a host integer (the rotary length). A Python int `max_seqlen` in the microbatch
+    (the packing collates make one on the CPU) is taken as it is; otherwise it is computed from the slots, and
+    `int()` of a device tensor waits for the GPU to drain: once per microbatch, it cost 0.17 s of a 1.64 s packed
+    step on the H200 (`bench/packing_profile.py`, `packed_host_max`)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = microbatch[CU_SEQLENS].to(torch.int32)
     padded = microbatch.get(CU_SEQLENS_PADDED)
     padded = None if padded is None else padded.to(torch.int32)
-    slots = cu_seqlens if padded is None else padded
-    max_seqlen = int((slots[1:] - slots[:-1]).max())
+    max_seqlen = microbatch.get(MAX_SEQLEN)
+    if not isinstance(max_seqlen, int):  # read back from the device when the data did not say it on the host
+        slots = cu_seqlens if padded is None else padded
+        max_seqlen = int((slots[1:] - slots[:-1]).max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen,
                            max_seqlen_kv=max_seqlen)

@@ -215,7 +215,11 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
 def test_packing_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.packing", "--tiny")
     layouts = result["layouts"]
-    assert set(layouts) == {"packed", "padded", "full", "packed_upstream_rope"} and result["vectorized_thd_rope"]
+    assert set(layouts) == {"packed", "padded", "full", "packed_before", "packed_upstream_rope"}
+    assert result["vectorized_thd_rope"]
+    # the code before issue 29 (create_block_mask, RoPE index per layer, max_seqlen read back) trains the same
+    assert layouts["packed_before"]["last_loss"] == pytest.approx(layouts["packed"]["last_loss"], abs=1e-5)
+    assert all(set(layout["ranges_cpu_ms"]) >= {"## forward_step", "## backward_step"} for layout in layouts.values())
     assert layouts["packed"]["real_tokens_per_step"] == layouts["padded"]["real_tokens_per_step"]
     # the vectorized THD RoPE gives upstream's training steps
     assert layouts["packed"]["last_loss"] == layouts["packed_upstream_rope"]["last_loss"]

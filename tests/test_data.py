@@ -515,3 +515,22 @@ def test_settings_the_strategy_owns_must_come_from_somewhere(tmp_path: Path, che
     datamodule.setup("fit")
     assert datamodule.val_dataloader() == []  # no val_path: Lightning skips validation
 
+
+
+def test_packed_microbatch_carries_max_seqlen_on_the_host_and_packed_seq_params_reads_nothing() -> None:
+    """`collate_packed` reads `max_seqlen` on the CPU, so that `packed_seq_params` never reads the GPU back (a drained
+    queue per microbatch); its value is the one computed from the slots. Meta tensors cannot be read at all: the
+    params build from them only if nothing is read."""
+    from lightning_megatron.data.packing import collate_packed
+    from lightning_megatron.microbatch import packed_seq_params
+
+    examples = [TokenizedExample("t", torch.arange(n) + 1, torch.ones(n, dtype=torch.bool)) for n in (5, 9, 3)]
+    batch = collate_packed([pack_examples(examples, 24, pad_id=0)])
+    assert isinstance(batch["max_seqlen"], int)
+    computed = packed_seq_params({**batch, "max_seqlen": batch["cu_seqlens"].max()})  # a tensor: computed
+    assert batch["max_seqlen"] == computed.max_seqlen_q == computed.max_seqlen_kv == 9
+    on_meta = {key: value.to("meta") if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    params = packed_seq_params(on_meta)
+    assert params.max_seqlen_q == params.max_seqlen_kv == 9 and params.cu_seqlens_q.device.type == "meta"
+    with pytest.raises(RuntimeError, match="meta"):  # without the host value it reads the device
+        packed_seq_params({**on_meta, "max_seqlen": on_meta["cu_seqlens"].max()})

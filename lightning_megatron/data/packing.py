@@ -114,11 +114,13 @@ class PackedSFTDataset(Dataset):
 
 
 def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A packed micro-batch is one row: ``[1, s]`` tensors, ``cu_seqlens`` ``[n + 1]``, ``max_seqlen`` a scalar."""
+    """A packed micro-batch is one row: ``[1, s]`` tensors, ``cu_seqlens`` ``[n + 1]``, ``max_seqlen`` a Python int
+    (read here on the CPU, so that the training step never reads it back from the GPU)."""
     if len(samples) != 1:
         raise ValueError(f"a packed micro-batch holds one row, got {len(samples)}: use micro_batch_size=1")
     (sample,) = samples
-    return {key: value.unsqueeze(0) if key in SEQUENCE_KEYS else value for key, value in sample.items()}
+    return {key: value.unsqueeze(0) if key in SEQUENCE_KEYS else int(value) if key == "max_seqlen" else value
+            for key, value in sample.items()}
 
 
 class PromptDataset(Dataset):

@@ -245,9 +245,10 @@ def collate_vl(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     if "cu_seqlens" in samples[0] and len(samples) != 1:
         raise ValueError(f"a packed micro-batch holds one row, got {len(samples)}: use micro_batch_size=1")
     batch: dict[str, torch.Tensor] = {key: torch.stack([s[key] for s in samples]) for key in SEQUENCE_KEYS}
-    for key in ("cu_seqlens", "max_seqlen"):
-        if key in samples[0]:
-            batch[key] = samples[0][key]
+    if "cu_seqlens" in samples[0]:
+        batch["cu_seqlens"] = samples[0]["cu_seqlens"]
+    if "max_seqlen" in samples[0]:  # a host int: the step never reads it back from the GPU
+        batch["max_seqlen"] = int(samples[0]["max_seqlen"])
     with_images = [s for s in samples if "pixel_values" in s]
     if with_images:
         for key in VISION_KEYS:

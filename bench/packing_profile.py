@@ -1,0 +1,438 @@
+"""Where a training step's time goes for full, packed and padded rows, and what takes the host's share away.
+
+P5's model and rows (`bench.packing`: Qwen3-0.6B shape, rows of 4096, 48 SFT-like sequences of 128-2048 tokens,
+bf16, one Megatron-Core training step over all rows), one candidate after another in one process:
+
+| candidate | rows | what it changes |
+|---|---|---|
+| `full` | full | nothing: eager, causal SDPA |
+| `packed` | packed | BlockMask from the layout's bounds, RoPE gather once per microbatch, host `max_seqlen` (now) |
+| `padded` | padded | nothing: eager, one sequence per row |
+| `packed_before` | packed | `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back from the device |
+| `full_graph` | full | the whole forward-backward captured once and replayed (Megatron-Core's `FullCudaGraphWrapper`) |
+| `packed_graph` | packed | the same for packed rows: `cu_seqlens` padded to one count, one `max_seqlen` for all |
+| `full_layer_graphs` | full | Megatron-Core's per-layer graphs (`cuda_graph_impl="local"`; it switches the current stream) |
+
+Per candidate: median step time, real tokens/s, peak memory, and one profiled step (`torch.profiler`, CPU + CUDA):
+the GPU busy time (union of all device activity) over the un-profiled step time, device kernels, kernel-launch and
+graph-launch calls, synchronising runtime calls (with the operators that made them, and the Python lines from
+`torch.cuda.set_sync_debug_mode("warn")` in one more step), Python's garbage collections in one step, the CPU time
+inside the ranges of `RANGES` (microbatch inputs, layout, block mask, RoPE gather, core attention, Megatron's
+forward_step / backward_step), the top CUDA kernels and CPU operators by time. A failing candidate records its error and the others still run; `--deadline-s` skips the
+candidates that no longer fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import time
+import traceback
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.attention import add_shape_options, device, gpt_model, trainable
+from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib, release_model
+from bench.packing import TINY as PACKING_TINY
+from bench.packing import layouts, sft_sequences
+from lightning_megatron import attention_layout
+from lightning_megatron._compat import packed_rope
+from lightning_megatron.distributed import init_single_process
+
+TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
+CANDIDATES = {  # name: (rows, mode), in the order they run
+    "full": ("full", "eager"),
+    "packed": ("packed", "eager"),
+    "padded": ("padded", "eager"),
+    "packed_before": ("packed", "before"),
+    "full_graph": ("full", "graph"),
+    "packed_graph": ("packed", "graph"),
+    "full_layer_graphs": ("full", "layer_graphs"),
+}
+GRAPH_MODES = ("graph", "layer_graphs")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                "cudaLaunchCooperativeKernel")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_shape_options(parser)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--min-length", type=int, default=128)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--sequences", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per candidate (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--deadline-s", type=float, default=None, help="skip candidates that would end past this")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    return parse_with_tiny(parser, TINY)
+
+
+def _fixed_count(microbatches: list[dict], max_seqlen: int) -> list[dict]:
+    """Packed rows with static shapes: `cu_seqlens` padded to one count (empty sequences at the row's end) and one
+    host `max_seqlen` for all (below the row length, so that RoPE takes it as the longest sequence)."""
+    count = max(len(m["cu_seqlens"]) for m in microbatches)
+    fixed = []
+    for microbatch in microbatches:
+        cu_seqlens = microbatch["cu_seqlens"]
+        padding = cu_seqlens[-1:].expand(count - len(cu_seqlens))
+        rest = {k: v for k, v in microbatch.items() if k not in ("cu_seqlens", "max_seqlen")}
+        fixed.append({**rest, "cu_seqlens": torch.cat([cu_seqlens, padding]), "max_seqlen_host": max_seqlen})
+    return fixed
+
+
+def _forward_step_func(rows: str, mode: str) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from lightning_megatron.microbatch import model_inputs
+    from lightning_megatron.module import masked_token_loss
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
+        with torch.profiler.record_function("## microbatch inputs"):
+            microbatch = next(data_iterator)
+            inputs = _inputs(microbatch)
+        return model(**inputs), lambda output: masked_token_loss(microbatch, output)
+
+    def _inputs(microbatch: dict) -> dict:
+        if "max_seqlen_host" in microbatch:
+            cu_seqlens, longest = microbatch["cu_seqlens"], microbatch["max_seqlen_host"]
+            inputs = {key: microbatch[key] for key in ("input_ids", "position_ids", "labels", "loss_mask")}
+            inputs["attention_mask"] = None
+            inputs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+                max_seqlen_kv=longest)
+        else:
+            inputs = model_inputs(microbatch)
+        return inputs
+
+    return forward_step
+
+
+@contextlib.contextmanager
+def _before() -> Any:
+    """The code before: `create_block_mask`, and the THD RoPE index computed for every call (and `max_seqlen` on the
+    device, `run_candidate`)."""
+    builder, gathered = attention_layout.BLOCK_MASK_BUILDER, packed_rope._gathered_freqs
+
+    def every_call(*args: Any) -> torch.Tensor:
+        packed_rope._last_gather = None
+        return gathered(*args)
+
+    attention_layout.BLOCK_MASK_BUILDER, packed_rope._gathered_freqs = "create_block_mask", every_call
+    try:
+        yield
+    finally:
+        attention_layout.BLOCK_MASK_BUILDER, packed_rope._gathered_freqs = builder, gathered
+
+
+@contextlib.contextmanager
+def _cudagraphable_rng() -> Any:
+    """Megatron's CUDA graphs (whole-iteration and per-layer) need the graph-safe RNG tracker: the capture registers
+    each tracked generator state (`FullCudaGraphWrapper` fails with "expected a Generator, but got Tensor" on the
+    default tracker's plain state tensors); `gpt_model` seeds without it."""
+    from megatron.core import tensor_parallel
+
+    seed = tensor_parallel.model_parallel_cuda_manual_seed
+    tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: seed(*a, **k, use_cudagraphable_rng=True)
+    try:
+        yield
+    finally:
+        tensor_parallel.model_parallel_cuda_manual_seed = seed
+
+
+def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict]) -> dict[str, Any]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    rows, mode = CANDIDATES[name]
+    if mode == "graph" and rows == "packed":
+        longest = max(int((m["cu_seqlens"][1:] - m["cu_seqlens"][:-1]).max()) for m in microbatches)
+        if longest >= args.seq:
+            raise ValueError(f"a sequence fills the row ({longest} tokens): RoPE would read offsets")
+        microbatches = _fixed_count(microbatches, longest)
+    if mode == "before":  # max_seqlen on the device: packed_seq_params reads it back once per microbatch
+        microbatches = [{**m, "max_seqlen": torch.tensor(m["max_seqlen"])} for m in microbatches]
+    fresh_memory()
+    overrides: dict[str, Any] = dict(calculate_per_token_loss=True, cross_entropy_loss_fusion=False)
+    if mode == "layer_graphs":
+        overrides.update(cuda_graph_impl="local", cuda_graph_modules=[], cuda_graph_warmup_steps=1)
+    with _cudagraphable_rng() if mode in GRAPH_MODES else contextlib.nullcontext():
+        model, optimizer = trainable(*gpt_model(args, "sdpa", **overrides), bf16=args.dtype == "bf16")
+    target = device()
+    on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]
+    forward_backward = get_forward_backward_func()
+    wrapper = None
+    if mode == "graph":
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+        forward_backward = wrapper = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=1)
+    forward_step = _forward_step_func(rows, mode)
+
+    def step() -> list:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(on_device), model=[model],
+                                  num_microbatches=len(on_device), seq_length=args.seq, micro_batch_size=1,
+                                  forward_only=False)
+        optimizer.step()
+        return losses
+
+    try:
+        with _before() if mode == "before" else contextlib.nullcontext():
+            times, losses = [], []
+            for index in range(args.warmup + args.steps):
+                _synchronize()
+                started = time.perf_counter()
+                result = step()
+                _synchronize()
+                if index >= args.warmup:
+                    times.append(time.perf_counter() - started)
+                losses.append(float(sum(m["lm_loss"][0] for m in result) / sum(m["lm_loss"][1] for m in result)))
+            step_s = statistics.median(times)
+            with _gc_time() as collections:
+                step()
+                _synchronize()
+            profile = profile_step(step, step_s)
+            sites = sync_sites(step) if mode not in GRAPH_MODES else {}
+        return {"step_s": step_s, "steps_s": times, "losses": losses, "peak_memory_gib": peak_memory_gib(),
+                "rows": len(microbatches), "gc_per_step": collections, "sync_sites": sites, **profile}
+    finally:
+        if wrapper is not None:
+            from megatron.core.full_cuda_graph import StaticBufferLoader
+
+            wrapper.reset_cuda_graph()
+            StaticBufferLoader.static_buffers["training"].clear()
+        release_model([model])  # the next candidate's fresh_memory() then frees it
+
+
+@contextlib.contextmanager
+def _gc_time() -> Any:
+    """Python's garbage collections during the block: count and seconds per generation."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            total = totals[f"gen{info['generation']}"]
+            total[0] += 1
+            total[1] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(callback)
+    result: dict[str, Any] = {}
+    try:
+        yield result
+    finally:
+        gc.callbacks.remove(callback)
+        result.update({gen: {"count": int(c), "s": round(t, 4)} for gen, (c, t) in sorted(totals.items())})
+
+
+def sync_sites(step: Any) -> dict[str, int]:
+    """The Python lines whose operators synchronised with the device during one step (sync debug mode "warn")."""
+    if not torch.cuda.is_available():
+        return {}
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+                        if "synchroniz" in str(w.message)).most_common(12))
+
+
+RANGES = (  # (module, attribute path, label): CPU ranges around a microbatch's host work, in the profiled step only
+    ("lightning_megatron.attention", "SDPAttention.forward", "## core attention"),
+    ("lightning_megatron.attention", "build_layout", "## layout"),
+    ("lightning_megatron.attention_layout", "Layout.block_mask", "## block mask"),
+    ("lightning_megatron._compat.packed_rope", "_gathered_freqs", "## rope gather"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_step", "## forward_step"),
+    ("megatron.core.pipeline_parallel.schedules", "backward_step", "## backward_step"),
+)
+
+
+@contextlib.contextmanager
+def _ranges() -> Any:
+    """`RANGES` wrapped in `record_function`, put back after."""
+    import functools
+    import importlib
+
+    undo = []
+    for module_name, path, label in RANGES:
+        owner = importlib.import_module(module_name)
+        *parents, attribute = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = getattr(owner, attribute)
+
+        def wrapped(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(_label):
+                return _original(*args, **kwargs)
+
+        setattr(owner, attribute, functools.wraps(original)(wrapped))
+        undo.append((owner, attribute, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(undo):
+            setattr(owner, attribute, original)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _interval_union_ns(intervals: list[tuple[int, int]]) -> int:
+    busy, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy
+
+
+def _top_level(event: Any) -> str:
+    """The operators above a runtime call, outermost first (three at most)."""
+    chain = []
+    parent = event.cpu_parent
+    while parent is not None:
+        chain.append(parent.name)
+        parent = parent.cpu_parent
+    return " > ".join(chain[::-1][:3]) or "(no operator)"
+
+
+def profile_step(step: Any, step_s: float) -> dict[str, Any]:
+    """One step under torch.profiler: what the GPU did and what the host asked of it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _synchronize()
+    with _ranges(), profile(activities=activities) as prof:
+        started = time.perf_counter()
+        step()
+        _synchronize()
+        profiled_s = time.perf_counter() - started
+    events = prof.events()
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
+    busy_s = _interval_union_ns([(int(e.time_range.start * 1000), int(e.time_range.end * 1000))
+                                 for e in device_events]) / 1e9
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    syncs = [e for e in host if e.name in SYNC_CALLS]
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for kernel in kernels:
+        by_kernel[kernel.name][0] += kernel.time_range.elapsed_us() / 1e3
+        by_kernel[kernel.name][1] += 1
+    averages = [a for a in prof.key_averages() if a.device_type == DeviceType.CPU]
+    return {
+        "profiled_step_s": profiled_s,
+        "gpu_busy_s": busy_s,
+        "gpu_busy_fraction": min(1.0, busy_s / step_s) if device_events else None,
+        "gpu_busy_fraction_of_profiled_step": busy_s / profiled_s if device_events else None,
+        "device_kernels": len(kernels),
+        "memcpy_and_memset": len(device_events) - len(kernels),
+        "kernel_launch_calls": sum(e.name in LAUNCH_CALLS for e in host),
+        "graph_launch_calls": sum(e.name == "cudaGraphLaunch" for e in host),
+        "sync_calls": dict(Counter(e.name for e in syncs)),
+        "sync_sources": dict(Counter(f"{e.name} in {_top_level(e)}" for e in syncs).most_common(12)),
+        "top_cuda_kernels": [{"name": name[:120], "ms": round(ms, 3), "count": count} for name, (ms, count) in
+                             sorted(by_kernel.items(), key=lambda item: -item[1][0])[:12]],
+        "ranges_cpu_ms": {a.key: {"total_ms": round(a.cpu_time_total / 1e3, 3), "count": a.count}
+                          for a in averages if a.key.startswith(("## ", "Torch-Compiled Region", "CompiledFunction"))},
+        "top_cpu_ops": [{"name": a.key[:120], "self_cpu_ms": round(a.self_cpu_time_total / 1e3, 3), "count": a.count}
+                        for a in sorted(averages, key=lambda a: -a.self_cpu_time_total)[:15]],
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["| candidate | step | real tokens/s | over full | GPU busy | busy / step | kernels | launch calls | "
+             "graph launches | sync calls | peak GiB |", "|---" * 11 + "|"]
+    full = results.get("full", {}).get("real_tokens_per_s")
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:150]} |" + " |" * 9)
+            continue
+        ratio = f"{r['real_tokens_per_s'] / full:.3f}x" if full else "-"
+        busy = r["gpu_busy_fraction"]
+        lines.append(f"| {name} | {r['step_s']:.3f} s | {r['real_tokens_per_s']:.0f} | {ratio} | "
+                     f"{r['gpu_busy_s']:.3f} s | {'-' if busy is None else f'{busy:.1%}'} | {r['device_kernels']} | "
+                     f"{r['kernel_launch_calls']} | {r['graph_launch_calls']} | {sum(r['sync_calls'].values())} | "
+                     f"{r['peak_memory_gib'] or 0:.1f} |")
+    for name, r in results.items():
+        if "error" in r:
+            continue
+        lines += ["", f"### {name}", "", "| top CUDA kernels | ms | count |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['ms']} | {k['count']} |" for k in r["top_cuda_kernels"]]
+        lines += ["", "| top CPU ops (self) | ms | count |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['self_cpu_ms']} | {k['count']} |" for k in r["top_cpu_ops"]]
+        lines += ["", "sync calls: " + (", ".join(f"{k}: {v}" for k, v in r["sync_sources"].items()) or "none")]
+        lines += ["", "sync lines: " + (", ".join(f"`{k}`: {v}" for k, v in r["sync_sites"].items()) or "none")]
+        lines += ["", "CPU ranges (inclusive ms / calls): " + ", ".join(
+            f"{k} {v['total_ms']:.0f} / {v['count']}" for k, v in r["ranges_cpu_ms"].items())]
+        lines += ["", "garbage collections in one step: " + (", ".join(
+            f"{gen} {v['count']} ({v['s']:.3f} s)" for gen, v in r["gc_per_step"].items()) or "none")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = _parse_args()
+    started = time.perf_counter()
+    sequences = sft_sequences(args)
+    real_tokens = sum(int(s.numel()) for s in sequences)
+    rows = layouts(args, sequences)
+    init_single_process()
+    results: dict[str, Any] = {}
+    spent: dict[str, float] = {}
+    for name in args.candidates:
+        layout, mode = CANDIDATES[name]
+        if mode in GRAPH_MODES and not torch.cuda.is_available():
+            continue
+        expected = max(spent.values(), default=0.0) * (3 if layout == "padded" else 1)
+        if args.deadline_s is not None and time.perf_counter() - started + expected > args.deadline_s:
+            results[name] = {"error": f"skipped: would end past --deadline-s {args.deadline_s}"}
+            continue
+        begun = time.perf_counter()
+        try:
+            run = run_candidate(args, name, rows[layout])
+            tokens = real_tokens if layout != "full" else len(rows["full"]) * args.seq
+            results[name] = {**run, "real_tokens_per_step": tokens, "real_tokens_per_s": tokens / run["step_s"]}
+        except Exception as error:  # one candidate's failure is a result, the others still run
+            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+        spent[name] = time.perf_counter() - begun
+        print(f"{name}: {spent[name]:.0f} s, " + (results[name].get("error") or
+              f"{results[name]['real_tokens_per_s']:.0f} real tokens/s"), flush=True)
+        _write(args, results, real_tokens, spent)  # so far: a run stopped from outside keeps what it measured
+    emit(_write(args, results, real_tokens, spent), None)
+    print(markdown(results).split("\n\n")[0])
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any], real_tokens: int, spent: dict[str, float]
+           ) -> dict[str, Any]:
+    result = {**environment(), "benchmark": "P5 packing profile", "real_tokens": real_tokens, "seconds": spent,
+              "candidates": results}
+    for path, text in ((args.markdown, markdown(results)), (args.out, json.dumps(result, indent=2) + "\n")):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
