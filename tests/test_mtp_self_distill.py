@@ -130,7 +130,7 @@ def _whole(name: str, parameter: torch.Tensor, gradient: torch.Tensor, gated: bo
 
 
 def _fit(workdir: Path, hf_checkpoint: str, dataset: Dataset, *, mtp_only: bool = True, callbacks: tuple = (),
-         **strategy_kwargs: Any) -> Gradients:
+         module_kwargs: dict | None = None, **strategy_kwargs: Any) -> Gradients:
     world_size = torch.distributed.get_world_size()
     options = dict(bridge_type="megatron-bridge", micro_batch_size=1, global_batch_size=2, precision="fp32",
                    use_distributed_optimizer=False, trust_remote_code=True) | strategy_kwargs
@@ -140,8 +140,9 @@ def _fit(workdir: Path, hf_checkpoint: str, dataset: Dataset, *, mtp_only: bool 
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          default_root_dir=workdir,
                          callbacks=[gradients, *callbacks, *([MTPOnlyCallback()] if mtp_only else [])])
-    module = SFTModule(enable_mtp=True, mtp_detach_heads=mtp_only, mtp_loss_scaling_factor=SCALE,
-                       mtp_loss_type="self_distill", mtp_distill_temperature=TEMPERATURE)
+    module = SFTModule(**(dict(enable_mtp=True, mtp_detach_heads=mtp_only, mtp_loss_scaling_factor=SCALE,
+                               mtp_loss_type="self_distill", mtp_distill_temperature=TEMPERATURE)
+                          | (module_kwargs or {})))
     collate = collate_packed if getattr(dataset, "packed", False) else None
     trainer.fit(module, DataLoader(dataset, batch_size=1, collate_fn=collate))
     return gradients
@@ -204,3 +205,45 @@ def test_self_distillation_equals_the_direct_computation_under_tp_pp_cp_and_pack
                     ours = Gradients()
                     ours.gradients, ours.metrics = gradients, metrics
                     _assert_equal(ours, direct)
+
+
+class GreedyTextDataset(Dataset):
+    """The model's own greedy continuations (24 tokens) of random 8-token prompts, the loss on the continuation."""
+
+    def __init__(self, hf_checkpoint: str, rows: int = 4) -> None:
+        from lightning_megatron.speculative import greedy_decode, load_target
+
+        target = load_target(hf_checkpoint)
+        generator = torch.Generator().manual_seed(0)
+        self.rows = []
+        for _ in range(rows):
+            prompt = torch.randint(0, 384, (8,), generator=generator).tolist()
+            sequence = torch.tensor(prompt + greedy_decode(target, prompt, 25, set()).tokens)
+            loss_mask = torch.zeros(32)
+            loss_mask[7:] = 1  # labels 7.. are the continuation's tokens
+            self.rows.append({"input_ids": sequence[:-1], "labels": sequence[1:], "loss_mask": loss_mask,
+                              "position_ids": torch.arange(32)})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_temperature_to_zero_is_the_hard_label_loss_on_the_models_own_greedy_text(process_group, checkpoints,
+                                                                                   tmp_path, family):
+    """On the model's own greedy text the main head's argmax at t + 1 is the label at t + 1, so a teacher sharpened
+    to T = 1e-6 is that label: loss and MTP gradients are the hard-label ones; at T = 1 they are not."""
+    dataset = GreedyTextDataset(checkpoints[family])
+    runs = {name: _fit(tmp_path / name, checkpoints[family], dataset, module_kwargs=kwargs)
+            for name, kwargs in {"labels": {"mtp_loss_type": "labels"},
+                                 "cold": {"mtp_distill_temperature": 1e-6},
+                                 "warm": {"mtp_distill_temperature": 1.0}}.items()}
+    labels, cold, warm = runs["labels"], runs["cold"], runs["warm"]
+    assert cold.metrics["mtp_loss"] == pytest.approx(labels.metrics["mtp_loss"], rel=0, abs=1e-6)
+    assert warm.metrics["mtp_loss"] < labels.metrics["mtp_loss"] - 0.1
+    for name, gradient in labels.gradients.items():
+        torch.testing.assert_close(cold.gradients[name], gradient, rtol=0, atol=1e-6, msg=name)
+    assert max(float((warm.gradients[name] - gradient).abs().max()) for name, gradient in labels.gradients.items()) > 1e-3
