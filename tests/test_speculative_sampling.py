@@ -146,3 +146,18 @@ def test_sampled_acceptance_equals_the_direct_computation(process_group):
             total, count = total + alpha, count + 1
     assert 0.05 < total / count < 0.95
     assert float(metric.compute()) == pytest.approx(total / count, abs=1e-6)
+
+
+def test_the_report_gives_greedy_and_sampled_acceptance_per_draft_count(loaded):
+    from lightning_megatron.speculative import measure
+
+    target, head, prompts, eos = loaded["qwen3"]
+    summary = measure(target, head, prompts[:2], 10, eos, sampling=Sampling(1.0), seed=3)["summary"]
+    assert summary["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 3}
+    assert summary["by_draft_tokens"]["greedy"]["1"]["acceptance_rate"] == summary["acceptance_rate"]
+    for mode in ("greedy", "sampled"):
+        assert list(summary["by_draft_tokens"][mode]) == ["1", "2", "3"]
+        for k, row in summary["by_draft_tokens"][mode].items():
+            assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= int(k) + 1
+            assert row["tokens_per_s"] > 0
+    assert summary["sampled_tokens_per_s"] > 0
