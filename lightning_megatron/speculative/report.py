@@ -110,7 +110,7 @@ def measure(
     summary["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
     summary["by_draft_tokens"] = {
         "greedy": {str(k): _by_draft_tokens(target, head, prompts, max_new_tokens, eos_token_ids, k, GREEDY, seed)
-                   for k in draft_tokens},
+                   if k != 1 else _draft_summary(_speculative_statistics(speculative_runs)) for k in draft_tokens},
         "sampled": {str(k): _by_draft_tokens(target, head, prompts, max_new_tokens, eos_token_ids, k, sampling, seed)
                     for k in draft_tokens},
     }
@@ -127,7 +127,10 @@ def _by_draft_tokens(target: PreTrainedModel, head: MTPDraftHead, prompts: Seque
     generator = torch.Generator().manual_seed(seed)
     runs = [speculative_decode(target, head, prompt, max_new_tokens, eos_token_ids, num_draft_tokens=draft_tokens,
                                sampling=sampling, generator=generator) for prompt in prompts]
-    statistics = _speculative_statistics(runs)
+    return _draft_summary(_speculative_statistics(runs))
+
+
+def _draft_summary(statistics: dict[str, Any]) -> dict[str, Any]:
     return {"acceptance_rate": statistics["acceptance_rate"],
             "mean_accepted_length": statistics["mean_accepted_length"],
             "tokens_per_s": statistics["speculative_tokens_per_s"]}
