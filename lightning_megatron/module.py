@@ -226,41 +226,49 @@ class SFTModule(MegatronLightningModule):
         return metrics["lm_loss"]
 
     def _forward_step_capturing_logits(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """`forward_step`, keeping the logits of the two output-layer calls of the last stage (MTP first, then the
-        main logits: Megatron-Core's `GPTModel._postprocess` order; forward-only, so nothing holds a graph)."""
+        """`forward_step`, reading the two output-layer calls of the last stage (MTP first, then the main logits:
+        Megatron-Core's `GPTModel._postprocess` order) as they happen: each call's argmax, and at the main call the
+        sampled-acceptance overlap. Megatron-Core's cross-entropy overwrites logits in place (fp32 logits are not
+        copied), so the MTP logits are copied when made and nothing reads logits after their loss ran."""
         from megatron.core.utils import unwrap_model
 
         output_layer = getattr(unwrap_model(model), "output_layer", None)
         if output_layer is None or not unwrap_model(model).post_process:
             return self.forward_step(model, microbatch)
         captured: list[torch.Tensor] = []
-        handle = output_layer.register_forward_hook(
-            lambda _module, _args, output: captured.append(output[0])
-        )
+        mtp_logits: list[torch.Tensor] = []
+
+        def read(_module: torch.nn.Module, _args: tuple, output: tuple) -> None:
+            captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
+            if not mtp_logits:
+                mtp_logits.append(output[0].clone())
+            elif len(captured) == 2:
+                captured.extend(self._sampled_acceptance_overlap(microbatch, mtp_logits.pop(), output[0]))
+
+        handle = output_layer.register_forward_hook(read)
         try:
             output = self.forward_step(model, microbatch)
         finally:
             handle.remove()
-        if len(captured) != 2:
-            raise RuntimeError(f"expected the MTP and the main output-layer calls, saw {len(captured)} calls")
+        if len(captured) != 4:
+            raise RuntimeError(f"expected the MTP and the main output-layer calls, saw {len(captured) // 2} calls")
         self._captured_logits = captured
         return output
 
     def _loss_func_counting_acceptance(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        mtp_logits, main_logits = self._captured_logits
+        mtp_ids, main_ids, overlap, counted = self._captured_logits
         self._captured_logits = []
-        mtp_ids, main_ids = (vocab_parallel_argmax(logits).transpose(0, 1) for logits in (mtp_logits, main_logits))
-        loss_mask = microbatch["loss_mask"].to(main_ids.device)
-        rows = whole_rows(microbatch, mtp_ids, main_ids, loss_mask)
+        rows = whole_rows(microbatch, mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
         if rows is not None:  # t + 2 is the next-but-one token of the whole row, not of this CP rank's chunks
             self.val_mtp_acceptance.update(*rows)
-        self._count_sampled_acceptance(microbatch, mtp_logits, main_logits, loss_mask)
+        self.val_mtp_sampled_acceptance.update(overlap, counted)
         return self.loss_func(microbatch, output)
 
-    def _count_sampled_acceptance(self, microbatch: Microbatch, mtp_logits: torch.Tensor, main_logits: torch.Tensor,
-                                  loss_mask: torch.Tensor) -> None:
-        """`val_mtp_sampled_acceptance`: the main logits and the mask rolled one token left by Megatron-Core's own
-        MTP roll (within packed sequences, across CP chunks), so every CP rank counts its own positions."""
+    def _sampled_acceptance_overlap(self, microbatch: Microbatch, mtp_logits: torch.Tensor,
+                                    main_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(overlap, counted) of `val_mtp_sampled_acceptance`: the main logits and the mask rolled one token left
+        by Megatron-Core's own MTP roll (within packed sequences, across CP chunks), so every CP rank counts its own
+        positions."""
         from functools import partial
 
         from megatron.core import parallel_state
@@ -275,7 +283,7 @@ class SFTModule(MegatronLightningModule):
         overlap = sampled_acceptance_overlap(mtp_logits, main_logits, self.hparams.mtp_sampling_temperature,
                                              lambda tensor: rolled(tensor)[0],
                                              parallel_state.get_tensor_model_parallel_group())
-        self.val_mtp_sampled_acceptance.update(overlap, rolled(loss_mask.float())[0])
+        return overlap, rolled(microbatch["loss_mask"].to(overlap.device).float())[0]
 
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Greedy continuations, one `{"index", "token_ids"}` per prompt (the index is the prompt's dataset index)."""

@@ -167,6 +167,7 @@ def test_self_distillation_equals_the_direct_computation_at_one_process(process_
     _assert_equal(_fit(tmp_path, checkpoints[family], dataset, mtp_only=mtp_only, callbacks=(direct,)), direct)
 
 
+VALIDATED = ("tp2_sp", "cp2_packed")  # validation metrics, against one process
 LAYOUTS = {"tp2_sp": (False, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
            "pp2": (False, dict(pipeline_model_parallel_size=2)),
            "cp2": (False, dict(context_parallel_size=2)),
@@ -180,6 +181,11 @@ def _parallel_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, 
             fit = _fit(Path(tmp) / f"rank{rank}" / family / layout, checkpoints[family],
                        SequencesDataset(packed, alignment=4, rows=4), **parallel)
             results[family, layout] = (getattr(fit, "gradients", {}), fit.metrics)
+            if layout in VALIDATED:
+                results[family, layout, "validate"] = _validate(Path(tmp) / f"rank{rank}" / family / f"v{layout}",
+                                                                checkpoints[family],
+                                                                SequencesDataset(packed, alignment=4, rows=4),
+                                                                **parallel)
     return results
 
 
@@ -187,8 +193,15 @@ def _parallel_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, 
 def test_self_distillation_equals_the_direct_computation_under_tp_pp_cp_and_packing(process_group, checkpoints,
                                                                                     tmp_path):
     """One spawned pair of processes runs every layout of both families (MTP-only, the chunked path); each is
-    compared with the direct computation on the same checkpoint and batch at one process."""
+    compared with the direct computation on the same checkpoint and batch at one process. Validation under TP and
+    CP with packing logs the same greedy and sampled acceptance as one process."""
     ranks = run_distributed(_parallel_fits, tmp_path, str(tmp_path), checkpoints)
+    for family in FAMILIES:
+        for layout in VALIDATED:
+            one_process = _validate(tmp_path / f"v_{family}_{layout}", checkpoints[family],
+                                    SequencesDataset(LAYOUTS[layout][0], alignment=4, rows=4))
+            for results in ranks:
+                assert results[family, layout, "validate"] == pytest.approx(one_process, abs=1e-5)
     for family in FAMILIES:
         for packed in (False, True):
             dataset = SequencesDataset(packed, alignment=4, rows=4)
@@ -247,3 +260,63 @@ def test_temperature_to_zero_is_the_hard_label_loss_on_the_models_own_greedy_tex
     for name, gradient in labels.gradients.items():
         torch.testing.assert_close(cold.gradients[name], gradient, rtol=0, atol=1e-6, msg=name)
     assert max(float((warm.gradients[name] - gradient).abs().max()) for name, gradient in labels.gradients.items()) > 1e-3
+
+
+def _direct_sampled_acceptance(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Pooled `sum_x min(p, q)` at temperature 1 over the positions whose next-but-one token is trained and in the
+    same sequence, from fresh full-vocabulary logits of the model's own hidden states."""
+    from lightning_megatron.microbatch import model_inputs
+
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            captured = {}
+            hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
+            model(**model_inputs(batch))
+            hook.remove()
+            tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+            main, mtp = (model.output_layer(hidden, weight=tied)[0].transpose(0, 1).float()
+                         for hidden in captured["hidden"].chunk(2, dim=0))
+            seq = main.size(1)
+            ends = {end - 1 for end in (batch["cu_seqlens"][1:].tolist() if "cu_seqlens" in batch else [seq])}
+            for b in range(main.size(0)):
+                for t in range(seq - 1):
+                    if t in ends or not batch["loss_mask"][b, t + 1]:
+                        continue
+                    total += float(torch.minimum(torch.softmax(main[b, t + 1], -1), torch.softmax(mtp[b, t], -1)).sum())
+                    count += 1
+    return total / count
+
+
+class DirectSampledAcceptance(pl.Callback):
+    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.utils import unwrap_model
+
+        self.value = _direct_sampled_acceptance(unwrap_model(pl_module.model[0]), self.batches)
+
+
+def _validate(workdir: Path, hf_checkpoint: str, dataset: Dataset, callbacks: tuple = (),
+              **strategy_kwargs: Any) -> dict[str, float]:
+    """`val_mtp_sampled_acceptance` and `val_mtp_acceptance` over the first two rows, in order."""
+    options = dict(bridge_type="megatron-bridge", micro_batch_size=1, global_batch_size=2, precision="fp32",
+                   trust_remote_code=True) | strategy_kwargs
+    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=hf_checkpoint, **options), accelerator="cpu",
+                         devices=torch.distributed.get_world_size(), logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=1, default_root_dir=workdir,
+                         callbacks=list(callbacks))
+    collate = collate_packed if getattr(dataset, "packed", False) else None
+    trainer.validate(SFTModule(enable_mtp=True), DataLoader(dataset, batch_size=1, collate_fn=collate))
+    return {key: float(trainer.callback_metrics[key]) for key in ("val_mtp_sampled_acceptance", "val_mtp_acceptance")}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_sampled_acceptance_in_validation_equals_the_direct_computation(process_group, checkpoints, tmp_path, packed):
+    dataset = SequencesDataset(packed, alignment=4, rows=4)
+    collate = collate_packed if packed else torch.utils.data.default_collate
+    direct = DirectSampledAcceptance([collate([dataset[index]]) for index in range(2)])
+    values = _validate(tmp_path, checkpoints["qwen3"], dataset, callbacks=(direct,))
+    assert 0.05 < direct.value < 0.95
+    assert values["val_mtp_sampled_acceptance"] == pytest.approx(direct.value, abs=1e-6)

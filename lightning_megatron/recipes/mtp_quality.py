@@ -17,7 +17,7 @@
    joint greedy) and `mtp_quality.png`.
 
 Every training and generation step is a `lightning-megatron` run of a config from `configs/recipes/`. The GPU
-defaults (300 joint steps, 200 MTP-only steps each, 16 prompts x 48 new tokens) fit one H200 in about 8 minutes;
+defaults (300 joint steps, 200 MTP-only steps each, 12 prompts x 48 new tokens) fit one H200 in about 8 minutes;
 `--joint-steps` and `--mtp-only-steps` change them.
 """
 
@@ -49,7 +49,7 @@ CPU_OVERRIDES: dict[str, dict[str, Any]] = {
                              "trainer.strategy.init_args.global_batch_size": 8, "model.lr": 1.0e-2,
                              "model.warmup_steps": 5, "data.seq_length": 96},
 }
-MEASURE = {"gpu": {"prompts": 16, "max_new_tokens": 48, "device": "cuda", "corpus_seq_length": 1024},
+MEASURE = {"gpu": {"prompts": 12, "max_new_tokens": 48, "device": "cuda", "corpus_seq_length": 1024},
            "cpu": {"prompts": 8, "max_new_tokens": 24, "device": "cpu", "corpus_seq_length": 128}}
 CORPUS_OVERRIDES = {"gpu": [], "cpu": ["--train-prompts", "64", "--heldout-prompts", "8"]}
 DRAFT_TOKENS = (1, 3)  # 1: the greedy and sampled acceptance; 3: the accepted length with three drafts

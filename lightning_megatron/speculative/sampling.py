@@ -55,10 +55,11 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token from a ``[vocab]`` distribution (its argmax when greedy: no random number is used)."""
+    """One token from a ``[vocab]`` distribution (its argmax when greedy: no random number is used). Drawn on the
+    CPU, where ``generator`` lives, so a seed gives the same tokens on any device."""
     if sampling.greedy:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
 def verify(drafts: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, sampling: Sampling,
