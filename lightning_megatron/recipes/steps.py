@@ -49,7 +49,7 @@ def run_cli(subcommand: str, config: Path, title: str) -> None:
 def acceptance(checkpoint: Path, prompts: list[str], max_new_tokens: int, out: Path,
                device: str = "cpu", draft_tokens: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Speculative decoding with the checkpoint's MTP head vs plain decoding (fp32): the report's summary, greedy
-    and sampled at temperature 1 for each of `draft_tokens`."""
+    and sampled at temperature 1 for each of `draft_tokens` (none: greedy with one draft only)."""
     import transformers
 
     from lightning_megatron.speculative import measure_checkpoint, write_report

@@ -107,6 +107,8 @@ def measure(
     greedy_tokens, greedy_seconds = sum(len(r.tokens) for r in greedy_runs), sum(r.seconds for r in greedy_runs)
     summary.update(greedy_seconds=greedy_seconds, greedy_tokens_per_s=greedy_tokens / greedy_seconds)
     summary["speedup"] = summary["speculative_tokens_per_s"] / summary["greedy_tokens_per_s"]
+    if not draft_tokens:  # greedy with one draft only
+        return {"summary": summary, "prompts": rows}
     summary["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
     summary["by_draft_tokens"] = {
         "greedy": {str(k): _by_draft_tokens(target, head, prompts, max_new_tokens, eos_token_ids, k, GREEDY, seed)
