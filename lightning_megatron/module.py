@@ -17,7 +17,8 @@ import torch
 
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
 from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs, whole_rows
-from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy
+from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance
+from lightning_megatron.mtp.self_distill import MTP_LOSS_TYPES, MTPLossType
 from lightning_megatron.options import ModelOptions
 
 __all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
@@ -90,10 +91,19 @@ class SFTModule(MegatronLightningModule):
     Megatron-Core, DeepSeek-V3 and AReaL's joint mode do; `mtp_detach_heads=True` keeps MTP gradients out of it (a
     draft head that must not change the main model). With `enable_mtp` and no MTP training the head is kept
     unchanged (frozen).
-    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss`, `mtp_accuracy`, and on MoE
+    `mtp_loss_type`: what the MTP head learns. "labels" (Megatron-Core's): the data's token `t+2`, so a draft for
+    greedy decoding is best trained on the model's own greedy continuations (a generation step first).
+    "self_distill": the detached main head's distribution for the same token, `softmax(z_main / T)` with
+    `T = mtp_distill_temperature`, by KL divergence (`mtp.self_distill`): the target's own distribution on any
+    text, no generation step, and what speculative sampling accepts. T = 1 matches the target's distribution;
+    T -> 0 is hard labels on the model's own greedy text.
+    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss` (the hard-label cross-entropy,
+    or with self-distillation the KL), `mtp_accuracy` (argmax = data token), and on MoE
     models `moe_aux_loss` (the load-balancing loss, averaged like Megatron-LM reports it); each
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
-    model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations).
+    model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations) and
+    `val_mtp_sampled_acceptance` (the expected acceptance of speculative sampling at `mtp_sampling_temperature`,
+    `sum_x min(p, q)` per position, `MTPSampledAcceptance`).
     `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
     """
 
@@ -103,6 +113,9 @@ class SFTModule(MegatronLightningModule):
         enable_mtp_training: bool | None = None,
         mtp_loss_scaling_factor: float = 0.1,
         mtp_detach_heads: bool = False,
+        mtp_loss_type: MTPLossType = "labels",
+        mtp_distill_temperature: float = 1.0,
+        mtp_sampling_temperature: float = 1.0,
         lr: float = 1e-5,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 0,
@@ -122,8 +135,16 @@ class SFTModule(MegatronLightningModule):
                              "(DeepSeek-V3 uses 0.1)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
+        if mtp_loss_type not in MTP_LOSS_TYPES:
+            raise ValueError(f"mtp_loss_type: {mtp_loss_type!r} must be one of {list(MTP_LOSS_TYPES)}")
+        for name, value in (("mtp_distill_temperature", mtp_distill_temperature),
+                            ("mtp_sampling_temperature", mtp_sampling_temperature)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: {value} must be finite and > 0 (1.0: the target's own distribution)")
         self.save_hyperparameters()
         self.val_mtp_acceptance = MTPAcceptanceAccuracy()
+        self.val_mtp_sampled_acceptance = MTPSampledAcceptance()
+        self._depth_loss_handles: list[Any] = []
         self._captured_logits: list[torch.Tensor] = []
         self.generation_eos_token_ids: set[int] = set()  # where predict stops; read in setup("predict")
 
@@ -152,6 +173,16 @@ class SFTModule(MegatronLightningModule):
             for _, parameter, is_mtp in mtp_parameter_flags(list(self.model)).values():
                 if is_mtp:
                     parameter.requires_grad_(False)
+        if self.enable_mtp_training and self.hparams.mtp_loss_type == "self_distill" and stage in ("fit", "validate"):
+            from lightning_megatron.mtp.self_distill import use_mtp_depth_loss
+
+            self._depth_loss_handles = use_mtp_depth_loss(
+                list(self.model), distill_temperature=self.hparams.mtp_distill_temperature)
+
+    def teardown(self, stage: str) -> None:
+        for handle in self._depth_loss_handles:
+            handle.remove()
+        self._depth_loss_handles = []
 
     def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
         return model(**model_inputs(microbatch))
@@ -191,35 +222,68 @@ class SFTModule(MegatronLightningModule):
         self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True, sync_dist=True)
         if self.enable_mtp:
             self.log("val_mtp_acceptance", self.val_mtp_acceptance, on_step=False, on_epoch=True, prog_bar=True)
+            self.log("val_mtp_sampled_acceptance", self.val_mtp_sampled_acceptance, on_step=False, on_epoch=True)
         return metrics["lm_loss"]
 
     def _forward_step_capturing_logits(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """`forward_step`, keeping the argmax of the two output-layer calls of the last stage (MTP first, then the
-        main logits: Megatron-Core's `GPTModel._postprocess` order)."""
+        """`forward_step`, reading the two output-layer calls of the last stage (MTP first, then the main logits:
+        Megatron-Core's `GPTModel._postprocess` order) as they happen: each call's argmax, and at the main call the
+        sampled-acceptance overlap. Megatron-Core's cross-entropy overwrites logits in place (fp32 logits are not
+        copied), so the MTP logits are copied when made and nothing reads logits after their loss ran."""
         from megatron.core.utils import unwrap_model
 
         output_layer = getattr(unwrap_model(model), "output_layer", None)
         if output_layer is None or not unwrap_model(model).post_process:
             return self.forward_step(model, microbatch)
         captured: list[torch.Tensor] = []
-        handle = output_layer.register_forward_hook(
-            lambda _module, _args, output: captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
-        )
+        mtp_logits: list[torch.Tensor] = []
+
+        def read(_module: torch.nn.Module, _args: tuple, output: tuple) -> None:
+            captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
+            if not mtp_logits:
+                mtp_logits.append(output[0].clone())
+            elif len(captured) == 2:
+                captured.extend(self._sampled_acceptance_overlap(microbatch, mtp_logits.pop(), output[0]))
+
+        handle = output_layer.register_forward_hook(read)
         try:
             output = self.forward_step(model, microbatch)
         finally:
             handle.remove()
-        if len(captured) != 2:
-            raise RuntimeError(f"expected the MTP and the main output-layer calls, saw {len(captured)} calls")
+        if len(captured) != 4:
+            raise RuntimeError(f"expected the MTP and the main output-layer calls, saw {len(captured) // 2} calls")
         self._captured_logits = captured
         return output
 
     def _loss_func_counting_acceptance(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        mtp_ids, main_ids = self._captured_logits
+        mtp_ids, main_ids, overlap, counted = self._captured_logits
+        self._captured_logits = []
         rows = whole_rows(microbatch, mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
         if rows is not None:  # t + 2 is the next-but-one token of the whole row, not of this CP rank's chunks
             self.val_mtp_acceptance.update(*rows)
+        self.val_mtp_sampled_acceptance.update(overlap, counted)
         return self.loss_func(microbatch, output)
+
+    def _sampled_acceptance_overlap(self, microbatch: Microbatch, mtp_logits: torch.Tensor,
+                                    main_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(overlap, counted) of `val_mtp_sampled_acceptance`: the main logits and the mask rolled one token left
+        by Megatron-Core's own MTP roll (within packed sequences, across CP chunks), so every CP rank counts its own
+        positions."""
+        from functools import partial
+
+        from megatron.core import parallel_state
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+        from lightning_megatron.microbatch import CU_SEQLENS, packed_seq_params
+        from lightning_megatron.mtp.acceptance import sampled_acceptance_overlap
+
+        packed = packed_seq_params(microbatch) if CU_SEQLENS in microbatch else None
+        rolled = partial(roll_tensor, shifts=-1, dims=-1, cp_group=parallel_state.get_context_parallel_group(),
+                         packed_seq_params=packed)
+        overlap = sampled_acceptance_overlap(mtp_logits, main_logits, self.hparams.mtp_sampling_temperature,
+                                             lambda tensor: rolled(tensor)[0],
+                                             parallel_state.get_tensor_model_parallel_group())
+        return overlap, rolled(microbatch["loss_mask"].to(overlap.device).float())[0]
 
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Greedy continuations, one `{"index", "token_ids"}` per prompt (the index is the prompt's dataset index)."""

@@ -1,5 +1,6 @@
 """The MTP quality benchmark's CPU version: a head lost by an export without MTP and restored at random is
-recovered by MTP-only training on the model's own continuations, all through `lightning-megatron`."""
+recovered by MTP-only training, by self-distillation on the corpus and by hard labels on the corpus and on the
+model's own continuations, all through `lightning-megatron`."""
 
 import json
 import os
@@ -19,8 +20,14 @@ def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(tmp_path: P
                                 "--size", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = json.loads((tmp_path / "mtp_quality.json").read_text())
-    acceptance = summary["acceptance"]
-    assert acceptance["A_reset"] < acceptance["A_recovered"]
-    assert acceptance["A_reset"] < 0.05 < acceptance["A_joint"]
+    heads = summary["heads"]
+    for variant in ("self_distill", "labels_corpus", "labels_continuations"):
+        assert heads["reset"]["greedy_acceptance"] < heads[variant]["greedy_acceptance"]
+        assert heads["reset"]["sampled_acceptance"] < heads[variant]["sampled_acceptance"]
+        assert 1 <= heads[variant]["greedy_accepted_length_k3"] <= 4
+        assert heads[variant]["train_s_including_generation"] > 0
+    assert heads["reset"]["greedy_acceptance"] < 0.05 < heads["joint"]["greedy_acceptance"]
+    assert set(summary["targets"]) == {"self_distill_greedy_at_least_continuations",
+                                       "self_distill_sampled_beats_continuations", "self_distill_greedy_over_joint"}
     assert summary["greedy_identical_throughout"] and summary["frozen_bit_identical"]
     assert (tmp_path / "mtp_quality.png").read_bytes()[:4] == b"\x89PNG"

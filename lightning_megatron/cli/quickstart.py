@@ -3,7 +3,8 @@
 1. the tiny Qwen3+MTP checkpoint is made locally (random weights, a random MTP head: nothing is downloaded), and
    the packaged training and held-out prompts are written to the work folder;
 2. `lightning-megatron predict` writes the frozen model's own greedy continuations of training and held-out
-   prompts as SFT JSONL;
+   prompts as SFT JSONL (`--mtp-loss labels`, the default); with `--mtp-loss self_distill` this step is skipped:
+   the head learns the model's own distribution on the packaged SFT text (`mtp_loss_type: self_distill`);
 3. the acceptance of the stored MTP head is measured on the held-out prompts by speculative decoding;
 4. `lightning-megatron fit` trains only the MTP head on the training continuations (backbone audited bit for
    bit), validating on the held-out ones, and exports an HF checkpoint;
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("artifacts/quickstart"))
     parser.add_argument("--max-steps", type=int, default=150, help="MTP-only optimizer steps")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--mtp-loss", choices=("labels", "self_distill"), default="labels",
+                        help="labels: hard labels on the model's own continuations (a generation step first); "
+                        "self_distill: the main head's distribution on the packaged SFT text, no generation step")
     parser.add_argument("--stop-after", type=int, choices=range(1, STEPS + 1), default=STEPS, metavar="N",
                         help=f"run steps 1 to N only (1-{STEPS}; default: all)")
     args = parser.parse_args(argv)
@@ -52,25 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after == 1:
         return _stopped(1)
 
-    continuations = work / "continuations.jsonl"
-    generate = derived_config("tiny/generate.yaml", work / "generate.yaml", {
-        "trainer.strategy.init_args.hf_checkpoint": str(checkpoint),
-        "trainer.default_root_dir": str(work / "generate"),
-        "trainer.callbacks.0.init_args.output_path": str(continuations),
-        "data.predict_path": str(prompts_file),
-        "model.max_new_tokens": args.max_new_tokens,
-    })
-    run_cli("predict", generate, "[2/5] greedy continuations of the frozen model")
-    held_out_texts = {row["prompt"] for row in held_out_prompts}
-    rows = read_jsonl(continuations)
-    train_file = write_jsonl(work / "train.jsonl", [row for row in rows if row["prompt"] not in held_out_texts])
-    val_file = write_jsonl(work / "heldout.jsonl", [row for row in rows if row["prompt"] in held_out_texts])
-    print(f"      {continuations}: {len(rows)} rows -> {train_file.name} and {val_file.name}")
+    if args.mtp_loss == "self_distill":
+        train_file, val_file = CONFIGS / "data" / "tiny_sft.jsonl", CONFIGS / "data" / "tiny_sft_val.jsonl"
+        print(f"[2/5] no generation step: self-distillation trains on {train_file.name} and validates on "
+              f"{val_file.name}")
+    else:
+        train_file, val_file = _own_continuations(work, checkpoint, prompts_file, held_out_prompts,
+                                                  args.max_new_tokens)
     if args.stop_after == 2:
         return _stopped(2)
 
     held_out = [row["prompt"] for row in held_out_prompts]
-    before = acceptance(checkpoint, held_out, args.max_new_tokens, work / "acceptance_before")
+    before = acceptance(checkpoint, held_out, args.max_new_tokens, work / "acceptance_before", draft_tokens=())
     print(f"[3/5] stored (random) MTP head on {len(held_out_prompts)} held-out prompts: "
           f"acceptance {before['acceptance_rate']:.3f}")
     if args.stop_after == 3:
@@ -90,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         "trainer.callbacks.5.init_args.dirpath": str(export),
         "data.train_path": str(train_file),
         "data.val_path": str(val_file),
+        "model.mtp_loss_type": args.mtp_loss,
     })
     run_cli("fit", fit, f"[4/5] MTP-only fit, {args.max_steps} steps")
     if args.stop_after == 4:
         return _stopped(4)
 
-    after = acceptance(export, held_out, args.max_new_tokens, work / "acceptance_after")
+    after = acceptance(export, held_out, args.max_new_tokens, work / "acceptance_after", draft_tokens=())
     audit = json.loads((run / "mtp_only_audit.json").read_text())
     print(f"[5/5] trained MTP head on the same prompts: acceptance {after['acceptance_rate']:.3f}\n")
     print(f"MTP draft acceptance on held-out prompts: before {before['acceptance_rate']:.3f} -> after "
@@ -112,6 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done in {time.perf_counter() - started:.0f} s")
     improved = after["acceptance_rate"] > before["acceptance_rate"]
     return 0 if improved and before["all_identical"] and after["all_identical"] else 1
+
+
+def _own_continuations(work: Path, checkpoint: Path, prompts_file: Path, held_out_prompts: list[dict],
+                       max_new_tokens: int) -> tuple[Path, Path]:
+    """Step 2 for hard labels: the frozen model's greedy continuations, split into training and held-out rows."""
+    continuations = work / "continuations.jsonl"
+    generate = derived_config("tiny/generate.yaml", work / "generate.yaml", {
+        "trainer.strategy.init_args.hf_checkpoint": str(checkpoint),
+        "trainer.default_root_dir": str(work / "generate"),
+        "trainer.callbacks.0.init_args.output_path": str(continuations),
+        "data.predict_path": str(prompts_file),
+        "model.max_new_tokens": max_new_tokens,
+    })
+    run_cli("predict", generate, "[2/5] greedy continuations of the frozen model")
+    held_out_texts = {row["prompt"] for row in held_out_prompts}
+    rows = read_jsonl(continuations)
+    train_file = write_jsonl(work / "train.jsonl", [row for row in rows if row["prompt"] not in held_out_texts])
+    val_file = write_jsonl(work / "heldout.jsonl", [row for row in rows if row["prompt"] in held_out_texts])
+    print(f"      {continuations}: {len(rows)} rows -> {train_file.name} and {val_file.name}")
+    return train_file, val_file
 
 
 def _stopped(step: int) -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from lightning_megatron import _compat
-from lightning_megatron.speculative.report import measure_checkpoint, read_prompts, write_report
+from lightning_megatron.speculative.report import DRAFT_TOKENS, measure_checkpoint, read_prompts, write_report
+from lightning_megatron.speculative.sampling import Sampling
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,8 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _compat.quiet_handled_warnings()
     parser = argparse.ArgumentParser(
         prog="lightning-megatron-speculative",
-        description="Greedy self-speculative decoding with the checkpoint's MTP head as drafter, against plain "
-        "greedy decoding on the same prompts: acceptance rate, mean accepted length, tokens/s, per-prompt detail.",
+        description="Self-speculative decoding with the checkpoint's MTP head as drafter, against plain decoding on "
+        "the same prompts: acceptance rate, mean accepted length and tokens/s, greedy and sampled, for K draft "
+        "tokens per step; per-prompt detail.",
     )
     parser.add_argument("checkpoint", type=Path, help="HF checkpoint folder with an MTP head (Qwen3 mtp.* or MiMo)")
     parser.add_argument("prompts", type=Path, help='JSONL, one {"prompt": str} or {"messages": [...]} per line')
@@ -35,10 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                         help="float32 keeps both decoders' argmax identical; lower precision may break ties apart")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=list(DRAFT_TOKENS), metavar="K",
+                        help="draft tokens per step to report (the MTP head reapplied to its own output)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled runs")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled runs (1.0: all tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
     args = parser.parse_args(argv)
+    if args.temperature <= 0:
+        parser.error(f"--temperature {args.temperature} must be > 0 (the greedy runs are always reported)")
 
     report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
-                                device=args.device, dtype=_DTYPES[args.dtype])
+                                device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,
+                                sampling=Sampling(args.temperature, args.top_p), seed=args.seed)
     json_path, png_path = write_report(report, args.out)
     summary = report["summary"]
     rate = summary["acceptance_rate"]
@@ -48,11 +58,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{summary['mean_accepted_length'] or float('nan'):.3f}, {summary['speculative_tokens_per_s']:.1f} vs "
         f"{summary['greedy_tokens_per_s']:.1f} tokens/s ({summary['speedup']:.2f}x); wrote {json_path} and {png_path}"
     )
+    for mode, by_k in summary["by_draft_tokens"].items():
+        print(f"{mode}: " + "; ".join(f"K={k} acceptance {_rate(row['acceptance_rate'])}, length "
+                                      f"{row['mean_accepted_length'] or float('nan'):.2f}, {row['tokens_per_s']:.1f} "
+                                      f"tokens/s" for k, row in by_k.items()))
     if not summary["all_identical"]:
         different = [row["index"] for row in report["prompts"] if not row["identical"]]
         print(f"warning: speculative output differs from greedy for prompts {different}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rate(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:.3f}"
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 - `parameters`: which parameters are MTP, freezing the rest, what MTP training needs, the per-step metrics.
 - `skip_main_head`: MTP-only training without the main LM head's backward (and with token-chunked losses).
 - `chunked_cross_entropy`: Megatron-Core's vocabulary-parallel cross-entropy, a chunk of tokens at a time.
-- `acceptance`: the teacher-forced acceptance metric logged in validation.
+- `self_distill`: the self-distillation MTP loss (KL to the detached main head) and the per-depth loss override.
+- `acceptance`: the teacher-forced acceptance metrics logged in validation (greedy agreement, sampled `alpha`).
 - `restore`: put an MTP head back into an HF checkpoint exported without one (safetensors only).
 
 The HF names of each family's MTP tensors live in `lightning_megatron.families`. Nothing is imported here, so

@@ -19,7 +19,7 @@ computed in Megatron-Core's own way (its output layer, its `compute_language_mod
 at a time under `no_grad` (its backward is skipped anyway), through `GPTModel.forward`'s `output_processor` hook,
 so its logits never exist whole; the MTP head's loss, which does backpropagate into the MTP layer, goes through
 `chunked_cross_entropy` (the model's `compute_language_model_loss`, which `GPTModel` hands `process_mtp_loss`, is
-replaced for the fit) and keeps its bf16 logits instead of an fp32 softmax. Values and gradients are the same to
+replaced for the fit by `self_distill.MTPDepthLoss`, which self-distillation shares) and keeps its bf16 logits instead of an fp32 softmax. Values and gradients are the same to
 fp32 rounding; `chunk_tokens=None` is the previous implementation.
 """
 
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_language_model_loss
+from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import mtp_parameter_flags
+from lightning_megatron.mtp.self_distill import DepthLossHandle, use_mtp_depth_loss
 
 
 class _ZeroGradientTie(torch.autograd.Function):
@@ -161,22 +162,8 @@ def _tensor_parallel_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-class _InstanceOverride:
-    """`setattr(owner, name, value)` until `remove()`: the class attribute shows through again."""
-
-    def __init__(self, owner: Any, name: str, value: Any) -> None:
-        if name in vars(owner):
-            raise RuntimeError(f"MTPOnlyCallback: {type(owner).__name__}.{name} is already overridden on this model")
-        self.owner, self.name = owner, name
-        setattr(owner, name, value)
-
-    def remove(self) -> None:
-        if self.name in vars(self.owner):
-            delattr(self.owner, self.name)
-
-
 def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
-                               ) -> list[RemovableHandle | _InstanceOverride]:
+                               ) -> list[RemovableHandle | DepthLossHandle]:
     """Hook every last-stage chunk with an MTP block (unwrapped GPTModels, before DDP); returns the handles.
 
     Only valid when every non-MTP parameter is frozen on this rank (checked: `freeze_non_mtp_parameters` first).
@@ -190,7 +177,7 @@ def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: i
     if trainable:
         raise ValueError(f"skipping the main LM head's backward needs every non-MTP parameter frozen; trainable: "
                          f"{trainable[:5]}")
-    handles: list[RemovableHandle | _InstanceOverride] = []
+    handles: list[RemovableHandle | DepthLossHandle] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
         if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
@@ -198,8 +185,7 @@ def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: i
         if chunk_tokens is not None:
             chunked = _ChunkedMainLoss(model, chunk_tokens)
             handles += [model.register_forward_pre_hook(chunked.before_model, with_kwargs=True),
-                        _InstanceOverride(model, "compute_language_model_loss",
-                                          chunked_language_model_loss(model, chunk_tokens))]
+                        *use_mtp_depth_loss([model], label_chunk_tokens=chunk_tokens)]
             continue
         shortcut = _MainHeadShortcut(model)
         handles += [

@@ -1,18 +1,24 @@
-"""The MTP quality benchmark: acceptance of a jointly trained head, lost, and recovered by MTP-only training.
+"""The MTP quality benchmark: a jointly trained head, lost, and retrained MTP-only three ways.
 
-    python -m lightning_megatron.recipes.mtp_quality OUT --size gpu    # one H200, about 6 minutes
+    python -m lightning_megatron.recipes.mtp_quality OUT --size gpu    # one H200, about 8 minutes
     python -m lightning_megatron.recipes.mtp_quality OUT --size cpu    # the test suite's version, 2 CPU cores
 
 1. corpus, tokenizer and a random-init Qwen3+MTP checkpoint from the Python standard library (`stdlib_corpus`);
-2. joint SFT + MTP (`configs/recipes/stdlib_joint.yaml`, MTP head detached: `mtp_detach_heads: true`) -> A_joint
-   on held-out prompts;
+2. joint SFT + MTP (`configs/recipes/stdlib_joint.yaml`, MTP head detached: `mtp_detach_heads: true`) -> joint;
 3. the head is lost the way it happens to users: an HF export with MTP disabled, then
-   `lightning-megatron-restore-mtp --init random` (the README's recipe) -> A_reset;
-4. the frozen model's own greedy continuations (`stdlib_generate.yaml`), MTP-only fit on them
-   (`stdlib_mtp_only.yaml`, MTPOnlyCallback audit) -> A_recovered;
-5. speculative vs plain greedy tokens/s for each head; `mtp_quality.json` and `mtp_quality.png`.
+   `lightning-megatron-restore-mtp --init random` (the README's recipe) -> reset;
+4. from that same reset head, three MTP-only fits (`stdlib_mtp_only.yaml`, MTPOnlyCallback audit, same steps):
+   (a) `self_distill`: self-distillation (`mtp_loss_type: self_distill`) on the raw training corpus, no generation;
+   (b) `labels_corpus`: hard labels on the raw training corpus;
+   (c) `labels_continuations`: the frozen model's own greedy continuations (`stdlib_generate.yaml`), hard labels;
+5. for every head, on held-out prompts: greedy acceptance (1 draft), sampled acceptance at temperature 1 (speculative
+   sampling, 1 draft), mean accepted length with 3 drafts (greedy and sampled), tokens/s; and each fit's wall time
+   including its generation step. `mtp_quality.json` (with `targets`: (a) >= (c) greedy, (a) > (c) sampled, (a) >=
+   joint greedy) and `mtp_quality.png`.
 
-Every training and generation step is a `lightning-megatron` run of a config from `configs/recipes/`.
+Every training and generation step is a `lightning-megatron` run of a config from `configs/recipes/`. The GPU
+defaults (300 joint steps, 200 MTP-only steps each, 12 prompts x 48 new tokens) fit one H200 in about 8 minutes;
+`--joint-steps` and `--mtp-only-steps` change them.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ CPU_OVERRIDES: dict[str, dict[str, Any]] = {
                              "trainer.strategy.init_args.global_batch_size": 8, "model.lr": 1.0e-2,
                              "model.warmup_steps": 5, "data.seq_length": 96},
 }
-MEASURE = {"gpu": {"prompts": 24, "max_new_tokens": 64, "device": "cuda"},
-           "cpu": {"prompts": 8, "max_new_tokens": 24, "device": "cpu"}}
+MEASURE = {"gpu": {"prompts": 12, "max_new_tokens": 48, "device": "cuda", "corpus_seq_length": 1024},
+           "cpu": {"prompts": 8, "max_new_tokens": 24, "device": "cpu", "corpus_seq_length": 128}}
 CORPUS_OVERRIDES = {"gpu": [], "cpu": ["--train-prompts", "64", "--heldout-prompts", "8"]}
+DRAFT_TOKENS = (1, 3)  # 1: the greedy and sampled acceptance; 3: the accepted length with three drafts
+VARIANTS = ("self_distill", "labels_corpus", "labels_continuations")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--size", choices=("cpu", "gpu"), default="gpu")
+    parser.add_argument("--joint-steps", type=int, default=None, help="joint SFT + MTP steps (gpu default 300)")
+    parser.add_argument("--mtp-only-steps", type=int, default=None,
+                        help="steps of each MTP-only fit (gpu default 200)")
     args = parser.parse_args(argv)
     out, size = args.out.resolve(), args.size
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     timings: dict[str, float] = {}
+    steps = {"joint": args.joint_steps or (300 if size == "gpu" else None),
+             "mtp_only": args.mtp_only_steps or (200 if size == "gpu" else None)}
 
     def step(name: str, since: float) -> float:
         now = time.perf_counter()
@@ -73,65 +86,86 @@ def main(argv: list[str] | None = None) -> int:
     measure = MEASURE[size]
     held_out = [row["prompt"] for row in read_jsonl(corpus / "heldout_prompts.jsonl")][: measure["prompts"]]
 
-    def config(source: str, overrides: dict[str, Any]) -> Path:
+    def config(source: str, name: str, overrides: dict[str, Any]) -> Path:
         merged = {**(CPU_OVERRIDES[source] if size == "cpu" else {}), **overrides}
-        return derived_config(f"recipes/{source}", out / source, merged)
+        return derived_config(f"recipes/{source}", out / f"{name}.yaml", merged)
+
+    def measured(name: str, checkpoint: Path, draft_tokens: tuple[int, ...] = DRAFT_TOKENS) -> dict[str, Any]:
+        return acceptance(checkpoint, held_out, measure["max_new_tokens"], out / f"acceptance_{name}",
+                          measure["device"], draft_tokens)
 
     joint = out / "joint"
-    run_cli("fit", config("stdlib_joint.yaml", {
+    run_cli("fit", config("stdlib_joint.yaml", "joint", {
         "trainer.strategy.init_args.hf_checkpoint": str(model), "trainer.default_root_dir": str(joint),
         "trainer.logger.0.init_args.save_dir": str(joint), "trainer.callbacks.2.init_args.dirpath": str(joint / "hf"),
         "data.train_path": str(corpus / "train.jsonl"), "data.val_path": str(corpus / "val.jsonl"),
-    }), "[1/4] joint SFT + MTP")
+        **({"trainer.max_steps": steps["joint"]} if steps["joint"] else {}),
+    }), "[1/5] joint SFT + MTP")
     clock = step("joint_fit_s", clock)
-    results: dict[str, Any] = {"joint": acceptance(joint / "hf", held_out, measure["max_new_tokens"],
-                                                   out / "acceptance_joint", measure["device"])}
+    results: dict[str, Any] = {"joint": measured("joint", joint / "hf")}
     clock = step("measure_joint_s", clock)
 
     export_without_mtp(joint / "hf", out / "no_mtp")
     restored = out / "restored"
     subprocess.run([sys.executable, "-m", "lightning_megatron.cli.restore_mtp", str(out / "no_mtp"), str(restored),
                     "--init", "random", "--seed", "1"], check=True, stdout=subprocess.DEVNULL)
-    print(f"[2/4] exported without MTP, head restored at random: {restored}", flush=True)
-    results["reset"] = acceptance(restored, held_out, measure["max_new_tokens"], out / "acceptance_reset",
-                                  measure["device"])
+    print(f"[2/5] exported without MTP, head restored at random: {restored}", flush=True)
+    results["reset"] = measured("reset", restored, draft_tokens=(1,))
     clock = step("reset_and_measure_s", clock)
 
+    train_seconds: dict[str, float] = {}
+    for variant in VARIANTS:
+        since = time.perf_counter()
+        train, val, loss_type, seq_length = corpus / "train.jsonl", corpus / "val.jsonl", "labels", None
+        if variant == "self_distill":
+            loss_type, seq_length = "self_distill", measure["corpus_seq_length"]
+        elif variant == "labels_corpus":
+            seq_length = measure["corpus_seq_length"]
+        else:
+            train, val = own_continuations(out, corpus, restored, config)
+            timings["generate_s"] = round(time.perf_counter() - since, 1)
+        run = out / variant
+        run_cli("fit", config("stdlib_mtp_only.yaml", variant, {
+            "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(run),
+            "trainer.logger.0.init_args.save_dir": str(run), "trainer.callbacks.3.init_args.dirpath": str(run / "hf"),
+            "data.train_path": str(train), "data.val_path": str(val), "model.mtp_loss_type": loss_type,
+            "trainer.limit_val_batches": 4,
+            **({"data.seq_length": seq_length} if seq_length else {}),
+            **({"trainer.max_steps": steps["mtp_only"]} if steps["mtp_only"] else {}),
+        }), f"[{4 if variant == 'labels_continuations' else 3}/5] MTP-only fit ({variant})")
+        train_seconds[variant] = round(time.perf_counter() - since, 1)
+        clock = step(f"{variant}_train_s", since)
+        results[variant] = measured(variant, run / "hf")
+        clock = step(f"measure_{variant}_s", clock)
+
+    summary = _summary(results, size, train_seconds, {variant: _curves(out / variant) for variant in VARIANTS},
+                       _curves(joint), [json.loads((out / v / "mtp_only_audit.json").read_text()) for v in VARIANTS])
+    summary["seconds"] = {**timings, "total_s": round(time.perf_counter() - started, 1)}
+    (out / "mtp_quality.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(summary).savefig(out / "mtp_quality.png", dpi=100)
+    print(json.dumps({key: summary[key] for key in ("heads", "targets", "seconds")}, indent=2))
+    print(f"wrote {out / 'mtp_quality.json'} and {out / 'mtp_quality.png'}")
+    return 0 if summary["greedy_identical_throughout"] and summary["frozen_bit_identical"] else 1
+
+
+def own_continuations(out: Path, corpus: Path, restored: Path, config: Any) -> tuple[Path, Path]:
+    """(c)'s generation step: the frozen model's greedy continuations of train and held-out prompts as SFT rows."""
     train_prompts = read_jsonl(corpus / "train_prompts.jsonl")
     held_out_rows = read_jsonl(corpus / "heldout_prompts.jsonl")
     prompts = write_jsonl(out / "prompts.jsonl", train_prompts + held_out_rows)
     continuations = out / "continuations.jsonl"
-    run_cli("predict", config("stdlib_generate.yaml", {
+    run_cli("predict", config("stdlib_generate.yaml", "generate", {
         "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(out / "generate"),
         "trainer.callbacks.0.init_args.output_path": str(continuations), "data.predict_path": str(prompts),
-    }), "[3/4] the frozen model's own continuations")
+    }), "[4/5] the frozen model's own continuations, for (c)")
     held_out_texts = {row["prompt"] for row in held_out_rows}
     rows = read_jsonl(continuations)
-    train_file = write_jsonl(out / "continuations_train.jsonl", [r for r in rows if r["prompt"] not in held_out_texts])
-    val_file = write_jsonl(out / "continuations_heldout.jsonl", [r for r in rows if r["prompt"] in held_out_texts])
-    clock = step("generate_s", clock)
+    return (write_jsonl(out / "continuations_train.jsonl", [r for r in rows if r["prompt"] not in held_out_texts]),
+            write_jsonl(out / "continuations_heldout.jsonl", [r for r in rows if r["prompt"] in held_out_texts]))
 
-    mtp_only = out / "mtp_only"
-    run_cli("fit", config("stdlib_mtp_only.yaml", {
-        "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(mtp_only),
-        "trainer.logger.0.init_args.save_dir": str(mtp_only),
-        "trainer.callbacks.3.init_args.dirpath": str(mtp_only / "hf"),
-        "data.train_path": str(train_file), "data.val_path": str(val_file),
-    }), "[4/4] MTP-only fit on them")
-    clock = step("mtp_only_fit_s", clock)
-    results["recovered"] = acceptance(mtp_only / "hf", held_out, measure["max_new_tokens"],
-                                      out / "acceptance_recovered", measure["device"])
-    step("measure_recovered_s", clock)
 
-    curves = json.loads(next(mtp_only.glob("csv/version_*/curves.json")).read_text())
-    joint_curves = json.loads(next(joint.glob("csv/version_*/curves.json")).read_text())
-    summary = _summary(results, size, curves, joint_curves, json.loads((mtp_only / "mtp_only_audit.json").read_text()))
-    summary["seconds"] = {**timings, "total_s": round(time.perf_counter() - started, 1)}
-    (out / "mtp_quality.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, curves).savefig(out / "mtp_quality.png", dpi=100)
-    print(json.dumps(summary["acceptance"], indent=2))
-    print(f"wrote {out / 'mtp_quality.json'} and {out / 'mtp_quality.png'}")
-    return 0 if summary["greedy_identical_throughout"] and summary["frozen_bit_identical"] else 1
+def _curves(run: Path) -> dict[str, Any]:
+    return json.loads(next(run.glob("csv/version_*/curves.json")).read_text())
 
 
 def export_without_mtp(source: Path, target: Path) -> Path:
@@ -145,40 +179,74 @@ def export_without_mtp(source: Path, target: Path) -> Path:
     return bridge.save_hf(bridge.build(ModelOptions(mtp=False)), target)
 
 
-def _summary(results: dict[str, Any], size: str, curves: dict, joint_curves: dict, audit: dict) -> dict[str, Any]:
-    rates = {name: result["acceptance_rate"] for name, result in results.items()}
+def _head(result: dict[str, Any]) -> dict[str, Any]:
+    """One head's row: greedy and sampled acceptance with one draft, accepted length with three, tokens/s."""
+    by_k = result["by_draft_tokens"]
+    row = {"greedy_acceptance": result["acceptance_rate"],
+           "sampled_acceptance": by_k["sampled"]["1"]["acceptance_rate"],
+           "greedy_tokens_per_s": result["greedy_tokens_per_s"],
+           "speculative_tokens_per_s": result["speculative_tokens_per_s"],
+           "sampled_tokens_per_s": result["sampled_tokens_per_s"]}
+    if "3" in by_k["greedy"]:
+        row.update(greedy_accepted_length_k3=by_k["greedy"]["3"]["mean_accepted_length"],
+                   sampled_accepted_length_k3=by_k["sampled"]["3"]["mean_accepted_length"],
+                   greedy_k3_tokens_per_s=by_k["greedy"]["3"]["tokens_per_s"],
+                   sampled_k3_tokens_per_s=by_k["sampled"]["3"]["tokens_per_s"])
+    return row
+
+
+def _summary(results: dict[str, Any], size: str, train_seconds: dict[str, float], curves: dict[str, dict],
+             joint_curves: dict, audits: list[dict]) -> dict[str, Any]:
+    heads = {name: _head(result) for name, result in results.items()}
+    for variant, seconds in train_seconds.items():
+        heads[variant]["train_s_including_generation"] = seconds
+    a, c, joint = heads["self_distill"], heads["labels_continuations"], heads["joint"]
     return {
         "size": size,
-        "acceptance": {f"A_{name}": rate for name, rate in rates.items()},
-        "recovered_over_joint": rates["recovered"] / rates["joint"] if rates["joint"] else None,
-        "target_recovered_over_joint": 0.9,
-        "mean_accepted_length": {name: result["mean_accepted_length"] for name, result in results.items()},
-        "tokens_per_s": {name: {"speculative": result["speculative_tokens_per_s"],
-                                "greedy": result["greedy_tokens_per_s"], "speedup": result["speedup"]}
-                         for name, result in results.items()},
+        "heads": heads,
+        "targets": {
+            "self_distill_greedy_at_least_continuations": a["greedy_acceptance"] >= c["greedy_acceptance"],
+            "self_distill_sampled_beats_continuations": a["sampled_acceptance"] > c["sampled_acceptance"],
+            "self_distill_greedy_over_joint": a["greedy_acceptance"] / joint["greedy_acceptance"]
+            if joint["greedy_acceptance"] else None,
+        },
         "greedy_identical_throughout": all(result["all_identical"] for result in results.values()),
-        "frozen_bit_identical": audit["frozen_bit_identical"],
+        "frozen_bit_identical": all(audit["frozen_bit_identical"] for audit in audits),
         "joint_val_lm_loss": joint_curves.get("val_lm_loss", []),
-        "mtp_only_val_acceptance_by_step": curves.get("val_mtp_acceptance", []),
+        "val_mtp_acceptance_by_step": {name: curve.get("val_mtp_acceptance", []) for name, curve in curves.items()},
+        "val_mtp_sampled_acceptance_by_step": {name: curve.get("val_mtp_sampled_acceptance", [])
+                                               for name, curve in curves.items()},
         "prompts": results["joint"]["prompts"],
     }
 
 
-def _plot(summary: dict[str, Any], curves: dict):
+def _plot(summary: dict[str, Any]):
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 4), layout="constrained")
+    figure = Figure(figsize=(12, 4), layout="constrained")
     by_step, bars = figure.subplots(1, 2)
-    if curves.get("val_mtp_acceptance"):
-        x, y = zip(*curves["val_mtp_acceptance"])
-        by_step.plot(x, y, marker="o", label="val_mtp_acceptance (teacher-forced, own continuations)")
-    for name, style in (("A_joint", "--"), ("A_reset", ":"), ("A_recovered", "-.")):
-        by_step.axhline(summary["acceptance"][name], linestyle=style, color="gray", label=f"{name} (decoding)")
-    by_step.set(xlabel="MTP-only optimizer step", ylabel="acceptance", ylim=(0, 1), title="acceptance recovery")
-    by_step.legend(fontsize=7)
-    names = list(summary["acceptance"])
-    bars.bar(names, [summary["acceptance"][name] for name in names], color=["tab:blue", "tab:red", "tab:green"])
-    bars.set(ylim=(0, 1), ylabel="accepted drafts / drafts", title="speculative decoding, held-out prompts")
+    for name, curve in summary["val_mtp_sampled_acceptance_by_step"].items():
+        if curve:
+            x, y = zip(*curve)
+            by_step.plot(x, y, marker="o", label=f"{name}: sampled (teacher-forced)")
+    for name, curve in summary["val_mtp_acceptance_by_step"].items():
+        if curve:
+            x, y = zip(*curve)
+            by_step.plot(x, y, marker=".", linestyle=":", label=f"{name}: greedy (teacher-forced)")
+    by_step.set(xlabel="MTP-only optimizer step", ylabel="validation acceptance", ylim=(0, 1),
+                title="MTP-only training from the reset head")
+    by_step.legend(fontsize=6)
+    names = list(summary["heads"])
+    width = 0.4
+    positions = range(len(names))
+    bars.bar([i - width / 2 for i in positions], [summary["heads"][n]["greedy_acceptance"] for n in names], width,
+             label="greedy")
+    bars.bar([i + width / 2 for i in positions], [summary["heads"][n]["sampled_acceptance"] for n in names], width,
+             label="sampled, T = 1")
+    bars.set(xticks=list(positions), ylim=(0, 1), ylabel="accepted drafts / drafts",
+             title="speculative decoding, held-out prompts")
+    bars.set_xticklabels(names, rotation=20, fontsize=7)
+    bars.legend()
     return figure
 
 

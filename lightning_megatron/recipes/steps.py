@@ -47,15 +47,17 @@ def run_cli(subcommand: str, config: Path, title: str) -> None:
 
 
 def acceptance(checkpoint: Path, prompts: list[str], max_new_tokens: int, out: Path,
-               device: str = "cpu") -> dict[str, Any]:
-    """Speculative decoding with the checkpoint's MTP head vs plain greedy (fp32): the report's summary."""
+               device: str = "cpu", draft_tokens: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """Speculative decoding with the checkpoint's MTP head vs plain decoding (fp32): the report's summary, greedy
+    and sampled at temperature 1 for each of `draft_tokens` (none: greedy with one draft only)."""
     import transformers
 
     from lightning_megatron.speculative import measure_checkpoint, write_report
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    report = measure_checkpoint(checkpoint, prompts, max_new_tokens=max_new_tokens, device=device)
+    report = measure_checkpoint(checkpoint, prompts, max_new_tokens=max_new_tokens, device=device,
+                                draft_tokens=draft_tokens)
     write_report(report, out)
     return report["summary"]
 

@@ -61,6 +61,18 @@ class MTPDraftHead(nn.Module):
         ``position_ids[:, i]`` and ``next_token_ids[:, i]`` the token right after it; the output at ``i`` predicts
         the token after that one. With a ``cache``, the positions must continue the ones it already holds.
         """
+        return self.lm_head(self.hidden(hidden_states, next_token_ids, position_ids, cache))
+
+    def hidden(
+        self,
+        hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """The head's final-normed output ``[batch, k, hidden]`` (what :meth:`forward` projects to logits). Applied
+        recursively, it stands in for the target's hidden state one position on: Megatron-Core chains MTP depths on
+        this output, and multi-token drafting feeds it back with the head's own draft (SGLang's NEXTN steps)."""
         embedded = self.enorm(self.embed_tokens(next_token_ids))
         x = self.eh_proj(torch.cat([embedded, self.hnorm(hidden_states)], dim=-1))
         mask = create_causal_mask(
@@ -74,7 +86,7 @@ class MTPDraftHead(nn.Module):
             use_cache=cache is not None,
             position_embeddings=self.rotary_emb(x, position_ids),
         )
-        return self.lm_head(self.final_norm(x))
+        return self.final_norm(x)
 
 
 def load_target(

@@ -7,6 +7,11 @@ Definitions used in the report:
   steps`` (1.0 when no draft is ever accepted, 2.0 when all are; the prefill forward is not a step).
 * ``tokens_per_s``: new tokens / wall time of the whole decode (prefill included), measured for each decoder on
   the same prompts after one untimed warm-up of both.
+
+The top-level fields are greedy decoding with one draft token. ``by_draft_tokens`` repeats the measurement for
+``K`` drafts per step (the MTP head reapplied to its own output), greedy and sampled (speculative sampling at
+``sampling``, seeded): ``acceptance_rate`` (accepted / drafted), ``mean_accepted_length`` (tokens per verification
+forward, up to ``K + 1``) and ``tokens_per_s``, beside plain sampling's ``tokens_per_s``.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_megatron.atomic import write_file_atomically, write_text_atomically
 from lightning_megatron.generate import eos_token_ids
-from lightning_megatron.speculative.decode import Decoded, greedy_decode, speculative_decode
+from lightning_megatron.speculative.decode import Decoded, greedy_decode, sample_decode, speculative_decode
 from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head, load_target
+from lightning_megatron.speculative.sampling import GREEDY, Sampling
+
+DRAFT_TOKENS = (1, 2, 3)
 
 Prompt = str | list[dict[str, str]]
 """A plain text prompt, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
@@ -68,6 +76,10 @@ def measure(
     max_new_tokens: int,
     eos_token_ids: Collection[int],
     tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    draft_tokens: Sequence[int] = DRAFT_TOKENS,
+    sampling: Sampling = Sampling(temperature=1.0),
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Decode every prompt with both decoders; the per-prompt detail and the summary of the report."""
     if not prompts:
@@ -95,7 +107,35 @@ def measure(
     greedy_tokens, greedy_seconds = sum(len(r.tokens) for r in greedy_runs), sum(r.seconds for r in greedy_runs)
     summary.update(greedy_seconds=greedy_seconds, greedy_tokens_per_s=greedy_tokens / greedy_seconds)
     summary["speedup"] = summary["speculative_tokens_per_s"] / summary["greedy_tokens_per_s"]
+    if not draft_tokens:  # greedy with one draft only
+        return {"summary": summary, "prompts": rows}
+    summary["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
+    summary["by_draft_tokens"] = {
+        "greedy": {str(k): _by_draft_tokens(target, head, prompts, max_new_tokens, eos_token_ids, k, GREEDY, seed)
+                   if k != 1 else _draft_summary(_speculative_statistics(speculative_runs)) for k in draft_tokens},
+        "sampled": {str(k): _by_draft_tokens(target, head, prompts, max_new_tokens, eos_token_ids, k, sampling, seed)
+                    for k in draft_tokens},
+    }
+    generator = torch.Generator().manual_seed(seed)
+    plain = [sample_decode(target, prompt, max_new_tokens, eos_token_ids, sampling, generator) for prompt in prompts]
+    summary["sampled_tokens_per_s"] = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
     return {"summary": summary, "prompts": rows}
+
+
+def _by_draft_tokens(target: PreTrainedModel, head: MTPDraftHead, prompts: Sequence[Sequence[int]],
+                     max_new_tokens: int, eos_token_ids: Collection[int], draft_tokens: int, sampling: Sampling,
+                     seed: int) -> dict[str, Any]:
+    """Acceptance, mean accepted length and tokens/s of speculative decoding with `draft_tokens` per step."""
+    generator = torch.Generator().manual_seed(seed)
+    runs = [speculative_decode(target, head, prompt, max_new_tokens, eos_token_ids, num_draft_tokens=draft_tokens,
+                               sampling=sampling, generator=generator) for prompt in prompts]
+    return _draft_summary(_speculative_statistics(runs))
+
+
+def _draft_summary(statistics: dict[str, Any]) -> dict[str, Any]:
+    return {"acceptance_rate": statistics["acceptance_rate"],
+            "mean_accepted_length": statistics["mean_accepted_length"],
+            "tokens_per_s": statistics["speculative_tokens_per_s"]}
 
 
 def measure_checkpoint(
@@ -105,6 +145,9 @@ def measure_checkpoint(
     max_new_tokens: int = 64,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    draft_tokens: Sequence[int] = DRAFT_TOKENS,
+    sampling: Sampling = Sampling(temperature=1.0),
+    seed: int = 0,
 ) -> dict[str, Any]:
     """The full report for an HF checkpoint with an MTP head (e.g. a training run's HF export).
 
@@ -124,7 +167,8 @@ def measure_checkpoint(
         "dtype": str(dtype).removeprefix("torch."),
         "eos_token_ids": sorted(eos),
     }
-    report.update(measure(target, head, encoded, max_new_tokens, eos, tokenizer))
+    report.update(measure(target, head, encoded, max_new_tokens, eos, tokenizer, draft_tokens=draft_tokens,
+                          sampling=sampling, seed=seed))
     return report
 
 

@@ -1,0 +1,238 @@
+"""Self-distillation MTP loss: the MTP head at depth k and position t learns the detached main-head distribution
+that predicts the same token (the main head at position t + k), by KL divergence over the whole vocabulary.
+
+Why: a hard-label MTP loss teaches the head the data's next-but-one token, not what the target model would say; to
+make the labels say that, the model's own greedy continuations had to be generated first, and even then the head
+only learns the target's argmax. Speculative *sampling* accepts a draft with probability `min(1, p/q)`, so what
+matters there is the whole distribution: `alpha = sum_x min(p(x), q(x))` is highest when `q = p`. The KL to the
+target's own distribution trains exactly that, on any text, with no generation step (SkyRL's and NeMo-RL's choice
+for drafts used in RL rollouts).
+
+`mtp_distill_temperature` T softens (T > 1) or sharpens (T < 1) the teacher only: `p = softmax(z_main / T)`,
+`q = softmax(z_mtp)`. T = 1 (the default) matches the target's distribution, which is what sampling at any
+temperature needs (a serving engine divides both models' logits by the same sampling temperature); T -> 0 is the
+hard-label loss on the model's own greedy continuation.
+
+How it is wired: nothing of Megatron-Core's MTP path is replaced. `process_mtp_loss` still rolls labels and mask
+(per packed sequence, across CP chunks), masks, scales and attaches the loss through `MTPLossAutoScaler`; what
+changes is the per-token loss it asks the model for (`GPTModel.compute_language_model_loss`, an instance override
+installed for the fit by :class:`MTPDepthLoss`). The teacher for depth k is the main decoder's final hidden state
+(what the output layer reads) rolled k positions left by Megatron-Core's own `roll_tensor` with the same CP group
+and packed-sequence parameters the labels are rolled with, so the teacher at t is the main head at t + k exactly
+where the rolled label is token t + k + 1, and a position whose target would cross a sequence boundary is one the
+rolled mask drops. The teacher logits are made from those hidden states a token chunk at a time (the output
+layer's own weight, under no grad); the softmaxes are vocabulary-parallel (max and sum all-reduced over the TP
+group, as Megatron-Core's cross-entropy does), and no `[tokens, vocab]` fp32 tensor outlives a chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_language_model_loss
+
+MTPLossType = Literal["labels", "self_distill"]
+MTP_LOSS_TYPES: tuple[MTPLossType, ...] = ("labels", "self_distill")
+
+
+def _log_softmax_chunk(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """fp32 log-softmax over the whole (vocabulary-parallel) vocabulary, in place of an fp32 copy of `logits`."""
+    chunk = logits.to(torch.float32, copy=True)
+    chunk_max = chunk.max(dim=-1)[0]
+    dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
+    chunk -= chunk_max.unsqueeze(-1)
+    sum_exp = chunk.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+    return chunk.sub_(sum_exp.log().unsqueeze(-1))
+
+
+class _ChunkedSelfDistillation(torch.autograd.Function):
+    """Per-token `KL(softmax(teacher / T) || softmax(student))` of `[n, vocab / TP]` student logits; the teacher
+    logits are `teacher_hidden @ weight.T` (its last dimension the hidden size), remade per chunk in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, student: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
+                teacher_logits: Any, tp_group: Any, temperature: float, chunk_tokens: int) -> torch.Tensor:
+        rows = student.size(0)
+        loss = torch.empty(rows, dtype=torch.float32, device=student.device)
+        with torch.no_grad():
+            for start in range(0, rows, chunk_tokens):
+                end = min(rows, start + chunk_tokens)
+                log_q = _log_softmax_chunk(student[start:end], tp_group)
+                log_p = _log_softmax_chunk(teacher_logits(teacher_hidden[start:end], weight) / temperature, tp_group)
+                kl = log_q.neg_().add_(log_p).mul_(log_p.exp_()).sum(dim=-1)
+                dist.all_reduce(kl, op=dist.ReduceOp.SUM, group=tp_group)
+                loss[start:end] = kl
+        ctx.save_for_backward(student, teacher_hidden, weight)
+        ctx.teacher_logits, ctx.tp_group, ctx.temperature, ctx.chunk_tokens = (teacher_logits, tp_group, temperature,
+                                                                               chunk_tokens)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        student, teacher_hidden, weight = ctx.saved_tensors
+        grad_input = torch.empty_like(student)
+        for start in range(0, student.size(0), ctx.chunk_tokens):
+            end = min(student.size(0), start + ctx.chunk_tokens)
+            q = _log_softmax_chunk(student[start:end], ctx.tp_group).exp_()
+            p = _log_softmax_chunk(ctx.teacher_logits(teacher_hidden[start:end], weight) / ctx.temperature,
+                                   ctx.tp_group).exp_()
+            grad_input[start:end] = q.sub_(p).mul_(grad_output[start:end].unsqueeze(-1))
+        return grad_input, None, None, None, None, None, None
+
+
+def self_distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
+                           tp_group: Any, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                           scale_logits: Any = None) -> torch.Tensor:
+    """Per-token `KL(softmax(teacher / temperature) || softmax(student))` over the whole vocabulary.
+
+    `student_logits`: `[..., vocab / TP]` (this rank's vocabulary shard); `teacher_hidden`: `[..., hidden]`, the
+    same leading shape, detached; `weight`: this rank's `[vocab / TP, hidden]` output weight, so that the teacher
+    logits are `teacher_hidden @ weight.T` (then `scale_logits`, e.g. MuP's), made `chunk_tokens` rows at a time.
+    Only the student gets a gradient, `grad * (q - p)`.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} must be at least 1")
+    if not temperature > 0:
+        raise ValueError(f"mtp_distill_temperature: {temperature} must be > 0 (1.0 matches the target's distribution)")
+    leading = student_logits.shape[:-1]
+    if teacher_hidden.shape[:-1] != leading:
+        raise ValueError(f"teacher_hidden {list(teacher_hidden.shape)} must have the student's leading shape "
+                         f"{list(leading)}")
+
+    def teacher_logits(hidden: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, output_weight)
+        return logits if scale_logits is None else scale_logits(logits)
+
+    loss = _ChunkedSelfDistillation.apply(student_logits.reshape(-1, student_logits.size(-1)),
+                                          teacher_hidden.detach().reshape(-1, teacher_hidden.size(-1)),
+                                          weight.detach(), teacher_logits, tp_group, float(temperature), chunk_tokens)
+    return loss.view(leading)
+
+
+class MTPDepthLoss:
+    """The per-token loss `process_mtp_loss` asks each MTP depth for, installed as the model's
+    `compute_language_model_loss` while a fit uses it; the main head's own loss calls go to the class's method.
+
+    Two users, in any order: `MTPOnlyCallback` sets `label_chunk_tokens` (the hard-label cross-entropy a chunk of
+    tokens at a time) and `SFTModule` sets `distill_temperature` (self-distillation, always chunked). Each removes
+    its setting with `release`; the override goes when neither is left. A forward hook on the MTP block keeps the
+    main decoder's hidden states and packed-sequence parameters of the forward in flight; the `mtp_num_layers`
+    calls that follow are the MTP depths, in order.
+    """
+
+    ATTRIBUTE = "compute_language_model_loss"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if self.ATTRIBUTE in vars(model):
+            raise RuntimeError(f"{type(model).__name__}.{self.ATTRIBUTE} is already overridden on this model")
+        self.model = model
+        self.class_loss = type(model).compute_language_model_loss.__get__(model)
+        self.label_chunk_tokens: int | None = None
+        self.distill_temperature: float | None = None
+        self.distill_chunk_tokens = DEFAULT_CHUNK_TOKENS
+        self._depths = model.config.mtp_num_layers
+        self._pending = 0
+        self._teacher: torch.Tensor | None = None
+        self._packed_seq_params: Any = None
+        self._hook = model.mtp.register_forward_hook(self._capture, with_kwargs=True)
+        setattr(model, self.ATTRIBUTE, self)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> MTPDepthLoss:
+        """The model's installed depth loss, installed now if there is none."""
+        installed = vars(model).get(cls.ATTRIBUTE)
+        return installed if isinstance(installed, cls) else cls(model)
+
+    def release(self, setting: Literal["label_chunk_tokens", "distill_temperature"]) -> None:
+        setattr(self, setting, None)
+        if self.label_chunk_tokens is None and self.distill_temperature is None:
+            self._hook.remove()
+            if vars(self.model).get(self.ATTRIBUTE) is self:
+                delattr(self.model, self.ATTRIBUTE)
+
+    def _capture(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        self._pending = self._depths
+        self._packed_seq_params = kwargs.get("packed_seq_params")
+        # what `process_mtp_loss` splits off as the main hidden states: the first of 1 + mtp_num_layers chunks
+        self._teacher = output.chunk(1 + self._depths, dim=0)[0].detach() if self.distill_temperature else None
+
+    def __call__(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self._pending == 0:
+            return self.class_loss(labels, logits)  # the main head's
+        self._pending -= 1
+        if self.distill_temperature is not None:
+            loss = self._self_distillation(logits)
+        elif self.label_chunk_tokens is not None:
+            loss = chunked_language_model_loss(self.model, self.label_chunk_tokens)(labels, logits)
+        else:
+            loss = self.class_loss(labels, logits)
+        if self._pending == 0:
+            self._teacher = self._packed_seq_params = None
+        return loss
+
+    def _self_distillation(self, logits: torch.Tensor) -> torch.Tensor:
+        """Depth `mtp_num_layers - pending`: the teacher hidden states rolled once more, then the KL per token."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+        model = self.model
+        if self._teacher is None:
+            raise RuntimeError("MTP self-distillation: the MTP block's forward was not seen before its loss; "
+                               "megatron-core's call pattern changed, use mtp_loss_type: labels")
+        with torch.no_grad():
+            teacher = self._teacher
+            if model.output_layer.sequence_parallel:
+                teacher = gather_from_sequence_parallel_region(teacher, group=model.tp_group)
+            rolled, _ = roll_tensor(teacher.permute(1, 2, 0).contiguous(), shifts=-1, dims=-1,
+                                    cp_group=model.pg_collection.cp, packed_seq_params=self._packed_seq_params)
+            self._teacher = rolled.permute(2, 0, 1)  # [s, b, h] again, rolled once per depth as the labels are
+        weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                  else model.output_layer.weight)
+        if getattr(model.output_layer, "bias", None) is not None:
+            raise ValueError("MTP self-distillation needs an output layer without bias (GPT models have none)")
+        scale = model._scale_logits if model.config.use_mup else None
+        loss = self_distillation_loss(logits, self._teacher, weight, model.tp_group, self.distill_temperature,
+                                      self.distill_chunk_tokens, scale)
+        return loss.transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss returns
+
+
+class DepthLossHandle:
+    """What `use_mtp_depth_loss` set on one model; `remove()` takes it back (a hook handle's interface)."""
+
+    def __init__(self, loss: MTPDepthLoss, setting: Literal["label_chunk_tokens", "distill_temperature"]) -> None:
+        self.loss, self.setting = loss, setting
+
+    def remove(self) -> None:
+        self.loss.release(self.setting)
+
+
+def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int | None = None,
+                       distill_temperature: float | None = None,
+                       distill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[DepthLossHandle]:
+    """Set the MTP depths' loss of every last-stage chunk with an MTP block (unwrapped GPTModels): hard labels in
+    chunks of `label_chunk_tokens`, or self-distillation at `distill_temperature` (one of the two)."""
+    from megatron.core.utils import unwrap_model
+
+    if (label_chunk_tokens is None) == (distill_temperature is None):
+        raise ValueError("use_mtp_depth_loss sets label_chunk_tokens or distill_temperature, exactly one")
+    handles = []
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
+            continue
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("the MTP loss needs the MTP block on the last pipeline stage with the output layer; "
+                             "this layout puts it elsewhere")
+        loss = MTPDepthLoss.of(model)
+        if distill_temperature is not None:
+            loss.distill_temperature, loss.distill_chunk_tokens = distill_temperature, distill_chunk_tokens
+            handles.append(DepthLossHandle(loss, "distill_temperature"))
+        else:
+            loss.label_chunk_tokens = label_chunk_tokens
+            handles.append(DepthLossHandle(loss, "label_chunk_tokens"))
+    return handles
