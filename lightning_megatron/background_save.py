@@ -106,8 +106,8 @@ class BackgroundSaves:
                 raise
             raise CheckpointError(
                 f"saving {path} in the background failed ({type(error).__name__}: {error}); nothing was written at "
-                f"{path} and the earlier checkpoints are kept; free space or fix the permissions of {path.parent}, "
-                "and resume from the last complete checkpoint"
+                f"{path} and the earlier checkpoints are kept. Look for a rank that died (its log) or a disk that "
+                f"is full or not writable ({path.parent}), then resume from the last complete checkpoint"
             ) from error
         if finished:
             self._in_flight = None
