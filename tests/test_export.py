@@ -102,6 +102,8 @@ def test_export_equals_fits_own_export_at_tp2_and_at_one_process(process_group, 
     original = safetensors.torch.load_file(hf_checkpoint / "model.safetensors")
     mtp_names = [name for name in exported if "mtp" in name]
     assert mtp_names and any(not (exported[name] == original[name]).all() for name in mtp_names)
+    merged = safetensors.torch.load_file(tmp_path / "lora" / "one_hf" / "model.safetensors")
+    assert any(not (merged[name] == original[name]).all() for name in merged)  # the trained adapters, folded in
     with pytest.raises(FileExistsError, match="output: .* is not an empty folder.*--output"):
         _export(tmp_path / "mtp.yaml", tmp_path / "mtp" / "ckpts" / f"epoch=0-step={EXPORT_STEP}.ckpt",
                 tmp_path / "mtp" / "one_hf", None, *one_process)
