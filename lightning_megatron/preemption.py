@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -50,6 +51,9 @@ class PreemptionCheckpoint(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._received = 0
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionCheckpoint: fit runs outside the main thread, where Python cannot install "
+                               "signal handlers; run fit in the main thread or remove the callback")
         for signum in self._signals(trainer):
             self._previous[signum] = signal.signal(signum, self._note)  # replaces Lightning's for the training loop
 
