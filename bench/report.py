@@ -204,6 +204,13 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                   "yes" if sync["colocated_extra_memory_within_limit"] else "no", source]))
             rows.append(_target_row("P7 step time with WeightSync / without",
                                     data["steps_between_syncs"]["step_time_ratio"], targets["step_time_ratio"], source))
+        if kind(data) == "async_save":
+            figures, targets = data["figures"], data["targets"]
+            rows.append(_target_row("async save: time a step is blocked / synchronous save's",
+                                    figures["async_over_sync_blocked"], targets["async_over_sync_blocked"], source))
+            rows.append(_target_row("async save: slowest step outside staging / median",
+                                    figures["async_max_step_over_median"], targets["async_max_step_over_median"],
+                                    source))
     if not rows:
         return []
     return ["| figure | measured | target | met | source |", "|---|---|---|---|---|", *rows]

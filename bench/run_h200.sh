@@ -16,6 +16,8 @@
 #   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
 #   gputests                  every `-m gpu` test (CI has no GPU): $OUT/gputests.log, the step fails if one does
+#   async_save                a save's blocked time, async vs sync, and the step times around it (Qwen3-8B shape,
+#                             MTP-only; checkpoints to /dev/shm, removed afterwards)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
 # bench/report.py then writes the markdown tables to $OUT/table.md. A failed step prints the end of its log; the
 # others still run, and the exit status is 1. Packages come from PYTHONPATH=/tmp/site:. (wheels installed with
@@ -25,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory hf_io_8b weight_sync moe vl}"
+STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory hf_io_8b weight_sync moe vl async_save}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 CHECKPOINT="${CHECKPOINT:-/tmp/qwen3-0.6b-mtp}"
 CHECKPOINT_8B="${CHECKPOINT_8B:-/tmp/qwen3-8b-mtp}"
@@ -56,7 +58,7 @@ for name in $STEPS; do
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
         gputests) step "$name" python3 -m pytest -m gpu -q tests ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
-        tree|mtp_memory|moe|vl) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        tree|mtp_memory|moe|vl|async_save) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
         hf_io_8b) step "$name" python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
         *) echo "unknown step $name"; failed=1 ;;

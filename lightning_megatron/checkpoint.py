@@ -10,7 +10,8 @@ A checkpoint is a folder (Lightning's `*.ckpt` path names it):
     COMPLETE         written last
 
 All ranks write into a hidden staging folder next to the target; only when every rank has finished does rank 0
-write `COMPLETE` and rename the folder into place. A run killed mid-write leaves only the staging folder, which
+write the manifest and `COMPLETE` and rename the folder into place (`publish`), whether the shards were written
+before `save` returned or in the background (`background=True`, see `background_save.py`). A run killed mid-write leaves only the staging folder, which
 no `*.ckpt` pattern matches and `load` refuses.
 
 Loading trusts nothing in the folder: pickled files are read through `safe_load` (no code runs, only the types our
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.atomic import move_into_place
-from lightning_megatron.distributed import ParallelSizes
+from lightning_megatron.distributed import ParallelSizes, agree_on_failure
 from lightning_megatron.safe_load import UnsafeFileError, load_dcp_metadata, load_torch_file, weights_only_everywhere
 
 COMPLETE_MARKER = "COMPLETE"
@@ -67,24 +68,33 @@ def is_complete(path: Path) -> bool:
 
 
 def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None, checkpoint: dict[str, Any], *,
-         optimizer_sharding: str = "fully_reshardable") -> None:
+         optimizer_sharding: str = "fully_reshardable", background: bool = False) -> Any | None:
     """Write `checkpoint` (Lightning's dict) and the sharded model/optimizer to `path`; every rank calls it.
 
     `optimizer_sharding` is Megatron's `distrib_optim_sharding_type`: "fully_reshardable" loads under any parallel
     sizes; "dp_reshardable" saves without gathering but loads only with the same model-parallel sizes.
+    `background`: write the shards through Megatron's asynchronous dist-checkpointing and return its `AsyncRequest`
+    (schedule it with `AsyncCallsQueue`, see `background_save.py`); the request's last finalize step publishes the
+    folder (manifest, `COMPLETE`, rename), so `path` appears only once every rank's shards are on disk.
     """
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
-    staging = path.parent / f".{path.name}.partial"
+    staging = staging_folder(path)
+    error = None
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / "rng").mkdir(parents=True)
-        (staging / "megatron").mkdir()
-    dist.barrier()
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            (staging / "rng").mkdir(parents=True)
+            (staging / "megatron").mkdir()
+        except OSError as caught:
+            error = CheckpointError(f"saving {path}: cannot create its staging folder {staging} ({caught}); make "
+                                    f"{path.parent} writable or save the checkpoints elsewhere (dirpath)")
+    agree_on_failure(error, error_type=CheckpointError)
     metadata = {**SHARDED_METADATA, "distrib_optim_sharding_type": optimizer_sharding}
     sharded = _sharded_state_dict(model_chunks, optimizer, metadata, is_loading=False)
-    dist_checkpointing.save(sharded, str(staging / "megatron"), content_metadata=metadata)
+    request = dist_checkpointing.save(sharded, str(staging / "megatron"), content_metadata=metadata,
+                                      async_sharded_save=background, async_strategy="mcore")
     torch.save(_rng_states(), staging / "rng" / f"rank{rank}.pt")
     if rank == 0:
         lightning_part = {key: value for key, value in checkpoint.items()
@@ -93,17 +103,36 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
         sizes = ParallelSizes.current().saved_fields()
         lightning_part["megatron_layout"] = {**sizes, "optimizer_sharding": optimizer_sharding}
         torch.save(lightning_part, staging / "lightning.pt")
+    if request is None:
+        publish(staging, path)
+        return None
+    request.add_finalize_fn(lambda: publish(staging, path))
+    return request
+
+
+def staging_folder(path: Path) -> Path:
+    """Where a checkpoint for `path` is written before it is published: hidden, so no `*.ckpt` pattern picks it."""
+    return path.parent / f".{path.name}.partial"
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Once every rank's files are in `staging`: the manifest, then `COMPLETE`, then the rename to `path`."""
     dist.barrier()
     files = _share(_written_files(staging))
     described = {name: _describe(staging / name) for name in files}
     shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, described)
-    if rank == 0:
+    error = None
+    if dist.get_rank() == 0:
         manifest = {name: entry for share in shares for name, entry in share.items()}
-        (staging / MANIFEST).write_text(json.dumps({"files": dict(sorted(manifest.items()))}, indent=1) + "\n")
-        (staging / COMPLETE_MARKER).write_text("")
-        move_into_place(staging, path)
-    dist.barrier()
+        try:
+            (staging / MANIFEST).write_text(json.dumps({"files": dict(sorted(manifest.items()))}, indent=1) + "\n")
+            (staging / COMPLETE_MARKER).write_text("")
+            move_into_place(staging, path)
+        except OSError as caught:
+            error = CheckpointError(f"saving {path}: publishing {staging} failed ({caught}); nothing was written at "
+                                    f"{path}; free space or fix the permissions of {path.parent}")
+    agree_on_failure(error, error_type=CheckpointError)
 
 
 def load(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None) -> dict[str, Any]:

@@ -37,3 +37,38 @@ class ModelOptions:
     attention_backend: AttentionBackend = "auto"
     config_overrides: dict[str, Any] = field(default_factory=dict)
     random_weights: bool = False
+
+
+def check_strategy_options(*, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                           virtual_pipeline_model_parallel_size: int | None, context_parallel_size: int,
+                           expert_model_parallel_size: int, sequence_parallel: bool, micro_batch_size: int,
+                           global_batch_size: int | None, precision: str, attention_backend: str, clip_grad: float,
+                           timeout_minutes: int) -> None:
+    """`MegatronStrategy`'s own checks of its arguments, before anything runs; each error names the option."""
+    _check_positive(tensor_model_parallel_size=tensor_model_parallel_size,
+                    pipeline_model_parallel_size=pipeline_model_parallel_size,
+                    context_parallel_size=context_parallel_size,
+                    expert_model_parallel_size=expert_model_parallel_size, micro_batch_size=micro_batch_size,
+                    timeout_minutes=timeout_minutes)
+    if virtual_pipeline_model_parallel_size is not None:
+        _check_positive(virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+        if pipeline_model_parallel_size == 1:
+            raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1; "
+                             "leave it unset (null) without pipeline parallelism")
+    if context_parallel_size > 1 and attention_backend == "local":
+        raise ValueError("context_parallel_size > 1 needs attention_backend: sdpa or auto (Megatron-Core's local "
+                         "DotProductAttention has no context parallelism)")
+    if sequence_parallel and tensor_model_parallel_size == 1:
+        raise ValueError("sequence_parallel: true needs tensor_model_parallel_size > 1")
+    if global_batch_size is not None:
+        _check_positive(global_batch_size=global_batch_size)
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision: {precision!r} is not one of 'bf16', 'fp32'")
+    if clip_grad < 0:
+        raise ValueError(f"clip_grad: {clip_grad} must be >= 0 (0 disables clipping)")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {value!r} must be a positive integer")

@@ -11,7 +11,8 @@ Lifecycle (the order Lightning calls us in):
 - training: each Lightning batch is one global batch (a list of microbatches); the module's `training_step` hands it
   to `forward_backward`, which runs Megatron's schedule (no pipelining, 1F1B or interleaved; see `schedule.py`);
   Lightning's automatic optimization then calls the Megatron optimizer (clipping, grad norm) and the LR scheduler.
-- checkpoints: every rank writes its shard with Megatron's distributed checkpointing (see `checkpoint.py`).
+- checkpoints: every rank writes its shard with Megatron's distributed checkpointing (see `checkpoint.py`); with
+  `async_save` the shards are written in the background while training goes on (see `background_save.py`).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron import schedule
+from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
-from lightning_megatron.options import AttentionBackend, BridgeType
+from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 
@@ -63,6 +65,7 @@ class MegatronStrategy(ParallelStrategy):
     is replaced by `global_batch_size`, `gradient_clip_val` by `clip_grad`).
     Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
     distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
+    `async_save`: saves made while training write their shards in the background (`background_save.py`).
     """
 
     strategy_name = "megatron"
@@ -89,6 +92,7 @@ class MegatronStrategy(ParallelStrategy):
         seed: int = 1234,
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
+        async_save: bool = False,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
         accelerator: Accelerator | None = None,
@@ -98,27 +102,14 @@ class MegatronStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
-        _check_positive(tensor_model_parallel_size=tensor_model_parallel_size,
-                        pipeline_model_parallel_size=pipeline_model_parallel_size,
-                        context_parallel_size=context_parallel_size,
-                        expert_model_parallel_size=expert_model_parallel_size, micro_batch_size=micro_batch_size,
-                        timeout_minutes=timeout_minutes)
-        if virtual_pipeline_model_parallel_size is not None:
-            _check_positive(virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
-            if pipeline_model_parallel_size == 1:
-                raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1; "
-                                 "leave it unset (null) without pipeline parallelism")
-        if context_parallel_size > 1 and attention_backend == "local":
-            raise ValueError("context_parallel_size > 1 needs attention_backend: sdpa or auto (Megatron-Core's local "
-                             "DotProductAttention has no context parallelism)")
-        if sequence_parallel and tensor_model_parallel_size == 1:
-            raise ValueError("sequence_parallel: true needs tensor_model_parallel_size > 1")
-        if global_batch_size is not None:
-            _check_positive(global_batch_size=global_batch_size)
-        if precision not in ("bf16", "fp32"):
-            raise ValueError(f"precision: {precision!r} is not one of 'bf16', 'fp32'")
-        if clip_grad < 0:
-            raise ValueError(f"clip_grad: {clip_grad} must be >= 0 (0 disables clipping)")
+        check_strategy_options(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            context_parallel_size=context_parallel_size, expert_model_parallel_size=expert_model_parallel_size,
+            sequence_parallel=sequence_parallel, micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
+            clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
         self.hf_checkpoint = hf_checkpoint
@@ -141,6 +132,7 @@ class MegatronStrategy(ParallelStrategy):
         self.seed = seed
         self.trust_remote_code = trust_remote_code
         self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
+        self._saves = BackgroundSaves(enabled=async_save)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -345,6 +337,15 @@ class MegatronStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         loader = self.lightning_module.trainer.train_dataloader
         self._train_batches = loader if isinstance(loader, schedule.GlobalBatches) else None
+        self._saves.begin_training()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._saves.poll()  # a background save that finished is published; one that failed raises here
+
+    @override
+    def on_train_end(self) -> None:
+        self._saves.end_training()  # the last save is published before fit returns
 
     # ------------------------------------------------------------------ steps
 
@@ -452,8 +453,12 @@ class MegatronStrategy(ParallelStrategy):
             raise TypeError("MegatronStrategy.save_checkpoint takes no storage_options (it writes a sharded folder)")
         path = Path(self.broadcast(str(filepath)))
         with_optimizer = "optimizer_states" in checkpoint and bool(self.optimizers)
-        megatron_checkpoint.save(path, self.model_chunks, self.optimizers[0] if with_optimizer else None, checkpoint,
-                                 optimizer_sharding=self.checkpoint_optimizer_sharding)
+        self._saves.save(path, self.model_chunks, self.optimizers[0] if with_optimizer else None, checkpoint,
+                         optimizer_sharding=self.checkpoint_optimizer_sharding)
+
+    def finish_saves(self) -> None:
+        """Block until a background save is published (all ranks call it); raises its failure."""
+        self._saves.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None,
@@ -472,7 +477,7 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            megatron_checkpoint.remove(Path(filepath))
+            self._saves.remove(Path(filepath))  # after the save in flight is published
 
     def export_hf(self, path: str | Path) -> Path:
         """Write an HF checkpoint of the current weights through the bridge (all ranks call it; rank 0 writes)."""
@@ -485,14 +490,10 @@ class MegatronStrategy(ParallelStrategy):
         """Lightning's default moves the model to the CPU; here it stays on its device, because `export_hf` after
         fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
         self._train_batches = None
+        self._saves.abort()  # only an exception leaves a save in flight here: on_train_end waited for it
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {value!r} must be a positive integer")

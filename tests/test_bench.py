@@ -211,6 +211,18 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
     assert subprocess.run(["bash", "-n", str(ROOT / "bench/run_h200.sh")]).returncode == 0
 
 
+def test_async_save_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.async_save", "--tiny")
+    sync, background = result["runs"]["sync"], result["runs"]["async"]
+    assert sync["blocked_s"] > 0 and background["blocked_s"] > 0
+    assert sync["published_after_s"] >= sync["blocked_s"] and background["published_after_s"] > 0
+    assert len(background["step_times_s"]) == len(sync["step_times_s"]) == 1 + 4 + 2  # warm-up, steps, save's
+    assert result["figures"]["async_over_sync_blocked"] == background["blocked_s"] / sync["blocked_s"]
+    assert set(result["met"]) == set(result["targets"]) == set(result["figures"])
+    table = "\n".join(report.targets_table([("async_save.json", result)], {"async_save.json": 1}))
+    assert "async save: time a step is blocked" in table and "slowest step outside staging" in table
+
+
 @pytest.mark.slow
 def test_packing_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.packing", "--tiny")

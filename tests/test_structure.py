@@ -39,6 +39,8 @@ FLOORS: dict[str, int] = {
     # 3: the strategy and what it drives
     "lightning_megatron.strategy": 3,
     "lightning_megatron.checkpoint": 3,
+    "lightning_megatron.background_save": 3,
+    "lightning_megatron.preemption": 3,
     "lightning_megatron.schedule": 3,
     "lightning_megatron.module": 3,
     "lightning_megatron.vl": 3,

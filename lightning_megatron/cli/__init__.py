@@ -23,7 +23,7 @@ class Command:
 
 COMMANDS = (
     Command("lightning-megatron", "lightning_megatron.cli.megatron_cli:main",
-            "LightningCLI over SFTModule, SFTDataModule and MegatronStrategy: fit, validate, test, predict"),
+            "LightningCLI over SFTModule, SFTDataModule and MegatronStrategy: fit, validate, test, predict, export"),
     Command("lightning-megatron-vl", "lightning_megatron.cli.vl:main",
             "the same for vision-language SFT (VLSFTModule, VLSFTDataModule)"),
     Command("lightning-megatron-restore-mtp", "lightning_megatron.cli.restore_mtp:main",

@@ -3,6 +3,7 @@
     lightning-megatron fit --config configs/tiny/mtp_only.yaml
     lightning-megatron predict --config configs/tiny/generate.yaml --data.predict_path prompts.jsonl
     lightning-megatron fit --config configs/tiny/mtp_only.yaml --print_config
+    lightning-megatron export --config configs/tiny/mtp_only.yaml --ckpt_path CKPT --output DIR
 
 The optimizer is Megatron's (distributed, with fp32 main weights) and is configured on the model (`model.lr`,
 `model.weight_decay`, `model.adam_beta1`, ...); LightningCLI's `optimizer:` and `lr_scheduler:` groups are refused
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from torch.utils.data import DataLoader
 
 from lightning_megatron import _compat
 from lightning_megatron.data import SFTDataModule
@@ -28,15 +32,52 @@ DEFAULT_STRATEGY = "lightning_megatron.strategy.MegatronStrategy"
 TINY_CHECKPOINT_WAIT_S = 300
 
 
+class MegatronTrainer(pl.Trainer):
+    """Lightning's Trainer plus `export`, which LightningCLI turns into the `export` subcommand."""
+
+    def export(self, model: pl.LightningModule, ckpt_path: str, output: str,
+               lora: Literal["merged", "adapter"] = "merged", datamodule: pl.LightningDataModule | None = None
+               ) -> Path:
+        """Write an HF checkpoint of a saved training checkpoint's weights through the configured bridge.
+
+        The run's own config builds the model as `fit` did (bridge, MTP head, LoRA adapters from its callbacks);
+        the checkpoint loads at any parallel size it loads at (one process on CPU too). The files equal what `fit`'s
+        `HFExport` writes at that step. `lora`: "merged" (the adapters folded into the weights, as `HFExport`
+        does) or "adapter" (an HF PEFT adapter folder). `datamodule` is not read: no data is needed.
+        """
+        from lightning_megatron.lora import export_lora_adapter
+
+        target = Path(output)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(f"output: {target} exists and is not an empty folder; export refuses to overwrite "
+                                  "it: give --output a new or empty folder, or remove that one first")
+        with warnings.catch_warnings():  # no data on purpose: validate builds the model and loads ckpt_path
+            warnings.filterwarnings("ignore", message="Total length of .* across ranks is zero")
+            self.validate(model, dataloaders=DataLoader([]), ckpt_path=ckpt_path)
+        strategy = self.strategy
+        if not callable(getattr(strategy, "export_hf", None)):
+            raise TypeError(f"export needs MegatronStrategy, got {type(strategy).__name__}")
+        path = export_lora_adapter(strategy, target) if lora == "adapter" else strategy.export_hf(target)
+        if self.is_global_zero:
+            print(f"export: wrote {path} from {ckpt_path}")
+        return path
+
+
 class MegatronCLI(LightningCLI):
-    """LightningCLI with the Megatron strategy as the default and the checks a Megatron run needs before it starts."""
+    """LightningCLI with the Megatron strategy as the default and the checks a Megatron run needs before it starts;
+    `export` writes an HF checkpoint of a training checkpoint."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("trainer_class", MegatronTrainer)
         kwargs.setdefault("model_class", SFTModule)
         kwargs.setdefault("datamodule_class", SFTDataModule)
         kwargs.setdefault("trainer_defaults", {"strategy": {"class_path": DEFAULT_STRATEGY}})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {**LightningCLI.subcommands(), "export": {"model", "datamodule"}}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
