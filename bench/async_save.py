@@ -147,6 +147,8 @@ def main() -> None:
         args = parser.parse_args()
     import_megatron_bridge_first()
     root = Path(tempfile.mkdtemp(prefix="async_save_bench_"))
+    if args.dir:
+        args.dir.mkdir(parents=True, exist_ok=True)  # the default, /dev/shm/async_save_bench, is new on a fresh machine
     folder = Path(tempfile.mkdtemp(prefix="async_save_", dir=args.dir)) if args.dir else root / "checkpoints"
     try:
         checkpoint = make_config_only_checkpoint(root / "model", QWEN3_8B, tied=False, tiny=args.tiny)

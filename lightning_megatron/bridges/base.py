@@ -279,8 +279,8 @@ class Bridge(ABC):
 
         def write(folder: Path) -> None:
             extras: dict[str, torch.Tensor] = {}
-            try:
-                with shard_writer(folder, mine) as writer:
+            try:  # no autograd: a GPU model's export broadcasts its (grad-requiring) parameters in place
+                with torch.no_grad(), shard_writer(folder, mine) as writer:
                     for name, tensor in self.export_hf_tensors(chunks, dtype=dtype, on_host=on_host):
                         if name in owned:
                             writer.write(name, tensor)
