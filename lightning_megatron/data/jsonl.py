@@ -59,13 +59,16 @@ class DataValidationError(ValueError):
     """Raised when rows of an SFT file are malformed; the message lists the first few as ``path:line: problem``."""
 
 
-def raise_for_bad_rows(problems: list[str], total: int, help_text: str = VALID_ROW_HELP) -> None:
-    """Raise one :class:`DataValidationError` naming the first few of ``problems`` (each ``path:line: what``)."""
-    if not problems:
+def raise_for_bad_rows(problems: list[str], total: int, help_text: str = VALID_ROW_HELP,
+                       count: int | None = None) -> None:
+    """Raise one :class:`DataValidationError` naming the first few of ``problems`` (each ``path:line: what``);
+    ``count``: how many problems there are when ``problems`` keeps only the first few (default: all listed)."""
+    count = len(problems) if count is None else count
+    if not count:
         return
     shown = "\n".join(f"  {problem}" for problem in problems[:_SHOWN_ERRORS])
-    more = f"\n  ... and {len(problems) - _SHOWN_ERRORS} more" if len(problems) > _SHOWN_ERRORS else ""
-    raise DataValidationError(f"{len(problems)} of {total} rows are malformed:\n{shown}{more}\n{help_text}")
+    more = f"\n  ... and {count - _SHOWN_ERRORS} more" if count > _SHOWN_ERRORS else ""
+    raise DataValidationError(f"{count} of {total} rows are malformed:\n{shown}{more}\n{help_text}")
 
 
 def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Example]:
@@ -76,7 +79,7 @@ def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Exampl
     rows without an answer.
     """
     help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
-    return read_rows(path, lambda line, source: _parse_row(line, source, for_prediction), help_text)
+    return read_rows(path, lambda line, source: parse_json_row(line, source, for_prediction), help_text)
 
 
 def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: str) -> list[T]:
@@ -106,11 +109,18 @@ def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: s
     return examples
 
 
-def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
+def parse_json_row(line: str, source: str, for_prediction: bool) -> Example:
+    """One JSONL line as an :class:`Example`; ``ValueError`` says what is wrong with it."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"invalid JSON ({error.msg} at column {error.colno})") from None
+    return parse_record(row, source, for_prediction)
+
+
+def parse_record(row: Any, source: str, for_prediction: bool) -> Example:
+    """One row (a JSON object, or a Parquet / Arrow row as a dict) as an :class:`Example`; ``ValueError`` says what
+    is wrong with it. The same schemas and messages for every format."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {_type_name(row)}")
     if "messages" in row and ("prompt" in row or "response" in row or "completion" in row):
