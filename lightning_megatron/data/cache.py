@@ -21,9 +21,10 @@ tensors (a million rows: about 20 minutes and 6 GB a rank). With it:
   flat values + offsets, so a row is two slices. ``plan.arrow`` holds the packing plan (``bins``, one
   ``list<int32>`` per packed row), computed once by ``first_fit`` from the lengths alone. A rank's memory is the
   lengths array (8 bytes a row) plus the pages it touches.
-- Where: ``cache_dir`` if given, else a ``.lightning_megatron_cache`` folder beside the data, or the user's cache
-  directory (``$XDG_CACHE_HOME``, ``~/.cache``) under ``lightning_megatron/data`` when that folder cannot be written.
-  Several nodes share one cache only on a file system whose locks work across them; else give each node its own.
+- Where: ``cache_dir`` if given, else ``lightning_megatron/data`` in the user's cache directory (``$XDG_CACHE_HOME``,
+  else ``~/.cache``), where HF ``datasets`` keeps its own: not beside the data, whose folder is often read-only,
+  shared, or inside a package (the configs' tiny sets). Several nodes share one cache only on a file system whose
+  locks work across them; else give each node its own.
 """
 
 from __future__ import annotations
@@ -69,13 +70,9 @@ class CacheSpec:
     alignment: int  # every packed sequence is padded to a multiple of it (2 x CP)
 
 
-def default_cache_root(data_path: str | Path) -> Path:
-    """``.lightning_megatron_cache`` beside the data, or the user's cache directory if that cannot be written."""
-    beside = Path(data_path).resolve().parent
-    if os.access(beside, os.W_OK):
-        return beside / ".lightning_megatron_cache"
-    home_cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(home_cache) / "lightning_megatron" / "data"
+def default_cache_root() -> Path:
+    """``lightning_megatron/data`` in the user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_megatron" / "data"
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -163,7 +160,7 @@ def open_or_build(data_path: str | Path, tokenizer: Any, spec: CacheSpec, *, cac
     returns ``(rows, built)`` (``built``: this call tokenized the data and wrote the cache)."""
     from filelock import FileLock
 
-    root = Path(cache_root) if cache_root is not None else default_cache_root(data_path)
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
     key = cache_key(data_path, tokenizer, spec)
     folder = root / key
     manifest, problem = _verified(folder)
@@ -187,7 +184,7 @@ def open_or_build(data_path: str | Path, tokenizer: Any, spec: CacheSpec, *, cac
 def _build(staging: Path, data_path: str | Path, tokenizer: Any, spec: CacheSpec, key: str, workers: int,
            progress_every_s: float) -> None:
     import pyarrow as pa
-    import pyarrow.ipc as ipc
+    from pyarrow import ipc
 
     schema = pa.schema([("input_ids", pa.large_list(pa.int32())), ("response_mask", pa.large_list(pa.uint8())),
                         ("row", pa.int64())])
@@ -223,7 +220,7 @@ def _build(staging: Path, data_path: str | Path, tokenizer: Any, spec: CacheSpec
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         spans = -(-all_lengths // spec.alignment) * spec.alignment
         bins = first_fit(spans.tolist(), spec.seq_length)
-        members = pa.array(np.fromiter((i for members in bins for i in members), np.int32, int(len(all_lengths))))
+        members = pa.array(np.fromiter((i for members in bins for i in members), np.int32, len(all_lengths)))
         offsets = pa.array(np.cumsum([0] + [len(members) for members in bins]), pa.int32())
         plan = pa.table({"bins": pa.ListArray.from_arrays(offsets, members)})
         with pa.OSFile(str(staging / "plan.arrow"), "wb") as sink, ipc.new_file(sink, plan.schema) as writer:

@@ -3,10 +3,9 @@ micro-batches, padded or packed, through the tokenized-data cache (``cache.py``)
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import os
 from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -38,9 +37,9 @@ class SFTDataModule(pl.LightningDataModule):
     (``path:row N`` in a table).
 
     Training, validation and test files are tokenized once into a memory-mapped cache (``data/cache.py``) that
-    every rank reads and later runs find again: ``cache_dir`` (default: ``.lightning_megatron_cache`` beside the
-    data, or the user's cache directory) holds one folder per cache key, which is printed; the process that builds
-    it tokenizes with ``tokenize_workers`` processes while the others wait.
+    every rank reads and later runs find again: ``cache_dir`` (default: ``~/.cache/lightning_megatron/data``) holds
+    one folder per cache key, which is printed; the process that builds it tokenizes with ``tokenize_workers``
+    processes while the others wait.
 
     Micro-batches are padded rows ``[micro_batch_size, seq_length]``, or with ``packing=True`` one row of
     ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; each
@@ -72,8 +71,9 @@ class SFTDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         tokenize_workers: int | None = None,
     ) -> None:
-        """``cache_dir``: where tokenized caches live (default: ``.lightning_megatron_cache`` beside each data file,
-        or ``~/.cache/lightning_megatron/data`` when that folder cannot be written). ``tokenize_workers``: the
+        """``cache_dir``: where tokenized caches live (default: ``lightning_megatron/data`` in the user's cache
+        directory, ``$XDG_CACHE_HOME`` or ``~/.cache``; several nodes share one only on a file system whose locks
+        work across them). ``tokenize_workers``: the
         processes that tokenize a file when its cache is missing (default: every CPU this process may use; the
         other ranks wait meanwhile)."""
         super().__init__()

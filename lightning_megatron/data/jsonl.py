@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -88,25 +88,40 @@ def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: s
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
+
+    def lines() -> Iterator[tuple[str, bytes]]:
+        with path.open("rb") as handle:
+            for line_number, raw in enumerate(handle, start=1):
+                if raw.strip():
+                    yield f"{path}:{line_number}", raw
+
+    return parse_rows(path, lines(), lambda raw, source: parse_row(decoded(raw), source), help_text)
+
+
+def parse_rows(path: str | Path, rows: Iterable[tuple[str, Any]], parse_row: Callable[[Any, str], T],
+               help_text: str) -> list[T]:
+    """``parse_row(row, source)`` of every ``(source, row)``; all problems raised together (see :func:`read_rows`)."""
     examples: list[T] = []
     problems: list[str] = []
-    rows = 0
-    with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            rows += 1
-            source = f"{path}:{line_number}"
-            try:
-                examples.append(parse_row(raw.decode("utf-8"), source))
-            except UnicodeDecodeError:
-                problems.append(f"{source}: not valid UTF-8")
-            except ValueError as error:
-                problems.append(f"{source}: {error}")
-    if rows == 0:
+    count = 0
+    for source, raw in rows:
+        count += 1
+        try:
+            examples.append(parse_row(raw, source))
+        except ValueError as error:
+            problems.append(f"{source}: {error}")
+    if count == 0:
         raise DataValidationError(f"{path} has no rows. {help_text}")
-    raise_for_bad_rows(problems, rows, help_text)
+    raise_for_bad_rows(problems, count, help_text)
     return examples
+
+
+def decoded(raw: bytes) -> str:
+    """A line's text; ``ValueError`` when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not valid UTF-8") from None
 
 
 def parse_json_row(line: str, source: str, for_prediction: bool) -> Example:

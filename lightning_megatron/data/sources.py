@@ -24,11 +24,11 @@ from typing import Any
 from lightning_megatron.data.jsonl import (
     PREDICT_ROW_HELP,
     VALID_ROW_HELP,
-    DataValidationError,
     Example,
+    decoded,
     parse_json_row,
     parse_record,
-    raise_for_bad_rows,
+    parse_rows,
 )
 
 RawRow = tuple[int, Any]  # (line or row number, the row: a JSONL line as bytes or a table row as a dict)
@@ -78,32 +78,16 @@ def source_name(path: str | Path, number: int, lines: bool) -> str:
 def parse_raw_row(raw: Any, source: str, for_prediction: bool = False) -> Example:
     """An unparsed row as an :class:`Example`; ``ValueError`` says what is wrong."""
     if isinstance(raw, bytes):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError("not valid UTF-8") from None
-        return parse_json_row(line, source, for_prediction)
+        return parse_json_row(decoded(raw), source, for_prediction)
     return parse_record(raw, source, for_prediction)
 
 
 def read_examples(path: str | Path, *, for_prediction: bool = False) -> list[Example]:
     """Every row of a JSONL, Parquet or saved HF datasets ``path``, validated; all problems raised together."""
     help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
-    examples: list[Example] = []
-    problems: list[str] = []
-    rows = 0
     lines = data_format(path) == "jsonl"
-    for number, raw in iter_raw_rows(path):
-        rows += 1
-        source = source_name(path, number, lines)
-        try:
-            examples.append(parse_raw_row(raw, source, for_prediction))
-        except ValueError as error:
-            problems.append(f"{source}: {error}")
-    if rows == 0:
-        raise DataValidationError(f"{path} has no rows. {help_text}")
-    raise_for_bad_rows(problems, rows, help_text)
-    return examples
+    rows = ((source_name(path, number, lines), raw) for number, raw in iter_raw_rows(path))
+    return parse_rows(path, rows, lambda raw, source: parse_raw_row(raw, source, for_prediction), help_text)
 
 
 def fingerprint(path: str | Path) -> str:
@@ -111,8 +95,10 @@ def fingerprint(path: str | Path) -> str:
     import xxhash
 
     digest = xxhash.xxh3_128()
-    for file in _content_files(Path(path)):
-        digest.update(file.name.encode() + b"\0")
+    files = _content_files(Path(path))
+    for file in files:
+        if len(files) > 1:  # a saved folder: its file names are part of its content
+            digest.update(file.name.encode() + b"\0")
         with file.open("rb", buffering=0) as handle:
             while block := handle.read(_HASH_BLOCK):
                 digest.update(block)
