@@ -434,3 +434,11 @@ def test_report_names_no_folder_of_the_machine_that_measured():
         "python3 -m bench.hf_io --checkpoint $CHECKPOINT --repeats 3 --out $OUT/hf_io.json")
     driver = 'OUT=runs/b STEPS="tree" bash bench/run_h200.sh'
     assert report.portable(driver) == 'OUT=$OUT STEPS="tree" bash bench/run_h200.sh'
+
+
+def test_data_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.data", "--tiny", "--workdir", str(tmp_path / "work"))
+    first, second = result["first_run"], result["second_run"]
+    assert first["built"] and not second["built"] and first["rows"] == second["rows"] == 400
+    assert second["steps"] == 40 and second["trained_tokens"] > 0 and result["cache_bytes"] > 0
+    assert first["setup_s"] > 0 and first["rows_per_s"] > 0 and second["peak_rss_beyond_start_gib"] is not None

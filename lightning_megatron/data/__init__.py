@@ -1,9 +1,11 @@
-"""SFT data: JSONL reading and validation, tokenization with response masks, padding, packing or tree packing, the
-CP split."""
+"""SFT data: JSONL, Parquet and saved HF datasets reading and validation, tokenization with response masks into a
+memory-mapped cache shared by ranks and runs, padding, packing or tree packing, the CP split."""
 
+from lightning_megatron.data.cache import TokenizedRows, open_or_build
 from lightning_megatron.data.datamodule import SFTDataModule
 from lightning_megatron.data.jsonl import DataValidationError, Example, read_jsonl
 from lightning_megatron.data.packing import PackedSFTDataset, PaddedSFTDataset, PromptDataset, first_fit
+from lightning_megatron.data.sources import read_examples
 from lightning_megatron.data.tokenize import TokenizedExample, tokenize_example, tokenize_examples
 from lightning_megatron.data.tree import TreePacking, TreeSFTDataset, build_tree_rows
 from lightning_megatron.microbatch import split_for_context_parallel
@@ -16,10 +18,13 @@ __all__ = [
     "PromptDataset",
     "SFTDataModule",
     "TokenizedExample",
+    "TokenizedRows",
     "TreePacking",
     "TreeSFTDataset",
     "build_tree_rows",
     "first_fit",
+    "open_or_build",
+    "read_examples",
     "read_jsonl",
     "split_for_context_parallel",
     "tokenize_example",

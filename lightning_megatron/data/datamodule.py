@@ -1,7 +1,10 @@
-"""``SFTDataModule``: chat or prompt/response JSONL to response-masked micro-batches, padded or packed."""
+"""``SFTDataModule``: chat or prompt/response rows (JSONL, Parquet, a saved HF datasets folder) to response-masked
+micro-batches, padded or packed, through the tokenized-data cache (``cache.py``) that every rank and run shares."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -9,7 +12,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.jsonl import Example, read_jsonl
+from lightning_megatron.data.cache import CacheSpec, TokenizedRows, open_or_build
+from lightning_megatron.data.jsonl import Example
 from lightning_megatron.data.packing import (
     PackedSFTDataset,
     PaddedSFTDataset,
@@ -18,16 +22,24 @@ from lightning_megatron.data.packing import (
     prompt_collate,
     sequence_alignment,
 )
-from lightning_megatron.data.tokenize import Overlong, tokenize_examples, tokenize_prompts
+from lightning_megatron.data.sources import read_examples, size_of
+from lightning_megatron.data.tokenize import Overlong, tokenize_prompts
 from lightning_megatron.data.tree import TreeSFTDataset, collate_tree
 
 
 class SFTDataModule(pl.LightningDataModule):
-    """Supervised fine-tuning data from JSONL files, tokenized with the checkpoint's tokenizer.
+    """Supervised fine-tuning data, tokenized with the checkpoint's tokenizer.
 
+    A path is a JSONL file, a Parquet file (``.parquet``) or a folder HF ``datasets``' ``save_to_disk`` wrote.
     Rows are ``{"messages": [...]}`` (loss on every assistant turn) or ``{"prompt": ..., "response": ...}``
-    (loss on the response). Every file of the stage is read, validated and tokenized in :meth:`setup`, so a
-    malformed row stops the run before training starts, named by ``path:line``.
+    (loss on the response; ``"completion"`` works as ``"response"``). Every file of the stage is read, validated
+    and tokenized in :meth:`setup`, so a malformed row stops the run before training starts, named by ``path:line``
+    (``path:row N`` in a table).
+
+    Training, validation and test files are tokenized once into a memory-mapped cache (``data/cache.py``) that
+    every rank reads and later runs find again: ``cache_dir`` (default: ``~/.cache/lightning_megatron/data``) holds
+    one folder per cache key, which is printed; the process that builds it tokenizes with ``tokenize_workers``
+    processes while the others wait.
 
     Micro-batches are padded rows ``[micro_batch_size, seq_length]``, or with ``packing=True`` one row of
     ``seq_length`` tokens holding several sequences (greedy first-fit in file order) with ``cu_seqlens``; each
@@ -56,7 +68,14 @@ class SFTDataModule(pl.LightningDataModule):
         seed: int = 0,
         overlong: Overlong = "truncate",
         context_parallel_size: int | None = None,
+        cache_dir: str | None = None,
+        tokenize_workers: int | None = None,
     ) -> None:
+        """``cache_dir``: where tokenized caches live (default: ``lightning_megatron/data`` in the user's cache
+        directory, ``$XDG_CACHE_HOME`` or ``~/.cache``; several nodes share one only on a file system whose locks
+        work across them). ``tokenize_workers``: the
+        processes that tokenize a file when its cache is missing (default: every CPU this process may use; the
+        other ranks wait meanwhile)."""
         super().__init__()
         if packing not in (False, True, "tree"):
             raise ValueError(f"packing must be false, true or 'tree', got {packing!r}")
@@ -74,6 +93,9 @@ class SFTDataModule(pl.LightningDataModule):
         self.seed = seed
         self.overlong = overlong
         self.context_parallel_size = context_parallel_size
+        self.cache_dir = cache_dir
+        self.tokenize_workers = tokenize_workers
+        self.cache_built: dict[str, bool] = {}  # per split: whether this process tokenized it (else: cache read)
         self.tokenizer: Any = None
         self.datasets: dict[str, Dataset] = {}
         self.predict_examples: list[Example] = []  # the rows behind the predict dataset's indices
@@ -126,7 +148,7 @@ class SFTDataModule(pl.LightningDataModule):
     def _build_dataset(self, split: str, path: str) -> Dataset:
         if split == "predict":
             prompts, dropped = tokenize_prompts(
-                read_jsonl(path, for_prediction=True), self.tokenizer, max_tokens=self.seq_length,
+                read_examples(path, for_prediction=True), self.tokenizer, max_tokens=self.seq_length,
                 overlong=self.overlong,
             )
             self._warn_dropped(path, dropped, len(prompts))
@@ -134,20 +156,28 @@ class SFTDataModule(pl.LightningDataModule):
                 raise ValueError(f"{path}: no prompt is left after overlong='drop'; raise seq_length")
             self.predict_examples = [example for example, _ in prompts]
             return PromptDataset([ids for _, ids in prompts])
-        examples, dropped = tokenize_examples(
-            read_jsonl(path), self.tokenizer, max_tokens=self.seq_length, overlong=self.overlong
-        )
-        self._warn_dropped(path, dropped, len(examples))
-        if not examples:
+        rows = self._tokenized_rows(split, path)
+        self._warn_dropped(path, rows.dropped, len(rows))
+        if not len(rows):
             raise ValueError(f"{path}: no row is left to train on after overlong='drop'; raise seq_length")
         if self.packing == "tree":
-            dataset = TreeSFTDataset(examples, self.seq_length, self.pad_id)
+            dataset = TreeSFTDataset(list(rows), self.seq_length, self.pad_id)
             self._report_tree_token_ratio(split, path, dataset)
             return dataset
         if self.packing:
             alignment = sequence_alignment(self.context_parallel_size)
-            return PackedSFTDataset(examples, self.seq_length, self.pad_id, alignment)
-        return PaddedSFTDataset(examples, self.seq_length, self.pad_id)
+            return PackedSFTDataset(rows, self.seq_length, self.pad_id, alignment, bins=rows.plan)
+        return PaddedSFTDataset(rows, self.seq_length, self.pad_id)
+
+    def _tokenized_rows(self, split: str, path: str) -> TokenizedRows:
+        """The split's rows from the cache, tokenized first by the process that takes the key's lock."""
+        spec = CacheSpec(self.seq_length, self.overlong, self.packing, sequence_alignment(self.context_parallel_size))
+        workers = self.tokenize_workers or _default_workers(path)
+        rows, built = open_or_build(path, self.tokenizer, spec, cache_root=self.cache_dir, workers=workers)
+        self.cache_built[split] = built
+        rank_zero_info(f"{path}: {len(rows)} tokenized rows in {Path(rows.folder)} (cache key {rows.key}, "
+                       f"{'built now' if built else 'found'})")
+        return rows
 
     def _dataloader(self, split: str) -> DataLoader:
         if split not in self.datasets:
@@ -220,6 +250,13 @@ class SFTDataModule(pl.LightningDataModule):
                 f"{path}: dropped {dropped} of {dropped + kept} rows that do not fit seq_length={self.seq_length} "
                 "or have no response token to train on (overlong='drop')"
             )
+
+
+def _default_workers(path: str) -> int:
+    """Every CPU this process may use, for data of a few MB and more (below, a pool costs more than it saves)."""
+    if size_of(path) < 4 << 20:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _check_tree_layout(micro_batch_size: int, context_parallel_size: int, with_mtp_head: bool) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -59,13 +59,16 @@ class DataValidationError(ValueError):
     """Raised when rows of an SFT file are malformed; the message lists the first few as ``path:line: problem``."""
 
 
-def raise_for_bad_rows(problems: list[str], total: int, help_text: str = VALID_ROW_HELP) -> None:
-    """Raise one :class:`DataValidationError` naming the first few of ``problems`` (each ``path:line: what``)."""
-    if not problems:
+def raise_for_bad_rows(problems: list[str], total: int, help_text: str = VALID_ROW_HELP,
+                       count: int | None = None) -> None:
+    """Raise one :class:`DataValidationError` naming the first few of ``problems`` (each ``path:line: what``);
+    ``count``: how many problems there are when ``problems`` keeps only the first few (default: all listed)."""
+    count = len(problems) if count is None else count
+    if not count:
         return
     shown = "\n".join(f"  {problem}" for problem in problems[:_SHOWN_ERRORS])
-    more = f"\n  ... and {len(problems) - _SHOWN_ERRORS} more" if len(problems) > _SHOWN_ERRORS else ""
-    raise DataValidationError(f"{len(problems)} of {total} rows are malformed:\n{shown}{more}\n{help_text}")
+    more = f"\n  ... and {count - _SHOWN_ERRORS} more" if count > _SHOWN_ERRORS else ""
+    raise DataValidationError(f"{count} of {total} rows are malformed:\n{shown}{more}\n{help_text}")
 
 
 def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Example]:
@@ -76,7 +79,7 @@ def read_jsonl(path: str | Path, *, for_prediction: bool = False) -> list[Exampl
     rows without an answer.
     """
     help_text = PREDICT_ROW_HELP if for_prediction else VALID_ROW_HELP
-    return read_rows(path, lambda line, source: _parse_row(line, source, for_prediction), help_text)
+    return read_rows(path, lambda line, source: parse_json_row(line, source, for_prediction), help_text)
 
 
 def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: str) -> list[T]:
@@ -85,32 +88,54 @@ def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: s
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
+
+    def lines() -> Iterator[tuple[str, bytes]]:
+        with path.open("rb") as handle:
+            for line_number, raw in enumerate(handle, start=1):
+                if raw.strip():
+                    yield f"{path}:{line_number}", raw
+
+    return parse_rows(path, lines(), lambda raw, source: parse_row(decoded(raw), source), help_text)
+
+
+def parse_rows(path: str | Path, rows: Iterable[tuple[str, Any]], parse_row: Callable[[Any, str], T],
+               help_text: str) -> list[T]:
+    """``parse_row(row, source)`` of every ``(source, row)``; all problems raised together (see :func:`read_rows`)."""
     examples: list[T] = []
     problems: list[str] = []
-    rows = 0
-    with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            rows += 1
-            source = f"{path}:{line_number}"
-            try:
-                examples.append(parse_row(raw.decode("utf-8"), source))
-            except UnicodeDecodeError:
-                problems.append(f"{source}: not valid UTF-8")
-            except ValueError as error:
-                problems.append(f"{source}: {error}")
-    if rows == 0:
+    count = 0
+    for source, raw in rows:
+        count += 1
+        try:
+            examples.append(parse_row(raw, source))
+        except ValueError as error:
+            problems.append(f"{source}: {error}")
+    if count == 0:
         raise DataValidationError(f"{path} has no rows. {help_text}")
-    raise_for_bad_rows(problems, rows, help_text)
+    raise_for_bad_rows(problems, count, help_text)
     return examples
 
 
-def _parse_row(line: str, source: str, for_prediction: bool) -> Example:
+def decoded(raw: bytes) -> str:
+    """A line's text; ``ValueError`` when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not valid UTF-8") from None
+
+
+def parse_json_row(line: str, source: str, for_prediction: bool) -> Example:
+    """One JSONL line as an :class:`Example`; ``ValueError`` says what is wrong with it."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"invalid JSON ({error.msg} at column {error.colno})") from None
+    return parse_record(row, source, for_prediction)
+
+
+def parse_record(row: Any, source: str, for_prediction: bool) -> Example:
+    """One row (a JSON object, or a Parquet / Arrow row as a dict) as an :class:`Example`; ``ValueError`` says what
+    is wrong with it. The same schemas and messages for every format."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {_type_name(row)}")
     if "messages" in row and ("prompt" in row or "response" in row or "completion" in row):

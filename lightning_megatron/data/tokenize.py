@@ -7,7 +7,10 @@ label-aligned ``loss_mask``.
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,6 +21,7 @@ from lightning_megatron.data.jsonl import Example, raise_for_bad_rows
 Overlong = Literal["truncate", "drop", "error"]
 
 _GENERATION_BLOCK = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # the test transformers itself applies
+_LENGTH_WARNING = "Token indices sequence length is longer than the specified maximum sequence length"
 
 
 @dataclass(frozen=True)
@@ -97,39 +101,62 @@ def tokenize_examples(
     kept: list[TokenizedExample] = []
     problems: list[str] = []
     dropped = 0
-    for example in examples:
-        try:
-            tokenized = tokenize_example(example, tokenizer)
-        except ValueError as error:
-            problems.append(f"{example.source}: {error}")
-            continue
-        length = len(tokenized)
-        if length > max_tokens:
-            if overlong == "drop":
+    with quiet_length_warning():
+        for example in examples:
+            tokenized, problem = fit_example(example, tokenizer, max_tokens=max_tokens, overlong=overlong)
+            if problem is not None:
+                problems.append(problem)
+            elif tokenized is None:
                 dropped += 1
-                continue
-            if overlong == "error":
-                problems.append(
-                    f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
-                    "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'"
-                )
-                continue
-            tokenized = TokenizedExample(
-                example.source, tokenized.input_ids[:max_tokens], tokenized.response_mask[:max_tokens]
-            )
-        if tokenized.trainable_tokens == 0:
-            if overlong == "drop":
-                dropped += 1
-                continue
-            cut = f" after truncating its {length} tokens to {max_tokens}" if length > max_tokens else ""
-            problems.append(
-                f"{example.source}: no response token left to train on{cut}; "
-                "raise seq_length, shorten the prompt, or set overlong='drop'"
-            )
-            continue
-        kept.append(tokenized)
+            else:
+                kept.append(tokenized)
     raise_for_bad_rows(problems, len(examples))
     return kept, dropped
+
+
+def fit_example(
+    example: Example, tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
+) -> tuple[TokenizedExample | None, str | None]:
+    """One training row tokenized and fitted into ``max_tokens`` (the rules of :func:`tokenize_examples`):
+    ``(row, None)``, ``(None, None)`` when ``"drop"`` leaves it out, or ``(None, "path:line: problem")``."""
+    try:
+        tokenized = tokenize_example(example, tokenizer)
+    except ValueError as error:
+        return None, f"{example.source}: {error}"
+    length = len(tokenized)
+    if length > max_tokens:
+        if overlong == "drop":
+            return None, None
+        if overlong == "error":
+            return None, (f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
+                          "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'")
+        tokenized = TokenizedExample(
+            example.source, tokenized.input_ids[:max_tokens], tokenized.response_mask[:max_tokens]
+        )
+    if tokenized.trainable_tokens == 0:
+        if overlong == "drop":
+            return None, None
+        cut = f" after truncating its {length} tokens to {max_tokens}" if length > max_tokens else ""
+        return None, (f"{example.source}: no response token left to train on{cut}; "
+                      "raise seq_length, shorten the prompt, or set overlong='drop'")
+    return tokenized, None
+
+
+@contextmanager
+def quiet_length_warning() -> Iterator[None]:
+    """Drop transformers' "Token indices sequence length is longer than the specified maximum sequence length"
+    while the package tokenizes: it truncates, drops or packs rows itself (``overlong``), so the warning about the
+    tokenizer's ``model_max_length`` is noise. Every other record of that logger still shows."""
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_LENGTH_WARNING)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def tokenize_prompts(
@@ -143,7 +170,8 @@ def tokenize_prompts(
     dropped = 0
     for example in examples:
         try:
-            ids = tokenize_prompt(example, tokenizer)
+            with quiet_length_warning():
+                ids = tokenize_prompt(example, tokenizer)
         except ValueError as error:
             problems.append(f"{example.source}: {error}")
             continue

@@ -1,0 +1,349 @@
+"""The tokenized-data cache: a file is tokenized once, memory-mapped by every rank, and found again by later runs.
+
+Without it every rank of every run read, validated and tokenized the whole file and held every row as two torch
+tensors (a million rows: about 20 minutes and 6 GB a rank). With it:
+
+- Key: xxh3-128 of everything the cached rows depend on: the data's bytes (``sources.fingerprint``), the tokenizer
+  (its full serialized state, chat template, class and special tokens: ``tokenizer_fingerprint``), ``seq_length``,
+  the ``overlong`` policy, the packing mode, the CP alignment, the transformers version and ``FORMAT_VERSION``. A
+  changed input gives a new key, hence a new folder; nothing is ever updated in place. The key is printed.
+- One writer: a file lock per key (``filelock``) around build-then-publish. The first process to take it builds;
+  every other rank or run waits on the lock (no collective, so data knows no parallel state) and then reads. The
+  builder tokenizes with a pool of ``workers`` processes, so the node's cores work while the other ranks wait:
+  the same throughput as splitting the rows over the local ranks, without their coordination, and the same for a
+  single run. Chunks come back in order, so the rows are in file order whatever the pool size.
+- Atomic: the folder is filled under a hidden staging name and renamed into place (``atomic.write_atomically``),
+  its ``manifest.json`` written last with every file's size and xxh3-64. Opening checks the sizes and checksums
+  (about a second per GB); a damaged folder (truncated, edited) is reported and rebuilt, never read.
+- Format: Arrow IPC files (pyarrow, a well-kept library with a stable, self-describing format), memory-mapped and
+  read without copying. ``rows.arrow`` holds ``input_ids`` (``large_list<int32>``), ``response_mask``
+  (``large_list<uint8>``, the same offsets) and ``row`` (where the row is, for messages); a list column is exactly
+  flat values + offsets, so a row is two slices. ``plan.arrow`` holds the packing plan (``bins``, one
+  ``list<int32>`` per packed row), computed once by ``first_fit`` from the lengths alone. A rank's memory is the
+  lengths array (8 bytes a row) plus the pages it touches.
+- Where: ``cache_dir`` if given, else ``lightning_megatron/data`` in the user's cache directory (``$XDG_CACHE_HOME``,
+  else ``~/.cache``), where HF ``datasets`` keeps its own: not beside the data, whose folder is often read-only,
+  shared, or inside a package (the configs' tiny sets). Several nodes share one cache only on a file system whose
+  locks work across them; else give each node its own.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_megatron.atomic import write_atomically, write_file_atomically
+from lightning_megatron.data.jsonl import VALID_ROW_HELP, DataValidationError, raise_for_bad_rows
+from lightning_megatron.data.packing import first_fit
+from lightning_megatron.data.sources import (
+    data_format,
+    fingerprint,
+    iter_raw_rows,
+    parse_raw_row,
+    size_of,
+    source_name,
+)
+from lightning_megatron.data.tokenize import Overlong, TokenizedExample, fit_example, quiet_length_warning
+
+FORMAT_VERSION = 1
+CHUNK_ROWS = 256  # rows a pool worker tokenizes at a time
+_KEPT_PROBLEMS = 5  # problem messages kept in full (raise_for_bad_rows shows that many and counts the rest)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What the cached rows depend on besides the data and the tokenizer."""
+
+    seq_length: int
+    overlong: Overlong
+    packing: bool | str  # False, True or "tree" (only True stores a packing plan)
+    alignment: int  # every packed sequence is padded to a multiple of it (2 x CP)
+
+
+def default_cache_root() -> Path:
+    """``lightning_megatron/data`` in the user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_megatron" / "data"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """xxh3-128 of what decides how a tokenizer turns rows into ids: its serialized state (vocabulary, merges,
+    normalizer, pre- and post-processor, added tokens), chat template, class and special tokens."""
+    import xxhash
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps({
+        "class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
+        "special_ids": list(tokenizer.all_special_ids), "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "size": len(tokenizer),
+    }, sort_keys=True, default=str)
+    return xxhash.xxh3_128(state.encode() + b"\0" + extra.encode()).hexdigest()
+
+
+def cache_key(data_path: str | Path, tokenizer: Any, spec: CacheSpec) -> str:
+    import transformers
+    import xxhash
+
+    parts = {"format": FORMAT_VERSION, "data": fingerprint(data_path), "tokenizer": tokenizer_fingerprint(tokenizer),
+             "transformers": transformers.__version__, **asdict(spec)}
+    return xxhash.xxh3_128(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+class TokenizedRows(Sequence[TokenizedExample]):
+    """The cached rows of one data file, memory-mapped: ``rows[i]`` is a :class:`TokenizedExample` (its tensors
+    copied out of the map), ``lengths`` every row's token count, ``plan`` the packing plan (with ``packing=True``).
+    Picklable (a DataLoader worker reopens the files), so it never travels as data."""
+
+    def __init__(self, folder: Path, data_path: str | Path, manifest: dict[str, Any]) -> None:
+        self.folder, self.data_path, self.manifest = Path(folder), str(data_path), manifest
+        self.key: str = manifest["key"]
+        self.dropped: int = manifest["dropped"]
+        self._open()
+
+    def _open(self) -> None:
+        table = _read_arrow(self.folder / "rows.arrow")
+        self._ids = [chunk.values.to_numpy() for chunk in table.column("input_ids").chunks]
+        self._masks = [chunk.values.to_numpy() for chunk in table.column("response_mask").chunks]
+        self._offsets = [chunk.offsets.to_numpy() for chunk in table.column("input_ids").chunks]
+        self._where = [chunk.to_numpy() for chunk in table.column("row").chunks]
+        self._starts = np.cumsum([0] + [len(offsets) - 1 for offsets in self._offsets])
+        self.lengths = np.concatenate([np.diff(offsets) for offsets in self._offsets] or [np.zeros(0, np.int64)])
+        self.plan = _Plan(self.folder / "plan.arrow") if (self.folder / "plan.arrow").is_file() else None
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index: int) -> TokenizedExample:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        chunk = int(np.searchsorted(self._starts, index, side="right")) - 1
+        local = index - int(self._starts[chunk])
+        start, end = int(self._offsets[chunk][local]), int(self._offsets[chunk][local + 1])
+        source = source_name(self.data_path, int(self._where[chunk][local]), self.manifest["lines"])
+        return TokenizedExample(source, torch.from_numpy(self._ids[chunk][start:end].astype(np.int64)),
+                                torch.from_numpy(self._masks[chunk][start:end].astype(np.bool_)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"folder": self.folder, "data_path": self.data_path, "manifest": self.manifest}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["folder"], state["data_path"], state["manifest"])
+
+
+class _Plan(Sequence[np.ndarray]):
+    """The stored packing plan: ``plan[i]`` is the row indices packed into packed row ``i``."""
+
+    def __init__(self, path: Path) -> None:
+        bins = _read_arrow(path).column("bins").combine_chunks()
+        self._members, self._offsets = bins.values.to_numpy(), bins.offsets.to_numpy()
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        return self._members[self._offsets[index] : self._offsets[index + 1]]
+
+
+def open_or_build(data_path: str | Path, tokenizer: Any, spec: CacheSpec, *, cache_root: str | Path | None = None,
+                  workers: int = 1, progress_every_s: float = 10.0) -> tuple[TokenizedRows, bool]:
+    """The cached rows of ``data_path`` for ``tokenizer`` and ``spec``, built first if no valid cache exists;
+    returns ``(rows, built)`` (``built``: this call tokenized the data and wrote the cache)."""
+    from filelock import FileLock
+
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    key = cache_key(data_path, tokenizer, spec)
+    folder = root / key
+    manifest, problem = _verified(folder)
+    if manifest is not None:
+        return TokenizedRows(folder, data_path, manifest), False
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{key}.lock")):
+        manifest, problem = _verified(folder)  # another rank or run may have built it while this one waited
+        if manifest is not None:
+            return TokenizedRows(folder, data_path, manifest), False
+        if problem is not None:
+            _say(f"{folder}: damaged tokenized-data cache ({problem}); rebuilding it")
+        write_atomically(folder, lambda staging: _build(staging, data_path, tokenizer, spec, key, workers,
+                                                        progress_every_s))
+        manifest, problem = _verified(folder)
+        if manifest is None:
+            raise RuntimeError(f"{folder}: the tokenized-data cache just written does not verify: {problem}")
+    return TokenizedRows(folder, data_path, manifest), True
+
+
+def _build(staging: Path, data_path: str | Path, tokenizer: Any, spec: CacheSpec, key: str, workers: int,
+           progress_every_s: float) -> None:
+    import pyarrow as pa
+    from pyarrow import ipc
+
+    schema = pa.schema([("input_ids", pa.large_list(pa.int32())), ("response_mask", pa.large_list(pa.uint8())),
+                        ("row", pa.int64())])
+    lines = data_format(data_path) == "jsonl"
+    total_bytes = max(1, size_of(data_path))
+    started = last_report = time.monotonic()
+    rows = kept = dropped = problem_count = 0
+    problems: list[str] = []
+    lengths: list[np.ndarray] = []
+    with pa.OSFile(str(staging / "rows.arrow"), "wb") as sink, ipc.new_file(sink, schema) as writer:
+        for chunk in _tokenized_chunks(data_path, tokenizer, spec, workers):
+            rows += chunk["rows"]
+            dropped += chunk["dropped"]
+            problem_count += chunk["problem_count"]
+            problems.extend(chunk["problems"][: _KEPT_PROBLEMS - len(problems)])
+            if problem_count == 0 and len(chunk["lengths"]):
+                offsets = pa.array(np.concatenate([[0], np.cumsum(chunk["lengths"])]), pa.int64())
+                writer.write_batch(pa.record_batch([
+                    pa.LargeListArray.from_arrays(offsets, pa.array(chunk["ids"], pa.int32())),
+                    pa.LargeListArray.from_arrays(offsets, pa.array(chunk["mask"], pa.uint8())),
+                    pa.array(chunk["where"], pa.int64())], schema=schema))
+                lengths.append(chunk["lengths"])
+                kept += len(chunk["lengths"])
+            now = time.monotonic()
+            if now - last_report >= progress_every_s:
+                last_report = now
+                share = f", {100 * chunk['bytes_done'] / total_bytes:.0f}% of the file" if lines else ""
+                _say(f"{data_path}: tokenized {rows} rows ({rows / (now - started):.0f} rows/s{share})")
+    if rows == 0:
+        raise DataValidationError(f"{data_path} has no rows. {VALID_ROW_HELP}")
+    raise_for_bad_rows(problems, rows, count=problem_count)
+    if spec.packing is True:
+        all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        spans = -(-all_lengths // spec.alignment) * spec.alignment
+        bins = first_fit(spans.tolist(), spec.seq_length)
+        members = pa.array(np.fromiter((i for members in bins for i in members), np.int32, len(all_lengths)))
+        offsets = pa.array(np.cumsum([0] + [len(members) for members in bins]), pa.int32())
+        plan = pa.table({"bins": pa.ListArray.from_arrays(offsets, members)})
+        with pa.OSFile(str(staging / "plan.arrow"), "wb") as sink, ipc.new_file(sink, plan.schema) as writer:
+            writer.write_table(plan)
+    elapsed = time.monotonic() - started
+    _say(f"{data_path}: tokenized {rows} rows in {elapsed:.1f} s ({rows / max(elapsed, 1e-9):.0f} rows/s), "
+         f"{kept} kept, {dropped} dropped; cache {staging.name.split('.partial')[0].lstrip('.')}")
+    manifest = {"key": key, "format": FORMAT_VERSION, "data": str(data_path), "spec": asdict(spec), "rows": rows,
+                "kept": kept, "dropped": dropped, "lines": lines,
+                "files": {file.name: {"size": file.stat().st_size, "xxh3_64": _checksum(file)}
+                          for file in sorted(staging.glob("*.arrow"))}}
+    write_file_atomically(staging / "manifest.json", lambda path: path.write_text(json.dumps(manifest, indent=1)))
+
+
+def _tokenized_chunks(data_path: str | Path, tokenizer: Any, spec: CacheSpec, workers: int) -> Iterator[dict]:
+    """The data's rows tokenized, ``CHUNK_ROWS`` at a time, in order: in this process, or in a pool of ``workers``."""
+    chunks = _raw_chunks(data_path)
+    lines = data_format(data_path) == "jsonl"
+    if workers <= 1:
+        _init_worker(tokenizer, spec, str(data_path), lines)
+        yield from map(_tokenize_chunk, chunks)
+        return
+    # fork: the workers inherit the loaded tokenizer and modules instead of importing torch again
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker tokenizes one row at a time
+    with context.Pool(workers, initializer=_init_worker,
+                      initargs=(tokenizer, spec, str(data_path), lines)) as pool:
+        yield from pool.imap(_tokenize_chunk, chunks, chunksize=1)
+
+
+def _raw_chunks(data_path: str | Path) -> Iterator[tuple[list, int]]:
+    chunk: list = []
+    done = 0
+    for number, raw in iter_raw_rows(data_path):
+        chunk.append((number, raw))
+        done += len(raw) if isinstance(raw, bytes) else 0
+        if len(chunk) == CHUNK_ROWS:
+            yield chunk, done
+            chunk = []
+    if chunk:
+        yield chunk, done
+
+
+_worker_state: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, spec: CacheSpec, data_path: str, lines: bool) -> None:
+    _worker_state.update(tokenizer=tokenizer, spec=spec, data_path=data_path, lines=lines)
+
+
+def _tokenize_chunk(item: tuple[list, int]) -> dict[str, Any]:
+    """Parse, check, tokenize and fit one chunk of rows; flat arrays of the kept ones, the problems (first few)."""
+    chunk, bytes_done = item
+    tokenizer, spec, path, lines = (_worker_state[name] for name in ("tokenizer", "spec", "data_path", "lines"))
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    lengths, where, problems = [], [], []
+    problem_count = dropped = 0
+    with quiet_length_warning():
+        for number, raw in chunk:
+            source = source_name(path, number, lines)
+            try:
+                example = parse_raw_row(raw, source)
+            except ValueError as error:
+                tokenized, problem = None, f"{source}: {error}"
+            else:
+                tokenized, problem = fit_example(example, tokenizer, max_tokens=spec.seq_length,
+                                                 overlong=spec.overlong)
+            if problem is not None:
+                problem_count += 1
+                if len(problems) < _KEPT_PROBLEMS:
+                    problems.append(problem)
+            elif tokenized is None:
+                dropped += 1
+            elif not problem_count:
+                ids.append(tokenized.input_ids.numpy().astype(np.int32))
+                masks.append(tokenized.response_mask.numpy().astype(np.uint8))
+                lengths.append(len(tokenized))
+                where.append(number)
+    return {"rows": len(chunk), "dropped": dropped, "problems": problems, "problem_count": problem_count,
+            "ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+            "mask": np.concatenate(masks) if masks else np.zeros(0, np.uint8),
+            "lengths": np.array(lengths, np.int64), "where": np.array(where, np.int64), "bytes_done": bytes_done}
+
+
+def _verified(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)`` if the folder is a complete cache whose files match their sizes and checksums; else
+    ``(None, what is wrong)`` (``(None, None)``: there is no folder)."""
+    if not folder.is_dir():
+        return None, None
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError) as error:
+        return None, f"manifest.json unreadable: {error}"
+    for name, expected in manifest["files"].items():
+        file = folder / name
+        if not file.is_file():
+            return None, f"{name} is missing"
+        if file.stat().st_size != expected["size"]:
+            return None, f"{name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
+        if _checksum(file) != expected["xxh3_64"]:
+            return None, f"{name} does not match its checksum"
+    return manifest, None
+
+
+def _checksum(file: Path) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with file.open("rb", buffering=0) as handle:
+        while read := handle.readinto(buffer):
+            digest.update(view[:read])
+    return digest.hexdigest()
+
+
+def _read_arrow(path: Path) -> Any:
+    import pyarrow as pa
+
+    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+
+
+def _say(message: str) -> None:
+    """Progress of whichever process builds (not necessarily rank 0), on stderr."""
+    print(f"[lightning_megatron.data] {message}", file=sys.stderr, flush=True)
