@@ -342,6 +342,38 @@ def test_a_rank_holds_the_rows_memory_mapped_not_as_tensors(tmp_path: Path, chec
     assert rows[3].source == f"{path}:4"
 
 
+
+def _resident_kib(path: Path) -> int:
+    """This process's resident pages of its maps of `path`, from /proc/self/smaps."""
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1])
+    return resident
+
+
+def test_a_rank_gives_back_the_pages_of_the_rows_it_has_read(tmp_path: Path, checkpoint: Path) -> None:
+    """Reading rows faults pages of the map in (and the kernel reads ahead around each): every
+    RELEASE_EVERY_ROWS reads they are dropped from the process, and the rows read afterwards are still right."""
+    from lightning_megatron.data.cache import RELEASE_EVERY_ROWS
+
+    path = write_jsonl(tmp_path / "rows.jsonl", chat_rows(RELEASE_EVERY_ROWS + 8))
+    datamodule = SFTDataModule(path, hf_checkpoint=str(checkpoint), seq_length=128, micro_batch_size=1,
+                               cache_dir=str(tmp_path / "cache"))
+    datamodule.setup("fit")
+    rows = datamodule.datasets["train"].examples
+    mapped = rows.folder / "rows.arrow"
+    first = [rows[index] for index in range(RELEASE_EVERY_ROWS - 1)]
+    assert _resident_kib(mapped) > 0  # the rows read so far are resident
+    rows[RELEASE_EVERY_ROWS - 1]
+    assert _resident_kib(mapped) == 0  # given back
+    again = [rows[index] for index in range(RELEASE_EVERY_ROWS - 1)]
+    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.response_mask, b.response_mask)
+               for a, b in zip(first, again, strict=True))
+
 # --- where the cache lives -----------------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ tensors (a million rows: about 20 minutes and 6 GB a rank). With it:
 from __future__ import annotations
 
 import json
+import mmap
 import multiprocessing
 import os
 import sys
@@ -57,6 +58,10 @@ from lightning_megatron.data.tokenize import Overlong, TokenizedExample, fit_exa
 
 FORMAT_VERSION = 1
 CHUNK_ROWS = 256  # rows a pool worker tokenizes at a time
+# The map's pages are dropped from the reading process every this many rows: the kernel reads ahead ~64 KiB around
+# every row it faults in, so without it a rank's resident memory grows with every row it has touched (clean, shared
+# pages of the page cache, but counted in its RSS); the rows stay valid and fault back in when read again.
+RELEASE_EVERY_ROWS = 512
 _KEPT_PROBLEMS = 5  # problem messages kept in full (raise_for_bad_rows shows that many and counts the rest)
 
 
@@ -111,7 +116,8 @@ class TokenizedRows(Sequence[TokenizedExample]):
         self._open()
 
     def _open(self) -> None:
-        table = _read_arrow(self.folder / "rows.arrow")
+        table, self._map = _map_arrow(self.folder / "rows.arrow")
+        self._reads = 0
         self._ids = [chunk.values.to_numpy() for chunk in table.column("input_ids").chunks]
         self._masks = [chunk.values.to_numpy() for chunk in table.column("response_mask").chunks]
         self._offsets = [chunk.offsets.to_numpy() for chunk in table.column("input_ids").chunks]
@@ -130,8 +136,12 @@ class TokenizedRows(Sequence[TokenizedExample]):
         local = index - int(self._starts[chunk])
         start, end = int(self._offsets[chunk][local]), int(self._offsets[chunk][local + 1])
         source = source_name(self.data_path, int(self._where[chunk][local]), self.manifest["lines"])
-        return TokenizedExample(source, torch.from_numpy(self._ids[chunk][start:end].astype(np.int64)),
-                                torch.from_numpy(self._masks[chunk][start:end].astype(np.bool_)))
+        row = TokenizedExample(source, torch.from_numpy(self._ids[chunk][start:end].astype(np.int64)),
+                               torch.from_numpy(self._masks[chunk][start:end].astype(np.bool_)))
+        self._reads += 1
+        if self._reads % RELEASE_EVERY_ROWS == 0:
+            self._map.madvise(mmap.MADV_DONTNEED)
+        return row
 
     def __getstate__(self) -> dict[str, Any]:
         return {"folder": self.folder, "data_path": self.data_path, "manifest": self.manifest}
@@ -339,9 +349,18 @@ def _checksum(file: Path) -> str:
 
 
 def _read_arrow(path: Path) -> Any:
+    return _map_arrow(path)[0]
+
+
+def _map_arrow(path: Path) -> tuple[Any, mmap.mmap]:
+    """The Arrow IPC file at ``path`` as a table whose buffers are views of a read-only map of the file (nothing is
+    copied), and that map: dropping its pages from this process (``madvise(MADV_DONTNEED)``) keeps the table valid,
+    the next read faults them back in from the page cache."""
     import pyarrow as pa
 
-    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    return pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped))).read_all(), mapped
 
 
 def _say(message: str) -> None:
