@@ -23,6 +23,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="tokenize_workers (default: every CPU this process may use)")
     parser.add_argument("--steps", type=int, default=2000, help="micro-batches drawn in the second run")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_megatron_bench_data"))
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "lightning_megatron_bench_data")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--phase", choices=["first", "second"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
