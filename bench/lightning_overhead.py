@@ -84,6 +84,7 @@ class Settings:
     attention_backend: str = "auto"
     random_weights: bool = False
     loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
+    mtp_loss_type: str = "labels"
 
     @property
     def global_batch(self) -> int:
@@ -180,7 +181,7 @@ def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool,
     )
     loader = DataLoader(settings.dataset(vocab), batch_size=settings.micro_batch, drop_last=True)
     module_class = RandomWeightsSFTModule if settings.random_weights else SFTModule
-    trainer.fit(module_class(enable_mtp=True, lr=settings.lr), loader)
+    trainer.fit(module_class(enable_mtp=True, lr=settings.lr, mtp_loss_type=settings.mtp_loss_type), loader)
     release_model(strategy.model_chunks)
     result = {"step_times_s": timer.step_times_s, "losses": timer.losses, "mtp_losses": timer.mtp_losses,
               "memory_at_start_gib": at_start, "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),

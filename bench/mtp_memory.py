@@ -5,7 +5,8 @@ checkpoint (`ModelOptions(random_weights=True)`: no weights are written or read)
 megatron-bridge, one MTP layer, seq 2048, random tokens, all in this one process:
 
 - Qwen3-0.6B (tied), micro-batch 2 x 4: Lightning joint (`SFTModule(enable_mtp=True)`), Lightning MTP-only
-  (`MTPOnlyCallback`), the same with whole-logits cross-entropy (`MTPOnlyCallback(loss_chunk_tokens=None)`, what
+  (`MTPOnlyCallback`), the same with the self-distillation MTP loss (`mtp_loss_type="self_distill"`, issue 33's
+  memory target: <= 0.25x joint), the same with whole-logits cross-entropy (`MTPOnlyCallback(loss_chunk_tokens=None)`, what
   the token chunks cost in time), and the plain Megatron-Core MTP-only loop (`bench/megatron_loop.py`: every
   non-MTP parameter `requires_grad=False`, nothing else). Targets: MTP-only / joint peak memory <= 0.25, step time
   <= 0.42.
@@ -76,8 +77,9 @@ class ShapeRun:
 
 SHAPES = (
     ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, microbatches=4,
-             variants=("joint", "mtp_only", "mtp_only_whole_logits", "plain_mtp_only"),
-             targets={"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42}),
+             variants=("joint", "mtp_only", "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"),
+             targets={"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
+                      "self_distill_over_joint_peak_memory": 0.25}),
     ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, microbatches=4,
              variants=("mtp_only", "mtp_only_whole_logits", "plain_mtp_only"),
              targets={"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}),
@@ -89,6 +91,9 @@ def run_variant(variant: str, settings: Settings, vocab: int, callbacks: tuple[p
                 ) -> dict[str, Any]:
     if variant == "plain_mtp_only":
         return run_plain(settings, vocab, mtp_only=True)
+    if variant == "mtp_only_self_distill":
+        return run_lightning(replace(settings, mtp_loss_type="self_distill"), vocab, mtp_only=True,
+                             callbacks=callbacks)
     if variant == "mtp_only_whole_logits":
         return run_lightning(replace(settings, loss_chunk_tokens=None), vocab, mtp_only=True, callbacks=callbacks)
     return run_lightning(settings, vocab, mtp_only=variant == "mtp_only", callbacks=callbacks)
@@ -194,6 +199,11 @@ def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[
         figures["mtp_only_over_joint_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
                                                             runs["joint"]["peak_memory_gib"])
         figures["mtp_only_over_joint_step_time"] = _ratio(mtp_only["step_s"], runs["joint"]["step_s"])
+    if "joint" in runs and "mtp_only_self_distill" in runs:
+        figures["self_distill_over_joint_peak_memory"] = _ratio(runs["mtp_only_self_distill"]["peak_memory_gib"],
+                                                                runs["joint"]["peak_memory_gib"])
+        figures["self_distill_over_joint_step_time"] = _ratio(runs["mtp_only_self_distill"]["step_s"],
+                                                              runs["joint"]["step_s"])
     if "plain_mtp_only" in runs:
         plain = runs["plain_mtp_only"]
         figures["mtp_only_over_plain_mtp_only_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],

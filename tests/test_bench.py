@@ -325,7 +325,7 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny")
     assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
     small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
-    assert small["order"] == ["joint", "mtp_only", "mtp_only_whole_logits", "plain_mtp_only"]
+    assert small["order"] == ["joint", "mtp_only", "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"]
     assert large["order"] == ["mtp_only", "mtp_only_whole_logits", "plain_mtp_only"]
     assert (small["tied"], large["tied"]) == (True, False)
     for shape in (small, large):
@@ -348,7 +348,11 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
     joint = small["runs"]["joint"]
     assert joint["losses"][0][0] == small["runs"]["mtp_only"]["losses"][0][0]
     assert small["figures"]["mtp_only_over_joint_step_time"] > 0
-    assert small["targets"] == {"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42}
+    assert small["targets"] == {"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
+                                "self_distill_over_joint_peak_memory": 0.25}
+    distilled = small["runs"]["mtp_only_self_distill"]  # same trunk, same lm_loss; a different MTP target
+    assert distilled["losses"][0][0] == small["runs"]["mtp_only"]["losses"][0][0]
+    assert small["figures"]["self_distill_over_joint_step_time"] > 0
     assert large["targets"] == {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}
 
 
