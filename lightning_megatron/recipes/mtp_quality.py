@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--joint-steps", type=int, default=None, help="joint SFT + MTP steps (gpu default 300)")
     parser.add_argument("--mtp-only-steps", type=int, default=None,
                         help="steps of each MTP-only fit (gpu default 200)")
+    parser.add_argument("--distill-temperature", type=float, default=1.0,
+                        help="(a)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
+                        "head's distribution toward its argmax, which greedy acceptance rewards")
     args = parser.parse_args(argv)
     out, size = args.out.resolve(), args.size
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(run),
             "trainer.logger.0.init_args.save_dir": str(run), "trainer.callbacks.3.init_args.dirpath": str(run / "hf"),
             "data.train_path": str(train), "data.val_path": str(val), "model.mtp_loss_type": loss_type,
+            **({"model.mtp_distill_temperature": args.distill_temperature} if loss_type == "self_distill" else {}),
             "trainer.limit_val_batches": 4,
             **({"data.seq_length": seq_length} if seq_length else {}),
             **({"trainer.max_steps": steps["mtp_only"]} if steps["mtp_only"] else {}),
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(results, size, train_seconds, {variant: _curves(out / variant) for variant in VARIANTS},
                        _curves(joint), [json.loads((out / v / "mtp_only_audit.json").read_text()) for v in VARIANTS])
     summary["seconds"] = {**timings, "total_s": round(time.perf_counter() - started, 1)}
+    summary["command"] = " ".join(["python3 -m lightning_megatron.recipes.mtp_quality", *(argv or sys.argv[1:])])
+    summary["distill_temperature"] = args.distill_temperature
     (out / "mtp_quality.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary).savefig(out / "mtp_quality.png", dpi=100)
     print(json.dumps({key: summary[key] for key in ("heads", "targets", "seconds")}, indent=2))
