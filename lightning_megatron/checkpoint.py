@@ -11,8 +11,11 @@ A checkpoint is a folder (Lightning's `*.ckpt` path names it):
 
 All ranks write into a hidden staging folder next to the target; only when every rank has finished does rank 0
 write the manifest and `COMPLETE` and rename the folder into place (`publish`), whether the shards were written
-before `save` returned or in the background (`background=True`, see `background_save.py`). A run killed mid-write leaves only the staging folder, which
-no `*.ckpt` pattern matches and `load` refuses.
+before `save` returned or in the background (`background=True`, see `background_save.py`). A run killed mid-write
+leaves only the staging folder, which no `*.ckpt` pattern matches and `load` refuses. A background writer also
+describes its own shard files (size and CRC-32, in the staging folder's `.described/rank{N}.json`) once they are
+written, so that publishing, which runs on the training thread, does not read the shards again (reading 16 GB
+for their CRCs would stall one training step by seconds); `.described` is removed before the manifest is written.
 
 Loading trusts nothing in the folder: pickled files are read through `safe_load` (no code runs, only the types our
 saves contain), and before any shard is read every rank checks its share of the files against the manifest, so a
@@ -21,6 +24,7 @@ missing, truncated, damaged or extra file fails on every rank at once with its n
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import random
@@ -34,12 +38,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.atomic import move_into_place
+from lightning_megatron.atomic import move_into_place, write_text_atomically
 from lightning_megatron.distributed import ParallelSizes, agree_on_failure
 from lightning_megatron.safe_load import UnsafeFileError, load_dcp_metadata, load_torch_file, weights_only_everywhere
 
 COMPLETE_MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+DESCRIBED = ".described"  # in a staging folder only: the shard descriptions background writers computed
 SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True}
 # Distributed-optimizer formats Megatron can load under any parallel sizes; the others need the sizes they were
@@ -106,8 +111,26 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
     if request is None:
         publish(staging, path)
         return None
+    if request.async_fn is not None:
+        request = request._replace(async_fn=functools.partial(_write_then_describe, request.async_fn, staging, rank))
     request.add_finalize_fn(lambda: publish(staging, path))
     return request
+
+
+def _write_then_describe(write: Any, staging: Path, rank: int, *args: Any, **kwargs: Any) -> None:
+    """A background writer's work (`write`), then the size and CRC-32 of the shard files it wrote (Megatron's
+    `__{rank}_*.distcp`), for `publish`."""
+    write(*args, **kwargs)
+    shards = sorted((staging / "megatron").glob(f"__{rank}_*.distcp"))
+    described = {shard.relative_to(staging).as_posix(): _describe(shard) for shard in shards}
+    (staging / DESCRIBED).mkdir(exist_ok=True)
+    write_text_atomically(staging / DESCRIBED / f"rank{rank}.json", json.dumps(described))
+
+
+def _described_by_writers(staging: Path) -> dict[str, dict[str, int]]:
+    folder = staging / DESCRIBED
+    return {name: entry for file in sorted(folder.glob("rank*.json"))
+            for name, entry in json.loads(file.read_text()).items()} if folder.is_dir() else {}
 
 
 def staging_folder(path: Path) -> Path:
@@ -118,14 +141,16 @@ def staging_folder(path: Path) -> Path:
 def publish(staging: Path, path: Path) -> None:
     """Once every rank's files are in `staging`: the manifest, then `COMPLETE`, then the rename to `path`."""
     dist.barrier()
-    files = _share(_written_files(staging))
+    by_writers = _described_by_writers(staging)
+    files = _share([name for name in _written_files(staging) if name not in by_writers])
     described = {name: _describe(staging / name) for name in files}
     shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, described)
     error = None
     if dist.get_rank() == 0:
-        manifest = {name: entry for share in shares for name, entry in share.items()}
+        manifest = {**by_writers, **{name: entry for share in shares for name, entry in share.items()}}
         try:
+            shutil.rmtree(staging / DESCRIBED, ignore_errors=True)
             (staging / MANIFEST).write_text(json.dumps({"files": dict(sorted(manifest.items()))}, indent=1) + "\n")
             (staging / COMPLETE_MARKER).write_text("")
             move_into_place(staging, path)
@@ -277,7 +302,8 @@ def _unreadable_shard(folder: Path, dcp_metadata: Any) -> Exception | None:
 def _written_files(folder: Path) -> list[str]:
     """What a checkpoint folder holds besides its markers, as sorted relative paths."""
     return sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*")
-                  if file.is_file() and file.name not in (COMPLETE_MARKER, MANIFEST))
+                  if file.is_file() and file.name not in (COMPLETE_MARKER, MANIFEST)
+                  and file.relative_to(folder).parts[0] != DESCRIBED)
 
 
 def _share(items: list[str]) -> list[str]:

@@ -200,3 +200,22 @@ def test_sigterm_to_one_rank_saves_exits_143_and_resumes_bit_for_bit(runs: dict[
     for result in runs["ranks"]:
         assert result["resumed"]["sigterm"] == result["sync"][step:]
         assert result["sigterm_weights_equal"]
+
+
+def test_background_writers_describe_their_shards_so_publishing_reads_only_the_rest(process_group: None,
+                                                                                   tmp_path: Path) -> None:
+    import json
+    import zlib
+
+    staging = megatron_checkpoint.staging_folder(tmp_path / "step=1.ckpt")
+    (staging / "megatron").mkdir(parents=True)
+    shard = staging / "megatron" / "__0_0.distcp"
+    megatron_checkpoint._write_then_describe(lambda: shard.write_bytes(b"a" * 100), staging, 0)
+    (staging / "lightning.pt").write_bytes(b"x")
+    shard.write_bytes(b"b" * 100)  # changed after its writer described it: publishing must not read it again
+    megatron_checkpoint.publish(staging, tmp_path / "step=1.ckpt")
+    published = tmp_path / "step=1.ckpt"
+    manifest = json.loads((published / megatron_checkpoint.MANIFEST).read_text())["files"]
+    assert manifest == {"megatron/__0_0.distcp": {"size": 100, "crc32": zlib.crc32(b"a" * 100)},
+                        "lightning.pt": {"size": 1, "crc32": zlib.crc32(b"x")}}
+    assert not (published / megatron_checkpoint.DESCRIBED).exists() and not staging.exists()
