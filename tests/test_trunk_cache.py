@@ -64,6 +64,7 @@ def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, 
         data = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
                           shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
     trainer.fit(SFTModule(enable_mtp=True, lr=1e-2, mtp_detach_heads=True), data)
+    torch.distributed.barrier()  # global rank 0 writes the audit at the end of fit
     cache_state = (None if mtp_only.trunk_cache is None else
                    {"written": mtp_only.trunk_cache.writes_done, "read": mtp_only.trunk_cache.reads})
     return {"metrics": snapshot.metrics, "steps": trainer.global_step, "layer_calls": layers.per_epoch,
@@ -129,7 +130,7 @@ def _spawned(rank: int, world_size: int, root: str, checkpoint: str) -> dict[str
         for cache in (None, tmp / f"{name}_cache"):
             data = (SFTDataModule(train_path=str(tmp / "train.jsonl"), seq_length=48, packing=True,
                                   cache_dir=str(tmp / "data_cache")) if name == "tp2_sp_packed" else None)
-            runs.append(_fit(tmp / f"{name}_{'cached' if cache else 'plain'}_{rank}", Path(checkpoint),
+            runs.append(_fit(tmp / f"{name}_{'cached' if cache else 'plain'}", Path(checkpoint),
                              cache=cache, data=data, **parallel))
         results[name] = runs
     return results
