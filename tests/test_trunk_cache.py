@@ -109,7 +109,7 @@ def test_a_full_disk_stops_the_run_and_leaves_no_shard(process_group, checkpoint
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death by signal
     resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limit[1]))  # the manifest fits, a shard does not
     try:
-        with pytest.raises(TrunkCacheWriteError, match="bytes per training token"):
+        with pytest.raises(TrunkCacheWriteError, match=r"File too large.*bytes per training token"):
             _fit(tmp_path / "full", checkpoint, cache=tmp_path / "cache")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
