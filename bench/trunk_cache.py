@@ -26,7 +26,7 @@ import json
 import shutil
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,8 @@ def _epoch(run: dict[str, Any], steps_per_epoch: int, epochs: range, flops: floa
            tokens_per_step: int) -> dict[str, Any]:
     """Median step time over the given epochs' steps, each epoch's first step left out (the first epoch's is the
     warm-up, later ones pay the epoch turn)."""
-    times = [t for epoch in epochs for t in run["step_times_s"][epoch * steps_per_epoch + 1:(epoch + 1) * steps_per_epoch]]
+    steps = run["step_times_s"]
+    times = [t for epoch in epochs for t in steps[epoch * steps_per_epoch + 1:(epoch + 1) * steps_per_epoch]]
     memory = [run["epoch_peak_memory_gib"][epoch] for epoch in epochs]
     return {**throughput(statistics.median(times), tokens_per_step, flops, peak),
             "peak_memory_gib": None if None in memory else max(memory), "steps_timed": len(times)}
@@ -187,8 +188,8 @@ def main() -> None:
                   if shape_run.name in args.shapes}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    emit({"benchmark": "trunk_cache", **environment(), "peak_tflops": (peak_flops(args.peak_tflops) or 0) / 1e12 or None,
-          "shapes": shapes}, args.out)
+    emit({"benchmark": "trunk_cache", **environment(),
+          "peak_tflops": (peak_flops(args.peak_tflops) or 0) / 1e12 or None, "shapes": shapes}, args.out)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ seen before it computes the same thing again. What the MTP block reads from it i
 hands `MultiTokenPredictionBlock` the decoder's output hidden states (after the final layernorm) and, besides, only
 what comes with the microbatch (input ids it rolls and embeds through the shared frozen embedding, position ids,
 the attention mask, the packed-sequence parameters) and the rotary embedding, which is a function of the sequence
-length. So the first time a microbatch is seen (the first epoch, or any step whose sample is new) it is trained as
-always and the last pipeline stage writes, per microbatch, the decoder's output hidden states and the model's
-per-token main loss (what `lm_loss` is logged from; 4 bytes a token). Later, the same microbatch is read back and
+length. So the first time a sample is seen (the first epoch, or any step whose sample is new) it is trained as
+always and the last pipeline stage writes, per sample (a row of the microbatch: a padded sequence or a packed
+row), the decoder's output hidden states and the model's per-token main loss (what `lm_loss` is logged from; 4
+bytes a token). When every row of a microbatch is cached, its rows are read back and
 the step runs `GPTModel._preprocess` (rotary only: the cached states stand in for the embedding's output) and
 `_postprocess` (the MTP block and Megatron-Core's own `process_mtp_loss`, unchanged) on it: the decoder layers and
 the main head do not run, and earlier pipeline stages run nothing (they hand the schedule a zero placeholder of
@@ -15,10 +16,12 @@ the shape it sends; the last stage ties the one it receives to its output with a
 backward sends and receives what it expects). The MTP loss, its gradients and the logged `lm_loss` are those of
 the uncached step: on CPU fp32 bit for bit.
 
-Keys: xxh3-128 of the microbatch's tensors as the data loader made them (input ids, labels, positions, packing
-layout, tree structure), so a shuffled epoch, a resumed run or another data-parallel rank finds a sample wherever
-it was written. Per step the ranks agree (one all-reduce over a gloo group) which microbatches every last-stage
-rank holds; a microbatch that is missing anywhere is computed (and written where missing) by all.
+Keys: xxh3-128 of a row's tensors as the data loader made them (input ids, labels, positions, the packing layout,
+tree structure; not the loss mask, which the per-token loss does not read), so a shuffled epoch that pairs samples
+into other microbatches, a resumed run or another data-parallel rank finds a sample wherever it was written. Per
+step the ranks agree (one all-reduce over a gloo group; the keys cost one host copy of the step's token ids) which
+microbatches every last-stage rank holds whole; one missing anywhere is computed by all, its rows written where
+missing. An `lm_loss` read back is the one of the step that wrote it: caching suits a trunk that stays frozen.
 
 Tensor parallelism: under sequence parallelism each TP rank writes and reads its own sequence slice (`tp<r>`);
 without it the hidden states are the same on every TP rank, so TP rank 0 writes one copy (`tp-all`) that every TP
