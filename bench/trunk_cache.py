@@ -26,7 +26,7 @@ import json
 import shutil
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,33 +42,25 @@ from bench.common import (
     emit,
     environment,
     fresh_memory,
-    import_megatron_bridge_first,
     make_config_only_checkpoint,
     model_flops,
     parse_with_tiny,
     peak_flops,
+    start_single_process,
     throughput,
 )
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
+from bench.mtp_memory import ShapeRun
 
 CACHED = Passes(backbone=0, mtp=3, main_head=0, mtp_head=2)
 TINY = dict(seq=32, batches=2, epochs=2, precision="fp32")
 
 
-@dataclass(frozen=True)
-class ShapeRun:
-    name: str
-    shape: dict[str, Any]
-    tied: bool
-    micro_batch: int
-    reference: str  # "joint" (Lightning joint step) or "plain_mtp_only" (plain Megatron-Core MTP-only loop)
-    targets: dict[str, float]
-
-
+# the one variant is the reference: "joint" (Lightning joint step) or "plain_mtp_only" (the plain MTP-only loop)
 SHAPES = (
-    ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, reference="joint",
+    ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, microbatches=4, variants=("joint",),
              targets={"first_epoch_over_reference_step_time": 0.42, "cached_over_reference_step_time": 0.2}),
-    ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, reference="plain_mtp_only",
+    ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, microbatches=4, variants=("plain_mtp_only",),
              targets={"first_epoch_over_reference_step_time": 0.95, "cached_over_reference_step_time": 0.35,
                       "cached_over_reference_peak_memory": 1.0}),
 )
@@ -119,16 +111,18 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
     checkpoint = make_config_only_checkpoint(root / shape_run.name, shape_run.shape, tied=shape_run.tied,
                                              tiny=args.tiny)
     shape = ModelShape.from_hf_checkpoint(checkpoint)
-    settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=shape_run.micro_batch, microbatches=4,
-                        steps=args.batches - 1, warmup=1, precision=args.precision, random_weights=True)
+    settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=shape_run.micro_batch,
+                        microbatches=shape_run.microbatches, steps=args.batches - 1, warmup=1,
+                        precision=args.precision, random_weights=True)
+    (reference_name,) = shape_run.variants
     peak = peak_flops(args.peak_tflops)
     tokens = settings.global_batch * settings.seq
-    if shape_run.reference == "joint":
+    if reference_name == "joint":
         reference_run = run_lightning(settings, shape.vocab, mtp_only=False)
     else:
         reference_run = run_plain(settings, shape.vocab, mtp_only=True)
     reference = summarize([reference_run], settings, model_flops(
-        shape, settings.global_batch, settings.seq, JOINT if shape_run.reference == "joint" else MTP_ONLY), peak)
+        shape, settings.global_batch, settings.seq, JOINT if reference_name == "joint" else MTP_ONLY), peak)
     cache_dir = Path(tempfile.mkdtemp(prefix="trunk_cache_", dir=root))
     try:
         fresh_memory()
@@ -149,10 +143,10 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
     }
     met = {key: None if figures[key] is None else figures[key] <= target
            for key, target in shape_run.targets.items()}
-    return {"shape": asdict(shape), "tied": shape_run.tied, "reference": shape_run.reference,
+    return {"shape": asdict(shape), "tied": shape_run.tied, "reference": reference_name,
             "settings": {**asdict(settings), "global_batch": settings.global_batch, "epochs": args.epochs,
                          "batches_per_epoch": args.batches},
-            "runs": {shape_run.reference: reference, "first_epoch": first, "cached_epochs": cached},
+            "runs": {reference_name: reference, "first_epoch": first, "cached_epochs": cached},
             "losses": {"reference": reference_run["losses"], "cached_fit": cached_run["losses"],
                        "cached_fit_mtp": cached_run["mtp_losses"]},
             "cache": {"reads": cached_run["cache_reads"], "writes": cached_run["cache_writes"],
@@ -176,12 +170,7 @@ def _parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = _parse_args()
-    if args.tiny:
-        torch.set_num_threads(1)
-    from lightning_megatron.distributed import init_single_process
-
-    init_single_process()
-    import_megatron_bridge_first()
+    start_single_process(tiny=args.tiny)
     root = Path(tempfile.mkdtemp(prefix="trunk_cache_bench_"))  # under $TMPDIR
     try:
         shapes = {shape_run.name: run_shape(shape_run, args, root) for shape_run in SHAPES
