@@ -67,7 +67,7 @@ from lightning_megatron.mtp.skip_main_head import _ZeroGradientTie
 
 FORMAT_VERSION = 1
 MAIN_LOSS_BYTES_PER_TOKEN = 4
-WRITE_QUEUE_MICROBATCHES = 4
+WRITE_QUEUE_ROWS = 16
 _HIT, _MISS, _FAILED = 1, 0, -1
 
 
@@ -169,8 +169,9 @@ class TrunkCache:
         self._hooks = [chunk.decoder.register_forward_hook(self._capture) for chunk in chunks
                        if getattr(chunk, "post_process", False) and getattr(chunk, "mtp_process", False)]
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk-cache-read")
-        self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self._write_queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_MICROBATCHES)
+        cuda = torch.cuda.is_available()
+        self._side_stream, self._write_stream = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else (None, None)
+        self._write_queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_ROWS)
         self._write_error: BaseException | None = None
         self._writer = threading.Thread(target=self._write_loop, name="trunk-cache-write", daemon=True)
         self._writer.start()
@@ -280,11 +281,12 @@ class TrunkCache:
                 self._capturing = False
             hidden, self._captured = self._captured, None
             if hidden is not None and self.writes:
+                ready = _recorded_event(hidden.device)
                 for row, key in enumerate(keys):
                     if key not in self._pending and not self._shard(key).exists():
                         self._pending.add(key)
                         self._write_queue.put((key, _host_safe(hidden[:, row:row + 1]),
-                                               _host_safe(output[row:row + 1])))
+                                               _host_safe(output[row:row + 1]), ready))
             return output
 
         return cached_forward_step
@@ -347,14 +349,23 @@ class TrunkCache:
             ready.record()
         return hidden, main_loss, ready
 
+    def _to_host(self, hidden: torch.Tensor, main_loss: torch.Tensor, ready: Any) -> dict[str, torch.Tensor]:
+        """The row on the host; from the GPU on the write stream, so the copy does not queue behind the step's
+        kernels on the default stream (the queue keeps the tensors alive until the synchronous copy is done)."""
+        if ready is None:
+            return {"hidden": hidden.contiguous(), "main_loss": main_loss.float().contiguous()}
+        with torch.cuda.stream(self._write_stream):
+            self._write_stream.wait_event(ready)
+            return {"hidden": hidden.to("cpu").contiguous(), "main_loss": main_loss.to("cpu").float().contiguous()}
+
     def _write_loop(self) -> None:
         from safetensors.torch import save_file
 
         while (item := self._write_queue.get()) is not None:
-            key, hidden, main_loss = item
+            key, hidden, main_loss, ready = item
             try:
                 if self._write_error is None:  # after a failure: drain, the next step raises everywhere
-                    tensors = {"hidden": hidden.cpu().contiguous(), "main_loss": main_loss.cpu().float().contiguous()}
+                    tensors = self._to_host(hidden, main_loss, ready)
                     write_file_atomically(self._shard(key), lambda temporary: save_file(tensors, temporary))
                     self.writes_done += 1
             except BaseException as error:  # noqa: BLE001 - reported on every rank by the next plan_step
@@ -364,6 +375,15 @@ class TrunkCache:
                 self._pending.discard(key)
                 self._write_queue.task_done()
         self._write_queue.task_done()
+
+
+def _recorded_event(device: torch.device) -> Any:
+    """An event on the current stream (what the writer's copy waits for), None on the CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _host_safe(tensor: torch.Tensor) -> torch.Tensor:
