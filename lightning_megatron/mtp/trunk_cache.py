@@ -32,7 +32,7 @@ On disk (`trunk_cache_dir`)::
 
     manifest.json                 written first, by global rank 0: format, the frozen weights' checksum (xxh3 of
                                   MTPOnlyCallback's exact per-tensor checksums over all model-parallel shards), the
-                                  training data's hash, the layout (TP, SP, CP, hidden size, dtype), bytes/token
+                                  training data's hash, the layout (TP, SP, PP, CP, hidden, dtype), bytes/token
     cp0-tp-all/                   one folder per CP rank and TP part
         3f/3f9c...e1.safetensors  one sample (row): `hidden` [s, 1, h] (the model's dtype), `main_loss` [1, s] fp32
 
@@ -188,6 +188,7 @@ class TrunkCache:
         from megatron.core import parallel_state
 
         layout = {"tensor_parallel": self.tp_size, "sequence_parallel": self.sequence_parallel,
+                  "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
                   "context_parallel": parallel_state.get_context_parallel_world_size(),
                   "hidden_size": self.config.hidden_size, "dtype": str(self.dtype)}
         wanted = {"format": FORMAT_VERSION, "frozen_weights": frozen_weights, "data": data, "layout": layout,
@@ -218,7 +219,7 @@ class TrunkCache:
         """Agree with every rank which microbatches of this step are read, start loading those; raise on every rank
         when a write failed anywhere."""
         keys = [row_keys(microbatch) for microbatch in microbatches]
-        if self._pending.intersection(*keys):
+        if self._pending.intersection(key for rows in keys for key in rows):
             self._write_queue.join()  # a sample seen a step or two ago: let its shard land first
         local = [_HIT if not self.last_stage or all(self._shard(key).exists() for key in rows) else _MISS
                  for rows in keys]
