@@ -157,6 +157,17 @@ def import_megatron_bridge_first() -> None:
     import_megatron_bridge()
 
 
+def start_single_process(*, tiny: bool) -> None:
+    """What a one-process training benchmark does first: one CPU thread when tiny (tests run several at once), the
+    process group and Megatron parallel state, megatron-bridge imported first."""
+    if tiny:
+        torch.set_num_threads(1)
+    from lightning_megatron.distributed import init_single_process
+
+    init_single_process()
+    import_megatron_bridge_first()
+
+
 def release_model(chunks: list[torch.nn.Module]) -> None:
     """Let a finished run's model, grad buffers and optimizer be freed. Megatron DDP hooks each trainable
     parameter's gradient accumulator (an autograd node) with a closure over the DDP module; the optimizer's fp32

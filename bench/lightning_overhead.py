@@ -157,8 +157,9 @@ class RandomWeightsSFTModule(SFTModule):
         return dataclasses.replace(super().model_options(), random_weights=True)
 
 
-def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool,
-                  callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
+def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool, callbacks: tuple[pl.Callback, ...] = (),
+                  max_epochs: int | None = None) -> dict[str, Any]:
+    """`max_epochs`: that many epochs of the dataset (one epoch of `settings.total_steps` steps by default)."""
     from lightning_megatron import MegatronStrategy, MTPOnlyCallback
 
     fresh_memory()
@@ -176,7 +177,8 @@ def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool,
     )
     trainer = pl.Trainer(
         strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
-        max_steps=settings.total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=-1 if max_epochs else settings.total_steps, max_epochs=max_epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=list(callbacks),
     )
     loader = DataLoader(settings.dataset(vocab), batch_size=settings.micro_batch, drop_last=True)

@@ -88,7 +88,7 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                          if mtp_only.get("peak_memory_ratio_including_setup") else ""), source),
         ]
     for name, data in results:
-        if kind(data) == "mtp_memory":
+        if kind(data) in ("mtp_memory", "trunk_cache"):
             rows += _mtp_memory_rows(data, f"[{sources[name]}]")
     for name, data in results:
         if kind(data) != "attention":
@@ -114,7 +114,9 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
 
 _MTP_MEMORY_VARIANTS = {"joint": "lightning_megatron, joint with MTP",
                         "mtp_only": "lightning_megatron, MTP-only (`MTPOnlyCallback`)",
-                        "plain_mtp_only": "plain Megatron-Core MTP-only loop (non-MTP frozen)"}
+                        "plain_mtp_only": "plain Megatron-Core MTP-only loop (non-MTP frozen)",
+                        "first_epoch": "MTP-only with the trunk cache, first epoch (writes it)",
+                        "cached_epochs": "MTP-only with the trunk cache, later epochs (read it)"}
 _MTP_MEMORY_FIGURES = {  # figure -> (label, formatter, unit after the target)
     "mtp_only_over_joint_peak_memory": ("MTP-only / joint peak memory", _times, "x"),
     "mtp_only_over_joint_step_time": ("MTP-only / joint step time", _times, "x"),
@@ -180,7 +182,7 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                         mtp_only["targets"]["step_time_ratio"], source))
                 rows.append(_target_row("P2 MTP-only / joint peak memory", mtp_only["peak_memory_ratio"],
                                         mtp_only["targets"]["peak_memory_ratio"], source))
-        if kind(data) == "mtp_memory":
+        if kind(data) in ("mtp_memory", "trunk_cache"):
             rows += _mtp_memory_target_rows(data, source)
         if kind(data) == "hf_io":
             target = data.get("target_vs_raw", 1.5)

@@ -11,6 +11,7 @@
 #   packing             P5    packed vs padded vs full rows; CP all-gather volume from a gloo run
 #   tree                P6    tree packing vs flat packing of a GRPO-like batch
 #   mtp_memory          P2    MTP-only memory and step time vs joint and vs the plain MTP-only loop, 0.6B and 8B
+#   trunk_cache         P2    MTP-only epochs from the trunk cache vs joint (0.6B) and the plain MTP-only loop (8B)
 #   hf_io_8b            P3    HF load/save at the Qwen3-8B shape (untied, one MTP layer)
 #   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape
 #   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
@@ -27,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory hf_io_8b weight_sync moe vl async_save}"
+STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 CHECKPOINT="${CHECKPOINT:-/tmp/qwen3-0.6b-mtp}"
 CHECKPOINT_8B="${CHECKPOINT_8B:-/tmp/qwen3-8b-mtp}"
@@ -58,7 +59,7 @@ for name in $STEPS; do
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
         gputests) step "$name" python3 -m pytest -m gpu -q tests ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
-        tree|mtp_memory|moe|vl|async_save) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        tree|mtp_memory|trunk_cache|moe|vl|async_save) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
         hf_io_8b) step "$name" python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
         *) echo "unknown step $name"; failed=1 ;;

@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,24 @@ def test_data_benchmark_runs_tiny(tmp_path):
     assert first["built"] and not second["built"] and first["rows"] == second["rows"] == 400
     assert second["steps"] == 40 and second["trained_tokens"] > 0 and result["cache_bytes"] > 0
     assert first["setup_s"] > 0 and first["rows_per_s"] > 0 and second["peak_rss_beyond_start_gib"] is not None
+
+
+@pytest.mark.slow
+def test_trunk_cache_benchmark_runs_tiny(tmp_path):
+    result = _run_bench(tmp_path, "bench.trunk_cache", "--tiny")
+    assert result["benchmark"] == "trunk_cache"
+    for name, reference in (("qwen3_0.6b", "joint"), ("qwen3_8b", "plain_mtp_only")):
+        shape = result["shapes"][name]
+        assert set(shape["runs"]) == {reference, "first_epoch", "cached_epochs"}
+        for figures in shape["runs"].values():
+            _check_throughput(figures)
+        # the cached epochs count only the MTP layer and head: fewer FLOPs per step than the first epoch
+        assert shape["runs"]["cached_epochs"]["model_tflop_per_step"] < shape["runs"]["first_epoch"][
+            "model_tflop_per_step"]
+        # the first epoch writes every sample once (the tiny shape: 64 fp32 hidden values + a 4-byte loss a token)
+        assert shape["cache"]["writes"] == shape["cache"]["reads"] > 0 and shape["cache"]["frozen_bit_identical"]
+        assert shape["figures"]["cache_bytes_per_token"] == 64 * 4 + 4
+        assert shape["figures"]["cache_disk_bytes_per_token"] >= 260
+        # the cached fit's first epoch is the reference run's MTP-only first steps: the same lm_loss
+        assert shape["losses"]["cached_fit"][0] == pytest.approx(shape["losses"]["reference"][0], abs=1e-5)
+    assert not list(Path(tempfile.gettempdir()).glob("trunk_cache_bench_*/trunk_cache_*/manifest.json"))

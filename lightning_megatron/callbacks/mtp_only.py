@@ -23,6 +23,7 @@ from lightning_megatron.bridges import capable_backends
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp.skip_main_head import skip_main_lm_head_backward
+from lightning_megatron.mtp.trunk_cache import TrunkCache, close_trunk_cache, open_trunk_cache
 
 if TYPE_CHECKING:
     from lightning_megatron.strategy import MegatronStrategy
@@ -42,15 +43,21 @@ class MTPOnlyCallback(pl.Callback):
     time, so no `[tokens, vocab]` fp32 tensor outlives a chunk and the main logits never exist whole
     (`mtp_only_graph`); the logged values and gradients are the same to fp32 rounding. None: whole logits, as
     before.
+    `trunk_cache_dir`: train later epochs from a cache of the frozen trunk's output in that folder
+    (`mtp.trunk_cache`: the first pass over a sample writes the decoder's hidden states, later ones skip the trunk
+    and the main head); refused, naming both, when the frozen weights or the training data differ from the
+    cache's. For multi-epoch training on fixed data; leave it null while the trunk changes (e.g. during RL).
     """
 
     def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True,
-                 loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> None:
+                 loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, trunk_cache_dir: str | None = None) -> None:
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens: {loss_chunk_tokens} must be at least 1 (or null for whole logits)")
         self.audit_path = audit_path
         self.skip_main_head_backward = skip_main_head_backward
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.trunk_cache_dir = trunk_cache_dir
+        self.trunk_cache: TrunkCache | None = None
         self.trainable: list[str] = []
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
         self._hook_handles: list[Any] = []
@@ -86,8 +93,27 @@ class MTPOnlyCallback(pl.Callback):
         """The reference checksums: after the wrap (bf16 casts the norm weights the model was built with in fp32)
         and any checkpoint restore, before the first step."""
         self._frozen_checksums = _frozen_checksums(pl_module)
+        if self.trunk_cache_dir is not None:
+            self.trunk_cache = open_trunk_cache(self.trunk_cache_dir, pl_module, trainer.train_dataloader,
+                                                self._frozen_checksums)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.trunk_cache is not None:
+            self.trunk_cache.plan_step(batch)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.trunk_cache is not None:
+            self.trunk_cache.end_step()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.trunk_cache is not None:
+            self.trunk_cache.finish()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.trunk_cache is not None:
+            self.trunk_cache.close()  # kept: its counts (`reads`, `writes_done`) stay readable
+            close_trunk_cache(pl_module)
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
