@@ -11,6 +11,8 @@
    (a) `self_distill`: self-distillation (`mtp_loss_type: self_distill`) on the raw training corpus, no generation;
    (b) `labels_corpus`: hard labels on the raw training corpus;
    (c) `labels_continuations`: the frozen model's own greedy continuations (`stdlib_generate.yaml`), hard labels;
+   with `--trunk-cache`, (a) once more with `MTPOnlyCallback(trunk_cache_dir=...)` (later epochs read the frozen
+   trunk's output from disk): `trunk_cache` in the JSON says whether its acceptance equals (a)'s, and both times;
 5. for every head, on held-out prompts: greedy acceptance (1 draft), sampled acceptance at temperature 1 (speculative
    sampling, 1 draft), mean accepted length with 3 drafts (greedy and sampled), tokens/s; and each fit's wall time
    including its generation step. `mtp_quality.json` (with `targets`: (a) >= (c) greedy, (a) > (c) sampled, (a) >=
@@ -54,6 +56,7 @@ MEASURE = {"gpu": {"prompts": 12, "max_new_tokens": 48, "device": "cuda", "corpu
 CORPUS_OVERRIDES = {"gpu": [], "cpu": ["--train-prompts", "64", "--heldout-prompts", "8"]}
 DRAFT_TOKENS = (1, 3)  # 1: the greedy and sampled acceptance; 3: the accepted length with three drafts
 VARIANTS = ("self_distill", "labels_corpus", "labels_continuations")
+CACHED_VARIANT = "self_distill_trunk_cache"  # --trunk-cache: (a) again, later epochs from the frozen trunk's cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--joint-steps", type=int, default=None, help="joint SFT + MTP steps (gpu default 300)")
     parser.add_argument("--mtp-only-steps", type=int, default=None,
                         help="steps of each MTP-only fit (gpu default 200)")
+    parser.add_argument("--trunk-cache", action="store_true",
+                        help="also run (a) again with MTPOnlyCallback(trunk_cache_dir=...): later epochs read the "
+                        "frozen trunk's output from disk; reported beside (a): the same acceptance, the time each took")
     parser.add_argument("--distill-temperature", type=float, default=1.0,
                         help="(a)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
                         "head's distribution toward its argmax, which greedy acceptance rewards")
@@ -117,11 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     clock = step("reset_and_measure_s", clock)
 
     train_seconds: dict[str, float] = {}
-    for variant in VARIANTS:
+    variants = (*VARIANTS, *((CACHED_VARIANT,) if args.trunk_cache else ()))
+    for variant in variants:
         since = time.perf_counter()
         train, val, loss_type, seq_length = corpus / "train.jsonl", corpus / "val.jsonl", "labels", None
-        if variant == "self_distill":
+        cache = {}
+        if variant in ("self_distill", CACHED_VARIANT):
             loss_type, seq_length = "self_distill", measure["corpus_seq_length"]
+            if variant == CACHED_VARIANT:
+                cache = {"trainer.callbacks.0": {"class_path": "lightning_megatron.callbacks.MTPOnlyCallback",
+                                                 "init_args": {"trunk_cache_dir": str(out / "trunk_cache")}}}
         elif variant == "labels_corpus":
             seq_length = measure["corpus_seq_length"]
         else:
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "data.train_path": str(train), "data.val_path": str(val), "model.mtp_loss_type": loss_type,
             **({"model.mtp_distill_temperature": args.distill_temperature} if loss_type == "self_distill" else {}),
             "trainer.limit_val_batches": 4,
-            **({"data.seq_length": seq_length} if seq_length else {}),
+            **({"data.seq_length": seq_length} if seq_length else {}), **cache,
             **({"trainer.max_steps": steps["mtp_only"]} if steps["mtp_only"] else {}),
         }), f"[{4 if variant == 'labels_continuations' else 3}/5] MTP-only fit ({variant})")
         train_seconds[variant] = round(time.perf_counter() - since, 1)
@@ -142,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         results[variant] = measured(variant, run / "hf")
         clock = step(f"measure_{variant}_s", clock)
 
-    summary = _summary(results, size, train_seconds, {variant: _curves(out / variant) for variant in VARIANTS},
-                       _curves(joint), [json.loads((out / v / "mtp_only_audit.json").read_text()) for v in VARIANTS])
+    summary = _summary(results, size, train_seconds, {variant: _curves(out / variant) for variant in variants},
+                       _curves(joint), [json.loads((out / v / "mtp_only_audit.json").read_text()) for v in variants])
     summary["seconds"] = {**timings, "total_s": round(time.perf_counter() - started, 1)}
     summary["command"] = " ".join(["python3 -m lightning_megatron.recipes.mtp_quality", *(argv or sys.argv[1:])])
     summary["distill_temperature"] = args.distill_temperature
@@ -223,7 +234,17 @@ def _summary(results: dict[str, Any], size: str, train_seconds: dict[str, float]
         "val_mtp_sampled_acceptance_by_step": {name: curve.get("val_mtp_sampled_acceptance", [])
                                                for name, curve in curves.items()},
         "prompts": results["joint"]["prompts"],
+        **({"trunk_cache": _trunk_cache_comparison(heads)} if CACHED_VARIANT in heads else {}),
     }
+
+
+def _trunk_cache_comparison(heads: dict[str, Any]) -> dict[str, Any]:
+    """(a) trained again from the trunk cache: the same head (acceptance) in less time."""
+    plain, cached = heads["self_distill"], heads[CACHED_VARIANT]
+    measured = ("greedy_acceptance", "sampled_acceptance", "greedy_accepted_length_k3", "sampled_accepted_length_k3")
+    return {"same_acceptance": all(plain[key] == cached[key] for key in measured),
+            "train_s": plain["train_s_including_generation"],
+            "train_s_with_trunk_cache": cached["train_s_including_generation"]}
 
 
 def _plot(summary: dict[str, Any]):
