@@ -13,7 +13,7 @@ Step times are medians over each epoch's steps after the first (`StepTimer`: syn
 optimizer steps); peak memory is the training steps' (`max_memory_allocated` from the first step on). Tokens/s and
 MFU count the FLOPs each arm really runs (`bench.common.model_flops`): joint every pass; the first epoch
 `MTP_ONLY`; cached epochs the MTP layer (3 passes) and the MTP head's forward and input gradient (2) alone.
-`cache_bytes_per_token` is what the cache's manifest says (hidden states + the per-token main loss) and
+`cache_bytes_per_token` is what the cache's manifest says (the hidden states) and
 `cache_disk_bytes` what the shards took. The cache lives under `$TMPDIR` and is removed at the end.
 
 `--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU (what tests/test_bench.py runs).
@@ -148,7 +148,7 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
                          "batches_per_epoch": args.batches},
             "runs": {reference_name: reference, "first_epoch": first, "cached_epochs": cached},
             "losses": {"reference": reference_run["losses"], "cached_fit": cached_run["losses"],
-                       "cached_fit_mtp": cached_run["mtp_losses"]},
+                       "reference_mtp": reference_run["mtp_losses"], "cached_fit_mtp": cached_run["mtp_losses"]},
             "cache": {"reads": cached_run["cache_reads"], "writes": cached_run["cache_writes"],
                       "frozen_bit_identical": cached_run.get("frozen_bit_identical")},
             "figures": figures, "targets": shape_run.targets, "met": met}

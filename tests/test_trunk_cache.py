@@ -50,7 +50,9 @@ class DecoderLayerCalls(pl.Callback):
 
 
 def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, epochs: int = 2,
-         **strategy_kwargs: Any) -> dict[str, Any]:
+         log_every_n_steps: int = 1, **strategy_kwargs: Any) -> dict[str, Any]:
+    """`log_every_n_steps` 1: every step's lm_loss is computed (from the cached hidden states in a cached step);
+    larger: the main head is skipped on the steps in between (MTPOnlyCallback's on-demand main head)."""
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot, layers = Snapshot(), DecoderLayerCalls()
@@ -58,8 +60,9 @@ def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, 
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), **options), accelerator="cpu",
                          devices=options.get("tensor_model_parallel_size", 1) * options.get(
                              "pipeline_model_parallel_size", 1),
-                         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=root, callbacks=[snapshot, layers, mtp_only])
+                         max_epochs=epochs, log_every_n_steps=log_every_n_steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=root, callbacks=[snapshot, layers, mtp_only])
     if data is None:  # shuffled: the second epoch meets the samples in another order
         data = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
                           shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
@@ -131,7 +134,7 @@ def _spawned(rank: int, world_size: int, root: str, checkpoint: str) -> dict[str
             data = (SFTDataModule(train_path=str(tmp / "train.jsonl"), seq_length=48, packing=True,
                                   cache_dir=str(tmp / "data_cache")) if name == "tp2_sp_packed" else None)
             runs.append(_fit(tmp / f"{name}_{'cached' if cache else 'plain'}", Path(checkpoint),
-                             cache=cache, data=data, **parallel))
+                             cache=cache, data=data, log_every_n_steps=2, **parallel))
         results[name] = runs
     return results
 
@@ -147,3 +150,9 @@ def test_the_cache_under_tensor_and_pipeline_parallelism_and_packing(checkpoint,
             assert cached["layer_calls"] == [per_epoch, 0], (name, rank)
             last_stage = name != "pp2" or rank == 1
             assert (cached["cache"]["read"] > 0) == last_stage, (name, rank, cached["cache"])
+
+
+def test_the_cache_needs_the_chunked_main_head() -> None:
+    for refused in (dict(loss_chunk_tokens=None), dict(skip_main_head_backward=False)):
+        with pytest.raises(ValueError, match="trunk_cache_dir needs skip_main_head_backward: true and loss_chunk"):
+            MTPOnlyCallback(trunk_cache_dir="cache", **refused)

@@ -67,6 +67,10 @@ class MTPOnlyCallback(pl.Callback):
         if log_lm_loss_every_n_steps is not None and log_lm_loss_every_n_steps < 1:
             raise ValueError(f"log_lm_loss_every_n_steps: {log_lm_loss_every_n_steps} must be at least 1 (or null "
                              "for the trainer's log_every_n_steps)")
+        if trunk_cache_dir is not None and not (skip_main_head_backward and loss_chunk_tokens is not None):
+            raise ValueError("trunk_cache_dir needs skip_main_head_backward: true and loss_chunk_tokens set (the "
+                             "cached steps run the chunked main head on the cached hidden states when lm_loss is "
+                             "logged); set them, or trunk_cache_dir: null")
         self.log_lm_loss_every_n_steps = log_lm_loss_every_n_steps
         self._main_loss = MainLossOnDemand()
         self.audit_path = audit_path

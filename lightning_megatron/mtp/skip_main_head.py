@@ -32,6 +32,7 @@ runs the main head.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -200,8 +201,34 @@ def _tensor_parallel_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+_MAIN_LOSS_PROCESSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _ProcessorHandle:
+    """Forgets a model's chunked main loss when the hooks are removed (the handles' `remove`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = weakref.ref(model)
+
+    def remove(self) -> None:
+        model = self.model()
+        if model is not None:
+            _MAIN_LOSS_PROCESSORS.pop(model, None)
+
+
+def main_loss_processor(model: torch.nn.Module) -> Any:
+    """The chunked main head `skip_main_lm_head_backward` installed on `model`, as a `GPTModel.forward`
+    `output_processor` (on demand: zeros on the training steps that log no `lm_loss`), for callers that run
+    `GPTModel._postprocess` themselves (the trunk cache)."""
+    if model not in _MAIN_LOSS_PROCESSORS:
+        raise RuntimeError("the chunked main loss is not installed on this model: MTPOnlyCallback needs "
+                           "skip_main_head_backward: true and loss_chunk_tokens set for this")
+    return _MAIN_LOSS_PROCESSORS[model]
+
+
 def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
-                               on_demand: MainLossOnDemand | None = None) -> list[RemovableHandle | DepthLossHandle]:
+                               on_demand: MainLossOnDemand | None = None
+                               ) -> list[RemovableHandle | DepthLossHandle | _ProcessorHandle]:
     """Hook every last-stage chunk with an MTP block (unwrapped GPTModels, before DDP); returns the handles.
 
     Only valid when every non-MTP parameter is frozen on this rank (checked: `freeze_non_mtp_parameters` first).
@@ -216,15 +243,16 @@ def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: i
     if trainable:
         raise ValueError(f"skipping the main LM head's backward needs every non-MTP parameter frozen; trainable: "
                          f"{trainable[:5]}")
-    handles: list[RemovableHandle | DepthLossHandle] = []
+    handles: list[RemovableHandle | DepthLossHandle | _ProcessorHandle] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
         if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
             continue
         if chunk_tokens is not None:
             chunked = _ChunkedMainLoss(model, chunk_tokens, on_demand or MainLossOnDemand())
+            _MAIN_LOSS_PROCESSORS[model] = chunked.main_loss
             handles += [model.register_forward_pre_hook(chunked.before_model, with_kwargs=True),
-                        *use_mtp_depth_loss([model], label_chunk_tokens=chunk_tokens)]
+                        _ProcessorHandle(model), *use_mtp_depth_loss([model], label_chunk_tokens=chunk_tokens)]
             continue
         shortcut = _MainHeadShortcut(model)
         handles += [

@@ -7,21 +7,21 @@ what comes with the microbatch (input ids it rolls and embeds through the shared
 the attention mask, the packed-sequence parameters) and the rotary embedding, which is a function of the sequence
 length. So the first time a sample is seen (the first epoch, or any step whose sample is new) it is trained as
 always and the last pipeline stage writes, per sample (a row of the microbatch: a padded sequence or a packed
-row), the decoder's output hidden states and the model's per-token main loss (what `lm_loss` is logged from; 4
-bytes a token). When every row of a microbatch is cached, its rows are read back and
+row), the decoder's output hidden states. When every row of a microbatch is cached, its rows are read back and
 the step runs `GPTModel._preprocess` (rotary only: the cached states stand in for the embedding's output) and
-`_postprocess` (the MTP block and Megatron-Core's own `process_mtp_loss`, unchanged) on it: the decoder layers and
-the main head do not run, and earlier pipeline stages run nothing (they hand the schedule a zero placeholder of
-the shape it sends; the last stage ties the one it receives to its output with a zero gradient, so the schedule's
-backward sends and receives what it expects). The MTP loss, its gradients and the logged `lm_loss` are those of
-the uncached step: on CPU fp32 bit for bit.
+`_postprocess` (the MTP block and Megatron-Core's own `process_mtp_loss`, unchanged) on it: the decoder layers do
+not run, the main head runs on the cached states only on the steps that log `lm_loss` (`mtp.skip_main_head`'s
+chunked main loss, on demand, as in an uncached MTP-only step), and earlier pipeline stages run nothing (they hand
+the schedule a zero placeholder of the shape it sends; the last stage ties the one it receives to its output with
+a zero gradient, so the schedule's backward sends and receives what it expects). The MTP loss, its gradients and
+the logged `lm_loss` are those of the uncached step: on CPU fp32 bit for bit.
 
 Keys: xxh3-128 of a row's tensors as the data loader made them (input ids, labels, positions, the packing layout,
 tree structure; not the loss mask, which the per-token loss does not read), so a shuffled epoch that pairs samples
 into other microbatches, a resumed run or another data-parallel rank finds a sample wherever it was written. Per
 step the ranks agree (one all-reduce over a gloo group; the keys cost one host copy of the step's token ids) which
 microbatches every last-stage rank holds whole; one missing anywhere is computed by all, its rows written where
-missing. An `lm_loss` read back is the one of the step that wrote it: caching suits a trunk that stays frozen.
+missing.
 
 Tensor parallelism: under sequence parallelism each TP rank writes and reads its own sequence slice (`tp<r>`);
 without it the hidden states are the same on every TP rank, so TP rank 0 writes one copy (`tp-all`) that every TP
@@ -34,7 +34,7 @@ On disk (`trunk_cache_dir`)::
                                   MTPOnlyCallback's exact per-tensor checksums over all model-parallel shards), the
                                   training data's hash, the layout (TP, SP, PP, CP, hidden, dtype), bytes/token
     cp0-tp-all/                   one folder per CP rank and TP part
-        3f/3f9c...e1.safetensors  one sample (row): `hidden` [s, 1, h] (the model's dtype), `main_loss` [1, s] fp32
+        3f/3f9c...e1.safetensors  one sample (row): `hidden` [s, 1, h] (the model's dtype)
 
 Each shard is written under a hidden temporary name and renamed into place (`atomic.write_file_atomically`), so it
 is either complete or absent: a full disk or a killed run leaves nothing a later run reads. The manifest comes
@@ -63,10 +63,9 @@ import torch.distributed as dist
 from lightning_megatron.atomic import write_file_atomically, write_text_atomically
 from lightning_megatron.distributed import cpu_group
 from lightning_megatron.microbatch import Microbatch, model_inputs
-from lightning_megatron.mtp.skip_main_head import _ZeroGradientTie
+from lightning_megatron.mtp.skip_main_head import _ZeroGradientTie, main_loss_processor
 
-FORMAT_VERSION = 1
-MAIN_LOSS_BYTES_PER_TOKEN = 4
+FORMAT_VERSION = 2
 WRITE_QUEUE_ROWS = 16
 _HIT, _MISS, _FAILED = 1, 0, -1
 
@@ -179,10 +178,9 @@ class TrunkCache:
     # ------------------------------------------------------------------ manifest
 
     def bytes_per_token(self) -> int:
-        """Disk bytes per training token over all ranks: the hidden state, plus the per-token main loss (once per
-        TP rank under sequence parallelism, where each writes its own shard)."""
-        copies = self.tp_size if self.sequence_parallel else 1
-        return self.config.hidden_size * self.dtype.itemsize + MAIN_LOSS_BYTES_PER_TOKEN * copies
+        """Disk bytes per training token over all ranks: its hidden state (under sequence parallelism each TP rank
+        writes its own slice of the sequence, so still one hidden state a token)."""
+        return self.config.hidden_size * self.dtype.itemsize
 
     def _open_manifest(self, frozen_weights: str, data: str) -> None:
         from megatron.core import parallel_state
@@ -196,7 +194,7 @@ class TrunkCache:
         path = self.folder / "manifest.json"
         if dist.get_rank() == 0 and not path.exists():
             print(f"trunk cache {self.folder}: {wanted['bytes_per_token']} bytes per token (hidden states "
-                  f"{self.config.hidden_size} x {self.dtype} + the per-token main loss), "
+                  f"{self.config.hidden_size} x {self.dtype}), "
                   f"{wanted['bytes_per_token'] * 2**20 / 2**30:.2f} GiB per million tokens", flush=True)
             write_text_atomically(path, json.dumps(wanted, indent=2) + "\n")
         dist.barrier(group=cpu_group())
@@ -286,8 +284,7 @@ class TrunkCache:
                 for row, key in enumerate(keys):
                     if key not in self._pending and not self._shard(key).exists():
                         self._pending.add(key)
-                        self._write_queue.put((key, _host_safe(hidden[:, row:row + 1]),
-                                               _host_safe(output[row:row + 1]), ready))
+                        self._write_queue.put((key, _host_safe(hidden[:, row:row + 1]), ready))
             return output
 
         return cached_forward_step
@@ -308,7 +305,7 @@ class TrunkCache:
             return torch.zeros(rows, tokens.shape[0], self.config.hidden_size, dtype=self.dtype, device=tokens.device)
         loaded = self._loaded[index]
         assert loaded is not None
-        hidden, main_loss = _on_current_stream(*loaded.result())
+        hidden = _on_current_stream(*loaded.result())
         self.reads += hidden.shape[1]  # rows
         received = gpt.decoder.input_tensor
         if received is not None:  # the previous stage's placeholder: its (zero) gradient is what the schedule sends
@@ -318,55 +315,49 @@ class TrunkCache:
             input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], decoder_input=hidden,
             packed_seq_params=inputs.get("packed_seq_params"))[:6]
 
-        def cached_main_loss(*, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
-            return _ZeroGradientTie.apply(main_loss, hidden_states)  # the MTP loss's backward hangs off it
-
         return gpt._postprocess(
             hidden_states=hidden, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
             labels=inputs["labels"], rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
             rotary_pos_sin=rotary_pos_sin, mtp_in_postprocess=True, loss_mask=inputs["loss_mask"],
             decoder_input=hidden, attention_mask=inputs["attention_mask"], padding_mask=padding_mask,
             packed_seq_params=inputs.get("packed_seq_params"), sequence_len_offset=sequence_len_offset,
-            output_processor=cached_main_loss)
+            output_processor=main_loss_processor(gpt))
 
     # ------------------------------------------------------------------ files
 
     def _shard(self, key: str) -> Path:
         return self.shards / key[:2] / f"{key}.safetensors"
 
-    def _load(self, keys: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """The microbatch's rows, `hidden` `[s, b, h]` and `main_loss` `[b, s]`, on `device` (side stream)."""
+    def _load(self, keys: list[str], device: torch.device) -> tuple[torch.Tensor, Any]:
+        """The microbatch's rows, `hidden` `[s, b, h]`, on `device` (side stream)."""
         from safetensors.torch import load_file
 
-        rows = [load_file(self._shard(key)) for key in keys]
-        hidden = torch.cat([row["hidden"] for row in rows], dim=1)
-        main_loss = torch.cat([row["main_loss"] for row in rows], dim=0)
+        hidden = torch.cat([load_file(self._shard(key))["hidden"] for key in keys], dim=1)
         if device.type != "cuda":
-            return hidden, main_loss, None
+            return hidden, None
         with torch.cuda.stream(self._side_stream):
             hidden = hidden.pin_memory().to(device, non_blocking=True)
-            main_loss = main_loss.pin_memory().to(device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return hidden, main_loss, ready
+        return hidden, ready
 
-    def _to_host(self, hidden: torch.Tensor, main_loss: torch.Tensor, ready: Any) -> dict[str, torch.Tensor]:
+    def _to_host(self, hidden: torch.Tensor, ready: Any) -> dict[str, torch.Tensor]:
         """The row on the host; from the GPU on the write stream, so the copy does not queue behind the step's
-        kernels on the default stream (the queue keeps the tensors alive until the synchronous copy is done)."""
+        kernels on the default stream (the queue keeps the tensor alive until the synchronous copy is done)."""
         if ready is None:
-            return {"hidden": hidden.contiguous(), "main_loss": main_loss.float().contiguous()}
+            return {"hidden": hidden.contiguous()}
         with torch.cuda.stream(self._write_stream):
             self._write_stream.wait_event(ready)
-            return {"hidden": hidden.to("cpu").contiguous(), "main_loss": main_loss.to("cpu").float().contiguous()}
+            return {"hidden": hidden.to("cpu").contiguous()}
 
     def _write_loop(self) -> None:
         from safetensors.torch import save_file
 
         while (item := self._write_queue.get()) is not None:
-            key, hidden, main_loss, ready = item
+            key, hidden, ready = item
             try:
                 if self._write_error is None:  # after a failure: drain, the next step raises everywhere
-                    tensors = self._to_host(hidden, main_loss, ready)
+                    tensors = self._to_host(hidden, ready)
                     write_file_atomically(self._shard(key), lambda temporary: save_file(tensors, temporary))
                     self.writes_done += 1
             except BaseException as error:  # noqa: BLE001 - reported on every rank by the next plan_step
@@ -394,13 +385,12 @@ def _host_safe(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
-def _on_current_stream(hidden: torch.Tensor, main_loss: torch.Tensor, ready: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _on_current_stream(hidden: torch.Tensor, ready: Any) -> torch.Tensor:
     if ready is not None:
         stream = torch.cuda.current_stream()
         stream.wait_event(ready)
         hidden.record_stream(stream)
-        main_loss.record_stream(stream)
-    return hidden, main_loss
+    return hidden
 
 
 def _remove_empty_dirs(folder: Path) -> None:
