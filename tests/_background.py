@@ -5,11 +5,13 @@ one core, so on the CI's two cores two of them finish in little more than the ti
 commands once (`Command`, keyed by name); each test waits for its own and asserts on it as before. Nothing about a
 command changes: the same arguments, working directory and environment, a folder of its own; only when it runs.
 
-- a module's commands (`background_runs` in a module fixture): started, two at a time, when the module's first test
-  runs, those whose test was collected (and not skipped), in the order listed;
-- `EARLY_RUNS`, a dict a test module may define: its long single-process commands, started one at a time when the
-  session starts (tests/conftest.py's `early_runs`), so that they use the core that the one-process tests before
-  them leave idle, and are done by the time their test comes.
+- a module's commands (`background_runs` in a module fixture): started when the module's first test runs, those
+  whose test was collected (and not skipped), in the order listed;
+- `EARLY_RUNS`, a dict a test module may define: its long single-process commands, started one after the other when
+  the session starts (tests/conftest.py's `early_runs`), so that they use the core that the one-process tests
+  before them leave idle, and are done by the time their test comes.
+
+At most two of these processes run at once, whatever started them (the CI machine's two cores and its memory).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from pathlib import Path
 import pytest
 
 WORKERS = 2  # the CI machine's cores
+_RUNNING = threading.BoundedSemaphore(WORKERS)  # across all pools: at most two such processes (~1.2 GB each) at once
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class BackgroundRuns:
 def _run(command: Command, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     # output to files, not pipes: a child process left behind could hold a pipe open
     args = [sys.executable, "-m", *command.args(folder)]
-    with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
+    with _RUNNING, open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
         completed = subprocess.run(args, cwd=command.cwd, stdout=stdout, stderr=stderr, timeout=command.timeout,
                                    env=env)
     return subprocess.CompletedProcess(args, completed.returncode, (folder / "stdout.txt").read_text(),
@@ -81,8 +85,7 @@ def _run(command: Command, folder: Path, env: dict[str, str]) -> subprocess.Comp
 def background_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                     commands: dict[str, Command]):
     """The body of a module-scoped fixture: `yield from background_runs(request, tmp_path_factory, COMMANDS)`."""
-    module = request.module.__name__
-    collected = [item for item in request.session.items if item.module.__name__ == module]
+    collected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
     runs = BackgroundRuns(commands, tmp_path_factory.mktemp("background"), collected)
     try:
         yield runs
