@@ -25,10 +25,8 @@ the 64 GiB disk is not filled); free space is checked first, and every folder is
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from torch.utils.data import DataLoader
 
 from bench.common import (
     QWEN3_8B,
+    TINY_SCRATCH_BYTES,
     ModelShape,
     emit,
     environment,
@@ -46,6 +45,7 @@ from bench.common import (
     import_megatron_bridge_first,
     make_config_only_checkpoint,
     release_model,
+    scratch_dir,
 )
 from bench.lightning_overhead import RandomWeightsSFTModule, Settings, StepTimer
 
@@ -90,15 +90,6 @@ def checkpoint_bytes(shape: ModelShape, bytes_per_weight: int) -> int:
     mtp = shape.mtp_layers * (layer + 2 * shape.hidden * shape.hidden + 3 * shape.hidden)
     weights = shape.layers * layer + 2 * shape.vocab * shape.hidden + mtp
     return int(1.1 * (weights * bytes_per_weight + 12 * mtp))
-
-
-def check_free_space(folder: Path, needed: int) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise SystemExit(f"--dir {folder}: {free} bytes free, one checkpoint needs about {needed}; pass --dir with "
-                         f"more room (a RAM-backed folder such as /dev/shm; the tiny mode uses TMPDIR="
-                         f"{os.environ.get('TMPDIR', '/tmp')})")
 
 
 def run(variant: str, settings: Settings, vocab: int, folder: Path) -> dict[str, Any]:
@@ -146,20 +137,15 @@ def main() -> None:
         parser.set_defaults(**TINY)
         args = parser.parse_args()
     import_megatron_bridge_first()
-    root = Path(tempfile.mkdtemp(prefix="async_save_bench_"))
-    if args.dir:
-        args.dir.mkdir(parents=True, exist_ok=True)  # the default, /dev/shm/async_save_bench, is new on a fresh machine
-    folder = Path(tempfile.mkdtemp(prefix="async_save_", dir=args.dir)) if args.dir else root / "checkpoints"
-    try:
+    with scratch_dir("async_save_", TINY_SCRATCH_BYTES) as root:  # the config-only checkpoint
         checkpoint = make_config_only_checkpoint(root / "model", QWEN3_8B, tied=False, tiny=args.tiny)
         shape = ModelShape.from_hf_checkpoint(checkpoint)
-        check_free_space(folder, checkpoint_bytes(shape, 4 if args.precision == "fp32" else 2))
-        settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=1, microbatches=4,
-                            steps=args.steps + 2, warmup=args.warmup, precision=args.precision, random_weights=True)
-        runs = {variant: run(variant, settings, shape.vocab, folder) for variant in VARIANTS}
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(root, ignore_errors=True)
+        needed = checkpoint_bytes(shape, 4 if args.precision == "fp32" else 2)  # one at a time: each is removed
+        with scratch_dir("async_save_checkpoints_", needed, parent=args.dir or root) as folder:
+            settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=1, microbatches=4,
+                                steps=args.steps + 2, warmup=args.warmup, precision=args.precision,
+                                random_weights=True)
+            runs = {variant: run(variant, settings, shape.vocab, folder) for variant in VARIANTS}
     figures = {"async_over_sync_blocked": runs["async"]["blocked_s"] / runs["sync"]["blocked_s"],
                "async_max_step_over_median": runs["async"]["max_step_over_median"]}
     emit({"benchmark": "async_save", **environment(), "shape": vars(shape), "settings": {**vars(settings), "save_after_step": args.warmup + 1},

@@ -24,6 +24,7 @@ main LM head forward only (p_o = 1: `lm_loss` is still logged) and the MTP LM he
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -33,8 +34,9 @@ import shlex
 import shutil
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -79,12 +81,19 @@ def parse_with_tiny(parser: argparse.ArgumentParser, tiny_defaults: dict[str, An
     return args
 
 
+def checkpoint_scratch_bytes(tiny: bool) -> int:
+    """The free space a temporary folder holding `make_checkpoint(..., tiny=tiny)` needs."""
+    return TINY_SCRATCH_BYTES if tiny else hf_checkpoint_bytes(QWEN3_0_6B, tied=True)
+
+
 def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
     """The benchmark checkpoint: Qwen3 with one MTP layer, tied embeddings; bf16 0.6B shape, or tiny fp32."""
     from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
     if tiny:
         return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    require_free_space(Path(path).parent, hf_checkpoint_bytes(QWEN3_0_6B, tied=True), f"checkpoint {path}")
     return make_tiny_checkpoint(path, "qwen3", mtp=True, tied=True, dtype=torch.bfloat16, **QWEN3_0_6B)
 
 
@@ -112,25 +121,30 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     if (path / "config.json").is_file():
         return path
     shape = {**QWEN3_0_6B, **shape}
-    staging = path.with_name(f".{path.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    small = make_tiny_checkpoint(staging, "qwen3", mtp=mtp, tied=tied, dtype=dtype)  # config layout, tokenizer
-    reshape_config(small, shape)
-    (small / "model.safetensors").unlink()
     shapes = _tensor_shapes("qwen3", mtp, tied, _Shape(**shape))
     sizes = {name: math.prod(dims) * torch.empty((), dtype=dtype).element_size() for name, dims in shapes.items()}
-    shards = plan_shards(sizes)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    generator = torch.Generator(device).manual_seed(0)
-    for file, shard in zip(shard_file_names(len(shards)), shards):
-        tensors = {}
-        for name in shard:
-            values = torch.randn(shapes[name], generator=generator, device=device, dtype=torch.float32)
-            values = 1.0 + 0.1 * values if name.endswith("norm.weight") else values / shapes[name][-1] ** 0.5
-            tensors[name] = values.to(dtype).cpu()
-        write_shard_files(small, {file: tensors})
-    write_index(small, shards, sizes)
-    staging.rename(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    require_free_space(path.parent, int(1.02 * sum(sizes.values())), f"checkpoint {path}")
+    staging = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        small = make_tiny_checkpoint(staging, "qwen3", mtp=mtp, tied=tied, dtype=dtype)  # config layout, tokenizer
+        reshape_config(small, shape)
+        (small / "model.safetensors").unlink()
+        shards = plan_shards(sizes)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        generator = torch.Generator(device).manual_seed(0)
+        for file, shard in zip(shard_file_names(len(shards)), shards):
+            tensors = {}
+            for name in shard:
+                values = torch.randn(shapes[name], generator=generator, device=device, dtype=torch.float32)
+                values = 1.0 + 0.1 * values if name.endswith("norm.weight") else values / shapes[name][-1] ** 0.5
+                tensors[name] = values.to(dtype).cpu()
+            write_shard_files(small, {file: tensors})
+        write_index(small, shards, sizes)
+        staging.rename(path)
+    finally:  # a failed write leaves no partial copy behind (17 GB at 8B)
+        shutil.rmtree(staging, ignore_errors=True)
     return path
 
 
@@ -272,12 +286,54 @@ def median_seconds(action: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+SCRATCH_PREFIX = "lightning_megatron_bench."
+"""The start of every benchmark's temporary folder name: `bench/run_h200.sh` removes, by this name, what a step
+killed before its `finally` (a call's time limit, SIGKILL) left in the temporary folder."""
+
+TINY_SCRATCH_BYTES = 256 * 2**20
+"""Room for a tiny checkpoint and its copies (a few MB each) or a config-only one."""
+
+
 def require_free_space(folder: Path, nbytes: int, step: str) -> None:
     """Stop a step before it writes when `folder`'s file system cannot hold `nbytes` (8B copies are 17 GB each)."""
     free = shutil.disk_usage(folder).free
     if free < nbytes:
-        raise SystemExit(f"{step}: {folder} has {free / 1e9:.1f} GB free but needs {nbytes / 1e9:.1f} GB "
-                         f"(TMPDIR={os.environ.get('TMPDIR')!r}); free space there or set TMPDIR to a folder with more")
+        tmpdir = f"TMPDIR={os.environ['TMPDIR']}" if "TMPDIR" in os.environ else "TMPDIR is not set"
+        raise SystemExit(f"{step}: {folder} has {free / 1e9:.1f} GB free but needs {nbytes} bytes "
+                         f"({nbytes / 1e9:.1f} GB; {tmpdir}); free space there or set TMPDIR to a folder with more "
+                         f"room (a RAM-backed one such as /dev/shm)")
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, bytes_needed: int, parent: Path | None = None) -> Iterator[Path]:
+    """A new folder for one step's temporary files, removed when the step ends, also when it fails.
+
+    It is made under `parent` (default: the system temporary folder, `TMPDIR`) after checking that the file system
+    there has `bytes_needed` free, so that a step that cannot fit stops at once, before it writes, naming the folder,
+    the bytes and TMPDIR (a half-written 8B copy would otherwise fill the disk for every step after it)."""
+    root = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    require_free_space(root, bytes_needed, prefix.rstrip("_"))
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX + prefix, dir=root))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def hf_checkpoint_bytes(shape: dict[str, Any], *, tied: bool, mtp_layers: int = 1, bytes_per_weight: int = 2) -> int:
+    """The bytes of a Qwen3 HF checkpoint of `shape` (`make_tiny_checkpoint` arguments), with 5% slack: the
+    free space a step checks before it writes one or a copy of one (the 8B shape, untied, bf16: about 17 GB)."""
+    h, f, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    q, k = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    layer = h * (q + 2 * k) + q * h + 3 * h * f + 2 * h
+    mtp = mtp_layers * (layer + 2 * h * h + 3 * h)
+    return int(1.05 * bytes_per_weight * (shape["num_layers"] * layer + (1 if tied else 2) * vocab * h + mtp))
+
+
+def weights_bytes(checkpoint: Path) -> int:
+    """The bytes of an HF checkpoint's safetensors files."""
+    return sum(path.stat().st_size for path in Path(checkpoint).glob("*.safetensors"))
 
 
 def raw_write(tensors: dict[str, torch.Tensor], folder: Path) -> None:

@@ -26,7 +26,6 @@ import dataclasses
 import gc
 import shutil
 import statistics
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from safetensors import safe_open
 
 from bench.common import (
     QWEN3_8B,
+    TINY_SCRATCH_BYTES,
     ModelShape,
     emit,
     environment,
@@ -44,6 +44,8 @@ from bench.common import (
     median_seconds,
     raw_write,
     require_free_space,
+    scratch_dir,
+    weights_bytes,
 )
 from lightning_megatron.distributed import init_single_process
 from lightning_megatron.families import is_hf_mtp_tensor
@@ -156,10 +158,12 @@ def main() -> None:
     if sum(map(bool, (args.tiny, args.checkpoint, args.qwen3_8b))) > 1:
         parser.error("--tiny, --checkpoint and --qwen3-8b exclude each other")
 
-    workdir = Path(tempfile.mkdtemp(prefix="hf_io_"))
-    try:
-        if args.qwen3_8b:
-            args.checkpoint = make_large_checkpoint(args.qwen3_8b, mtp=True, tied=False, **QWEN3_8B)
+    if args.qwen3_8b:
+        args.checkpoint = make_large_checkpoint(args.qwen3_8b, mtp=True, tied=False, **QWEN3_8B)
+    needed = TINY_SCRATCH_BYTES  # the tiny checkpoint and its copies
+    if args.checkpoint and not args.load_only:  # a raw copy, then two exports (a save replacing the one before)
+        needed = int(2.05 * weights_bytes(args.checkpoint))
+    with scratch_dir("hf_io_", needed) as workdir:
         checkpoint = args.checkpoint or make_checkpoint(workdir / "tiny-qwen3-mtp", tiny=True)
         init_single_process()
         result: dict[str, Any] = {
@@ -173,8 +177,6 @@ def main() -> None:
             "bridges": {bridge_type: measure_bridge(bridge_type, checkpoint, workdir, args.repeats, not args.load_only)
                         for bridge_type in args.bridges},
         }
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     emit(result, args.out)
 
 

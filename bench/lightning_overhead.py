@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -45,9 +44,11 @@ from torch.utils.data import DataLoader
 from bench.common import (
     JOINT,
     MTP_ONLY,
+    TINY_SCRATCH_BYTES,
     ModelShape,
     add_step_options,
     allocated_gib,
+    checkpoint_scratch_bytes,
     emit,
     environment,
     fresh_memory,
@@ -59,6 +60,7 @@ from bench.common import (
     peak_flops,
     peak_memory_gib,
     release_model,
+    scratch_dir,
     throughput,
 )
 from lightning_megatron import SFTModule
@@ -160,11 +162,16 @@ class RandomWeightsSFTModule(SFTModule):
 def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool, callbacks: tuple[pl.Callback, ...] = (),
                   max_epochs: int | None = None) -> dict[str, Any]:
     """`max_epochs`: that many epochs of the dataset (one epoch of `settings.total_steps` steps by default)."""
+    with scratch_dir("lightning_overhead_", TINY_SCRATCH_BYTES) as workdir:  # the MTP-only audit
+        return _run_lightning(settings, vocab, workdir, mtp_only=mtp_only, callbacks=callbacks, max_epochs=max_epochs)
+
+
+def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: bool,
+                   callbacks: tuple[pl.Callback, ...], max_epochs: int | None) -> dict[str, Any]:
     from lightning_megatron import MegatronStrategy, MTPOnlyCallback
 
     fresh_memory()
     at_start = allocated_gib()
-    workdir = Path(tempfile.mkdtemp(prefix="lightning_overhead_"))
     timer = StepTimer()
     callbacks = (timer, *callbacks)
     if mtp_only:
@@ -243,10 +250,15 @@ def main() -> None:
     args = _parse_args()
     if args.tiny:
         torch.set_num_threads(1)
+    needed = 0 if args.checkpoint else checkpoint_scratch_bytes(args.tiny)
+    with scratch_dir("lightning_overhead_checkpoint_", needed) as folder:
+        emit(measure(args, args.checkpoint or make_checkpoint(folder / "qwen3-mtp", tiny=args.tiny)), args.out)
+
+
+def measure(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
+    """The mirrored rounds of every variant on `checkpoint`: the benchmark's JSON."""
     from lightning_megatron.distributed import init_single_process
 
-    checkpoint = args.checkpoint or make_checkpoint(Path(tempfile.mkdtemp(prefix="bench_ckpt_")) / "qwen3-mtp",
-                                                    tiny=args.tiny)
     settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=args.micro_batch,
                         microbatches=args.microbatches, steps=args.steps, warmup=args.warmup,
                         precision=args.precision)
@@ -301,7 +313,7 @@ def main() -> None:
             "targets": {"step_time_ratio": 0.40, "peak_memory_ratio": 0.20},
             "frozen_bit_identical": mtp_only["frozen_bit_identical"],
         }
-    emit(result, args.out)
+    return result
 
 
 if __name__ == "__main__":

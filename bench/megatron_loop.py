@@ -223,16 +223,16 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="HF checkpoint (default: a tiny qwen3 made locally)")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    import tempfile
-
+    from bench.common import TINY_SCRATCH_BYTES, scratch_dir
     from lightning_megatron.distributed import init_single_process
     from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
     from lightning_megatron.testing.datasets import RandomTokenDataset
 
     init_single_process()
-    checkpoint = args.checkpoint or str(make_tiny_checkpoint(tempfile.mkdtemp() + "/qwen3", "qwen3"))
-    result = run(LoopConfig(hf_checkpoint=checkpoint, micro_batch_size=2, global_batch_size=4, steps=args.steps),
-                 RandomTokenDataset(64, 32, 384))
+    with scratch_dir("megatron_loop_", TINY_SCRATCH_BYTES) as folder:
+        checkpoint = args.checkpoint or str(make_tiny_checkpoint(folder / "qwen3", "qwen3"))
+        result = run(LoopConfig(hf_checkpoint=checkpoint, micro_batch_size=2, global_batch_size=4, steps=args.steps),
+                     RandomTokenDataset(64, 32, 384))
     print(json.dumps({key: value for key, value in result.items() if key != "model"}, indent=2))
 
 

@@ -31,7 +31,6 @@ version goes to `--breakdown-md` (default: `mtp_memory_breakdown.md` beside `--o
 from __future__ import annotations
 
 import argparse
-import tempfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,6 +44,7 @@ from bench.common import (
     MTP_ONLY,
     QWEN3_0_6B,
     QWEN3_8B,
+    TINY_SCRATCH_BYTES,
     ModelShape,
     emit,
     environment,
@@ -54,6 +54,7 @@ from bench.common import (
     model_flops,
     parse_with_tiny,
     peak_flops,
+    scratch_dir,
 )
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
 
@@ -279,13 +280,13 @@ def main() -> None:
 
     init_single_process()
     import_megatron_bridge_first()
-    root = Path(tempfile.mkdtemp(prefix="mtp_memory_"))
     shapes, breakdowns = {}, {}
-    for shape_run in SHAPES:
-        if shape_run.name in args.shapes:
-            shapes[shape_run.name], breakdown = run_shape(shape_run, args, root)
-            if breakdown is not None:
-                breakdowns[shape_run.name] = breakdown
+    with scratch_dir("mtp_memory_", TINY_SCRATCH_BYTES) as root:  # config-only checkpoints
+        for shape_run in SHAPES:
+            if shape_run.name in args.shapes:
+                shapes[shape_run.name], breakdown = run_shape(shape_run, args, root)
+                if breakdown is not None:
+                    breakdowns[shape_run.name] = breakdown
     result: dict[str, Any] = {"benchmark": "mtp_memory", **environment(),
                               "peak_tflops": (peak_flops(args.peak_tflops) or 0) / 1e12 or None,
                               "shapes": shapes, "breakdown": breakdowns}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.attention import add_shape_options, gpt_model
-from bench.common import emit, environment, parse_with_tiny
+from bench.common import TINY_SCRATCH_BYTES, emit, environment, parse_with_tiny, scratch_dir
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.distributed import init_single_process
 
@@ -151,8 +150,8 @@ def cp_communication(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_megatron.distributed import free_port as _free_port
 
     cp = 2
-    with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "cp.pt")
+    with scratch_dir("packing_cp_", TINY_SCRATCH_BYTES) as folder:  # the ranks' measured volumes
+        out = str(folder / "cp.pt")
         mp.start_processes(_cp_worker, args=(cp, _free_port(), args, out), nprocs=cp, start_method="spawn",
                            join=True)
         measured = torch.load(out)

@@ -23,6 +23,16 @@
 # bench/report.py then writes the markdown tables to $OUT/table.md. A failed step prints the end of its log; the
 # others still run, and the exit status is 1. Packages come from PYTHONPATH=/tmp/site:. (wheels installed with
 # pip --target /tmp/site).
+#
+# Disk (the whole default list fits a 64 GiB disk): every step makes its temporary folders with
+# bench.common.scratch_dir, which checks the free space the step needs before it writes (a step that cannot fit
+# fails at once, naming the folder, the bytes and TMPDIR) and removes the folder when the step ends, failed or not.
+# Peaks: the 0.6B checkpoint 1.3 GB and the 8B one 17.7 GB, both made once under /tmp and reused by the steps after;
+# hf_io 2.7 GB; tree 1.3 GB; hf_io_8b 36 GB and weight_sync 38 GB, written to RAM (BIG_TMPDIR, default /dev/shm:
+# their write targets are for a RAM-backed folder); async_save 19 GB in /dev/shm; the rest (and the GPU tests'
+# pytest folders) a few MB. At the end the checkpoints this script made are removed (KEEP_CHECKPOINTS=1 keeps them
+# for a next call; a CHECKPOINT or CHECKPOINT_8B you set is never removed), and a call that starts removes what a
+# killed earlier one left in the temporary folders (names starting with lightning_megatron_bench.).
 set -uo pipefail
 : "${OUT:?set OUT to the folder the JSON results go to}"
 cd "$(dirname "$0")/.."
@@ -30,9 +40,28 @@ mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
 STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
+OWN_CHECKPOINTS=()
+[ -z "${CHECKPOINT:-}" ] && OWN_CHECKPOINTS+=(/tmp/qwen3-0.6b-mtp)
+[ -z "${CHECKPOINT_8B:-}" ] && OWN_CHECKPOINTS+=(/tmp/qwen3-8b-mtp)
 CHECKPOINT="${CHECKPOINT:-/tmp/qwen3-0.6b-mtp}"
 CHECKPOINT_8B="${CHECKPOINT_8B:-/tmp/qwen3-8b-mtp}"
+BIG_TMPDIR="${BIG_TMPDIR:-/dev/shm}"
+SCRATCH="$(python3 -c 'import tempfile; print(tempfile.gettempdir())')"
 failed=0
+
+remove_scratch() {  # what a step killed before its `finally` (a call's time limit) left behind
+    rm -rf "$SCRATCH"/lightning_megatron_bench.* "$BIG_TMPDIR"/lightning_megatron_bench.* \
+        /dev/shm/async_save_bench/lightning_megatron_bench.*
+}
+
+finish() {
+    remove_scratch
+    if [ "${KEEP_CHECKPOINTS:-0}" != 1 ] && [ ${#OWN_CHECKPOINTS[@]} -gt 0 ]; then
+        rm -rf "${OWN_CHECKPOINTS[@]}"
+    fi
+}
+remove_scratch
+trap finish EXIT
 
 step() {
     local name=$1
@@ -57,11 +86,14 @@ for name in $STEPS; do
         lightning_overhead) step "$name" python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" --out "$OUT/$name.json" ;;
         hf_io) step "$name" python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/$name.json" ;;
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
-        gputests) step "$name" python3 -m pytest -m gpu -q tests ;;
+        gputests) step "$name" python3 -m pytest -m gpu -q tests -p no:cacheprovider \
+                      --basetemp "$SCRATCH/lightning_megatron_bench.gputests" ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
         tree|mtp_memory|trunk_cache|moe|vl|async_save) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
-        hf_io_8b) step "$name" python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
-        weight_sync) step "$name" python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
+        hf_io_8b) step "$name" env TMPDIR="$BIG_TMPDIR" \
+                      python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
+        weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \
+                         python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

@@ -43,7 +43,6 @@ import argparse
 import json
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,12 +54,14 @@ import torch
 
 from bench.common import (
     allocated_gib,
+    checkpoint_scratch_bytes,
     emit,
     environment,
     fresh_memory,
     make_checkpoint,
     parse_with_tiny,
     peak_memory_gib,
+    scratch_dir,
 )
 from lightning_megatron.data.packing import first_fit, pack_examples, pad_example
 from lightning_megatron.data.tokenize import TokenizedExample
@@ -307,8 +308,13 @@ def main() -> None:
     from lightning_megatron.distributed import init_single_process
 
     init_single_process()
+    with scratch_dir("tree_", 0 if args.checkpoint else checkpoint_scratch_bytes(args.tiny)) as folder:
+        emit(measure(args, args.checkpoint or make_checkpoint(folder / "qwen3", tiny=args.tiny)), args.out)
+
+
+def measure(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
+    """The flat and tree runs and the loss checks of `checkpoint`: the benchmark's JSON."""
     bf16 = not args.tiny
-    checkpoint = args.checkpoint or make_checkpoint(Path(tempfile.mkdtemp()) / "qwen3", tiny=args.tiny)
     vocab_size = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     pad_id = 0
     examples = grpo_batch(args.prompts, args.responses, args.prompt_tokens, args.response_tokens, vocab_size)
@@ -373,7 +379,7 @@ def main() -> None:
         "recompiles_after_warmup": recompiles,
         "seconds": seconds,
     }
-    emit(result, args.out)
+    return result
 
 
 if __name__ == "__main__":

@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
+from bench.common import (
+    TINY_SCRATCH_BYTES,
+    emit,
+    environment,
+    fresh_memory,
+    parse_with_tiny,
+    peak_memory_gib,
+    scratch_dir,
+)
 from lightning_megatron.distributed import init_single_process
 from lightning_megatron.vl.data import PackedVLDataset, PaddedVLDataset, VLTokenizedExample, collate_vl
 
@@ -125,11 +132,11 @@ def main() -> None:
 
     args = _parse_args()
     init_single_process()
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch_dir("vl_", TINY_SCRATCH_BYTES) as tmp:  # a tiny checkpoint, or a config-only one of the 3B shape
         checkpoint = args.checkpoint
         if checkpoint is None:
             shape = {} if args.tiny else QWEN25_VL_3B
-            checkpoint = make_tiny_vl_checkpoint(Path(tmp) / "vl", "qwen2_5_vl", with_weights=args.tiny, **shape)
+            checkpoint = make_tiny_vl_checkpoint(tmp / "vl", "qwen2_5_vl", with_weights=args.tiny, **shape)
         config = read_json(checkpoint / "config.json")
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         options = ModelOptions(params_dtype=dtype, config_overrides={

@@ -38,12 +38,15 @@ import torch
 
 from bench.common import (
     QWEN3_8B,
+    TINY_SCRATCH_BYTES,
     emit,
     environment,
     make_large_checkpoint,
     median_seconds,
     raw_write,
     require_free_space,
+    scratch_dir,
+    weights_bytes,
 )
 from lightning_megatron.distributed import init_single_process
 
@@ -239,18 +242,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
-    workdir = Path(tempfile.mkdtemp(prefix="weight_sync_"))
-    try:
-        init_single_process()
+    init_single_process()
+    if not args.tiny:
+        started = time.perf_counter()
+        checkpoint = make_large_checkpoint(args.checkpoint, mtp=True, tied=False, **QWEN3_8B)
+        print(f"checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
+    # a raw copy, then a disk sync holding two versions while it writes; the small step-time model and its syncs
+    needed = TINY_SCRATCH_BYTES if args.tiny else int(2.05 * weights_bytes(checkpoint)) + 2 * 2**30
+    with scratch_dir("weight_sync_", needed) as workdir:
         if args.tiny:
             from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
             checkpoint = make_tiny_checkpoint(workdir / "tiny-qwen3-mtp", "qwen3", mtp=True)
             step_checkpoint = checkpoint
         else:
-            started = time.perf_counter()
-            checkpoint = make_large_checkpoint(args.checkpoint, mtp=True, tied=False, **QWEN3_8B)
-            print(f"checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
             step_checkpoint = make_large_checkpoint(workdir / "step-model", mtp=False, tied=False, num_layers=4,
                                                     hidden_size=1024, vocab_size=32000, intermediate_size=3072)
         result: dict[str, Any] = {
@@ -269,8 +274,6 @@ def main() -> None:
         if "steps" in args.parts:
             result["steps_between_syncs"] = measure_step_overhead(step_checkpoint, workdir, args.steps, args.warmup,
                                                                   args.rounds)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     emit(result, args.out)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._background import BackgroundRuns
 from tests._distributed import free_port
 
 
@@ -14,6 +15,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The collected modules' `EARLY_RUNS`, one at a time from the session's start (see tests/_background.py)."""
+    modules = {item.module for item in request.session.items if hasattr(item, "module")}
+    commands = {name: command for module in sorted(modules, key=lambda module: module.__name__)
+                for name, command in getattr(module, "EARLY_RUNS", {}).items()}
+    runs = BackgroundRuns(commands, tmp_path_factory.mktemp("early"), request.session.items, workers=1)
+    try:
+        yield runs
+    finally:
+        runs.close()
 
 
 @pytest.fixture(scope="session")

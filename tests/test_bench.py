@@ -16,6 +16,7 @@ import torch
 
 from bench import report
 from bench.common import JOINT, MTP_ONLY, ModelShape, Passes, model_flops
+from tests._background import Command, background_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONED = {"torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning"}
@@ -23,13 +24,16 @@ QWEN3_0_6B = ModelShape(layers=28, hidden=1024, heads=16, kv_groups=8, head_dim=
                         mtp_layers=1)
 
 
-def _run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess:
+def _env() -> dict[str, str]:
     # not the test process's own rendezvous port, which an earlier test's process group is listening on
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    return {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+def _run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess:
     # output to files, not pipes: a child process left behind could hold a pipe open
     with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
         completed = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, stdout=stdout, stderr=stderr,
-                                   timeout=300, env=env)
+                                   timeout=300, env=_env())
     assert completed.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
     return completed
 
@@ -37,11 +41,50 @@ def _run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess
 def _run_bench(tmp_path: Path, module: str, *args: str) -> dict:
     out = tmp_path / "result.json"
     _run(tmp_path, module, *args, "--out", str(out))
+    return _checked_result(out, module, *args)
+
+
+def _checked_result(out: Path, module: str, *args: str) -> dict:
     result = json.loads(out.read_text())
     assert result["command"] == shlex.join([Path(sys.executable).name, "-m", module, *args, "--out", str(out)])
     assert set(result["versions"]) == VERSIONED and result["versions"]["megatron-core"]
     assert result["device"] and re.match(r"\d{4}-\d\d-\d\dT", result["date"])
     return result
+
+
+def _tiny(test: str, module: str, *args: str, out: bool = True, workdir: bool = False) -> Command:
+    """`python -m module args` (then `--workdir FOLDER/work` and `--out FOLDER/result.json`) for `test`."""
+    return Command(test, lambda folder: [module, *args, *(["--workdir", str(folder / "work")] if workdir else []),
+                                         *(["--out", str(folder / "result.json")] if out else [])], _env, ROOT)
+
+
+# the `--tiny` runs the tests below read, in the order they do (bench.mtp_memory's test runs its own)
+TINY_RUNS = {
+    "lightning_overhead": _tiny("test_lightning_overhead_benchmark_runs_tiny", "bench.lightning_overhead", "--tiny"),
+    "hf_io": _tiny("test_hf_io_benchmark_runs_tiny", "bench.hf_io", "--tiny", "--repeats", "1"),
+    "attention": _tiny("test_attention_benchmark_runs_tiny", "bench.attention", "--tiny"),
+    "moe": _tiny("test_moe_benchmark_runs_tiny", "bench.moe", "--tiny"),
+    "megatron_loop": _tiny("test_plain_megatron_loop_runs_tiny", "bench.megatron_loop", "--steps", "2", out=False),
+    "async_save": _tiny("test_async_save_benchmark_runs_tiny", "bench.async_save", "--tiny"),
+    "packing": _tiny("test_packing_benchmark_runs_tiny", "bench.packing", "--tiny"),
+    "vl": _tiny("test_vl_benchmark_runs_tiny", "bench.vl", "--tiny"),
+    "tree": _tiny("test_tree_benchmark_runs_tiny", "bench.tree", "--tiny"),
+    "weight_sync": _tiny("test_weight_sync_benchmark_runs_tiny", "bench.weight_sync", "--tiny", "--repeats", "1",
+                         "--steps", "2", "--warmup", "1"),
+    "data": _tiny("test_data_benchmark_runs_tiny", "bench.data", "--tiny", workdir=True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    yield from background_runs(request, tmp_path_factory, TINY_RUNS)
+
+
+def _tiny_result(tiny_runs, name: str) -> dict:
+    """The run's JSON, checked as `_run_bench` checks it."""
+    completed, folder = tiny_runs.result(name)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return _checked_result(folder / "result.json", *completed.args[2:-2])
 
 
 def _check_throughput(figures: dict) -> None:
@@ -50,8 +93,8 @@ def _check_throughput(figures: dict) -> None:
 
 
 @pytest.mark.slow
-def test_lightning_overhead_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.lightning_overhead", "--tiny")
+def test_lightning_overhead_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "lightning_overhead")
     assert result["benchmark"] == "lightning_overhead"
     assert result["order"] == ["plain", "lightning", "mtp_only", "mtp_only", "lightning", "plain"]
     runs = result["runs"]
@@ -75,8 +118,8 @@ def test_lightning_overhead_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_io_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.hf_io", "--tiny", "--repeats", "1")
+def test_hf_io_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "hf_io")
     assert set(result["bridges"]) == {"mbridge", "megatron-bridge"}
     mbridge, megatron_bridge = result["bridges"]["mbridge"], result["bridges"]["megatron-bridge"]
     assert (mbridge["mtp"], megatron_bridge["mtp"]) == (False, True)
@@ -90,8 +133,8 @@ def test_hf_io_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_attention_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.attention", "--tiny")
+def test_attention_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "attention")
     assert set(result["megatron"]) == {"local", "sdpa"}
     for timings in [*result["megatron"].values(), result["hf_transformers_sdpa"]]:
         assert timings.keys() == {"step_s", "tokens_per_s", "model_tflop_per_step", "model_tflop_per_s", "mfu",
@@ -104,8 +147,8 @@ def test_attention_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.moe", "--tiny")
+def test_moe_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "moe")
     for figures in (result["moe"], result["dense_equivalent"]):
         _check_throughput(figures)
     assert result["moe"]["mlp_backend"] == "SequentialMLP" and result["dense_equivalent"]["mlp_backend"] == "MLP"
@@ -117,9 +160,10 @@ def test_moe_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_plain_megatron_loop_runs_tiny(tmp_path):
-    _run(tmp_path, "bench.megatron_loop", "--steps", "2")
-    stdout = (tmp_path / "stdout.txt").read_text()
+def test_plain_megatron_loop_runs_tiny(tiny_runs):
+    completed, _ = tiny_runs.result("megatron_loop")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    stdout = completed.stdout
     result = json.loads(stdout[stdout.index("{\n"):])
     assert len(result["losses"]) == len(result["step_times_s"]) == 2
     assert all(loss > 0 for loss in result["losses"]) and all(t > 0 for t in result["step_times_s"])
@@ -212,8 +256,8 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
     assert subprocess.run(["bash", "-n", str(ROOT / "bench/run_h200.sh")]).returncode == 0
 
 
-def test_async_save_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.async_save", "--tiny")
+def test_async_save_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "async_save")
     sync, background = result["runs"]["sync"], result["runs"]["async"]
     assert sync["blocked_s"] > 0 and background["blocked_s"] > 0
     assert sync["published_after_s"] >= sync["blocked_s"] and background["published_after_s"] > 0
@@ -225,8 +269,8 @@ def test_async_save_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_packing_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.packing", "--tiny")
+def test_packing_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "packing")
     layouts = result["layouts"]
     assert set(layouts) == {"packed", "padded", "full", "packed_before", "packed_upstream_rope"}
     assert result["vectorized_thd_rope"]
@@ -249,8 +293,8 @@ def test_packing_benchmark_runs_tiny(tmp_path):
         2 * (cp - 1) / cp * 128 * 2 * 16 * 4 for cp in (2, 4)]
 
 
-def test_vl_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.vl", "--tiny")
+def test_vl_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "vl")
     padded, packed = result["padded"], result["packed"]
     assert packed["rows"] < padded["rows"] == result["sequences_per_step"]
     assert packed["processed_tokens_per_step"] < padded["processed_tokens_per_step"]
@@ -261,8 +305,8 @@ def test_vl_benchmark_runs_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_tree_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.tree", "--tiny")
+def test_tree_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "tree")
     assert result["benchmark"] == "tree" and result["settings"]["order"] == ["flat", "tree", "tree", "flat"]
     batch = result["batch"]
     assert batch["tree_tokens"] < batch["original_tokens"] and batch["tree_rows"] <= batch["flat_rows"]
@@ -305,8 +349,8 @@ def test_tree_benchmark_permuted_trees_hold_every_sequence_elsewhere():
 
 
 @pytest.mark.slow
-def test_weight_sync_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.weight_sync", "--tiny", "--repeats", "1", "--steps", "2", "--warmup", "1")
+def test_weight_sync_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "weight_sync")
     sync = result["sync"]
     for figure in ("raw_write_s", "disk_sync_s", "engine_read_s", "colocated_sync_s", "collective_sync_s"):
         assert sync[figure] > 0, figure
@@ -441,8 +485,8 @@ def test_report_names_no_folder_of_the_machine_that_measured():
     assert report.portable(driver) == 'OUT=$OUT STEPS="tree" bash bench/run_h200.sh'
 
 
-def test_data_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.data", "--tiny", "--workdir", str(tmp_path / "work"))
+def test_data_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "data")
     first, second = result["first_run"], result["second_run"]
     assert first["built"] and not second["built"] and first["rows"] == second["rows"] == 400
     assert second["steps"] == 40 and second["trained_tokens"] > 0 and result["cache_bytes"] > 0

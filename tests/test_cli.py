@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import yaml
 from lightning_megatron.cli.megatron_cli import MegatronCLI
 from lightning_megatron.cli.vl import VLMegatronCLI
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests._background import Command, background_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -28,9 +27,64 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=_env())
+def _write_default_config(folder: Path, device: str) -> None:
+    """configs/tiny/mtp_only.yaml, 4 steps, writing under `folder` (the checkpoint made there on first use)."""
+    config = yaml.safe_load((ROOT / "configs/tiny/mtp_only.yaml").read_text())
+    config["trainer"].update(max_steps=4, val_check_interval=2, default_root_dir=str(folder), accelerator=device)
+    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(folder / "tiny")
+    config["trainer"]["strategy"]["init_args"]["precision"] = "fp32" if device == "cpu" else "bf16"
+    if device == "gpu":  # the GPU machine has no tensorboard; the CSV logger then holds the curves too
+        config["trainer"]["logger"] = config["trainer"]["logger"][1:]
+    for logger in config["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(folder)
+    for callback in config["trainer"]["callbacks"]:
+        if "dirpath" in callback.get("init_args", {}):
+            callback["init_args"]["dirpath"] = str(folder / Path(callback["init_args"]["dirpath"]).name)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+PREDICT_PROMPTS = [{"prompt": "What is the capital of France?"}, {"prompt": "How do I run the tests?"},
+                   {"messages": [{"role": "system", "content": "Answer briefly."},
+                                 {"role": "user", "content": "Write a function that adds two numbers."}]}]
+
+
+def _predict_inputs(folder: Path) -> None:
+    make_tiny_checkpoint(folder / "tiny", "qwen3", mtp=True)
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREDICT_PROMPTS))
+
+
+def _command(test: str, args, **options) -> Command:
+    return Command(test, args, _env, ROOT, **options)
+
+
+# the main job runs about a minute, mostly on one core: started when the session starts (tests/_background.py)
+EARLY_RUNS = {"main_job": _command("test_main_job_raises_acceptance_on_held_out_prompts", lambda folder: [
+    "lightning_megatron.cli.quickstart", "--workdir", str(folder / "work"), "--max-steps", "60"], timeout=600)}
+# the other processes the tests below read, started when the module starts, in the order the tests read them
+CLI_RUNS = {
+    "print_config": _command("test_print_config_shows_the_strategy_and_the_model_options", lambda folder: [
+        "lightning_megatron.cli", "fit", "--config", "configs/tiny/mtp_only.yaml", "--print_config"]),
+    "optimizer": _command("test_optimizer_group_is_refused_with_where_to_configure_it", lambda folder: [
+        "lightning_megatron.cli", "fit", "--config", "configs/tiny/mtp_only.yaml", "--make_tiny_checkpoint", "false",
+        "--optimizer", "torch.optim.AdamW", "--trainer.strategy.init_args.hf_checkpoint", str(folder / "empty")],
+        prepare=lambda folder: (folder / "empty").mkdir()),
+    **{f"default_fit[{device}]": _command(
+        f"test_default_config_fits_and_writes_logs_checkpoint_plot_audit_and_export[{device}]",
+        lambda folder: ["lightning_megatron.cli", "fit", "--config", str(folder / "config.yaml")],
+        prepare=lambda folder, device=device: _write_default_config(folder, device)) for device in ("cpu", "gpu")},
+    "predict": _command("test_predict_writes_hf_greedy_continuations_that_train_on_exactly_those_ids", lambda folder: [
+        "lightning_megatron.cli", "predict", "--config", "configs/tiny/generate.yaml",
+        "--trainer.strategy.init_args.hf_checkpoint", str(folder / "tiny"), "--trainer.default_root_dir", str(folder),
+        "--data.predict_path", str(folder / "prompts.jsonl"), "--trainer.strategy.init_args.micro_batch_size", "2",
+        "--model.max_new_tokens", "20", "--trainer.callbacks", json.dumps(
+            [{"class_path": "lightning_megatron.callbacks.ContinuationWriter",
+              "init_args": {"output_path": str(folder / "continuations.jsonl")}}])], prepare=_predict_inputs),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    yield from background_runs(request, tmp_path_factory, CLI_RUNS)
 
 
 class _ParseAndInstantiate(MegatronCLI):
@@ -66,16 +120,15 @@ def test_every_config_parses_and_instantiates(config: Path, tmp_path: Path, monk
             assert (ROOT / path).is_file(), f"{config}: {path} is not in the repository"
 
 
-def test_optimizer_group_is_refused_with_where_to_configure_it(tmp_path: Path) -> None:
-    completed = _cli("fit", "--config", "configs/tiny/mtp_only.yaml", "--make_tiny_checkpoint", "false",
-                     "--optimizer", "torch.optim.AdamW", "--trainer.strategy.init_args.hf_checkpoint", str(tmp_path))
+def test_optimizer_group_is_refused_with_where_to_configure_it(cli_runs) -> None:
+    completed, _ = cli_runs.result("optimizer")
     assert completed.returncode != 0
     assert "optimizer: not used with MegatronStrategy" in completed.stderr
     assert "model.lr" in completed.stderr
 
 
-def test_print_config_shows_the_strategy_and_the_model_options() -> None:
-    completed = _cli("fit", "--config", "configs/tiny/mtp_only.yaml", "--print_config")
+def test_print_config_shows_the_strategy_and_the_model_options(cli_runs) -> None:
+    completed, _ = cli_runs.result("print_config")
     assert completed.returncode == 0, completed.stderr[-3000:]
     printed = yaml.safe_load(completed.stdout)
     assert printed["trainer"]["strategy"]["class_path"] == "lightning_megatron.MegatronStrategy"
@@ -84,62 +137,37 @@ def test_print_config_shows_the_strategy_and_the_model_options() -> None:
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_default_config_fits_and_writes_logs_checkpoint_plot_audit_and_export(tmp_path: Path, device: str) -> None:
-    config = yaml.safe_load((ROOT / "configs/tiny/mtp_only.yaml").read_text())
-    config["trainer"].update(max_steps=4, val_check_interval=2, default_root_dir=str(tmp_path), accelerator=device)
-    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
-    config["trainer"]["strategy"]["init_args"]["precision"] = "fp32" if device == "cpu" else "bf16"
-    if device == "gpu":  # the GPU machine has no tensorboard; the CSV logger then holds the curves too
-        config["trainer"]["logger"] = config["trainer"]["logger"][1:]
-    for logger in config["trainer"]["logger"]:
-        logger["init_args"]["save_dir"] = str(tmp_path)
-    for callback in config["trainer"]["callbacks"]:
-        if "dirpath" in callback.get("init_args", {}):
-            callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-
-    completed = _cli("fit", "--config", str(path))
+def test_default_config_fits_and_writes_logs_checkpoint_plot_audit_and_export(cli_runs, device: str) -> None:
+    completed, folder = cli_runs.result(f"default_fit[{device}]")
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert (tmp_path / "tiny" / "config.json").is_file()  # made on first use
-    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert (folder / "tiny" / "config.json").is_file()  # made on first use
+    metrics = (folder / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
     for name in ("lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp", "tokens_per_s", "val_lm_loss",
                  "val_mtp_acceptance"):
         assert name in header
-    log_dir = tmp_path / ("tensorboard" if device == "cpu" else "csv") / "version_0"
+    log_dir = folder / ("tensorboard" if device == "cpu" else "csv") / "version_0"
     if device == "cpu":
         assert list(log_dir.glob("events.out.tfevents.*"))
     curves = json.loads((log_dir / "curves.json").read_text())
     assert [step for step, _ in curves["lm_loss"]] == [1, 2, 3, 4]
     assert len(curves["val_mtp_acceptance"]) == 2
     assert (log_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
-    assert (tmp_path / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert json.loads((folder / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
+    assert (folder / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()
+    assert (folder / "hf" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
-def test_predict_writes_hf_greedy_continuations_that_train_on_exactly_those_ids(tmp_path: Path) -> None:
+def test_predict_writes_hf_greedy_continuations_that_train_on_exactly_those_ids(cli_runs) -> None:
     from transformers import AutoTokenizer
 
     from lightning_megatron.data import SFTDataModule
     from lightning_megatron.speculative import greedy_decode, load_target
     from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
 
-    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", mtp=True)
-    prompts = [{"prompt": "What is the capital of France?"}, {"prompt": "How do I run the tests?"},
-               {"messages": [{"role": "system", "content": "Answer briefly."},
-                             {"role": "user", "content": "Write a function that adds two numbers."}]}]
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps(row) + "\n" for row in prompts))
-    output = tmp_path / "continuations.jsonl"
-    completed = _cli("predict", "--config", "configs/tiny/generate.yaml",
-                     "--trainer.strategy.init_args.hf_checkpoint", str(checkpoint),
-                     "--trainer.default_root_dir", str(tmp_path), "--data.predict_path", str(prompts_file),
-                     "--trainer.strategy.init_args.micro_batch_size", "2", "--model.max_new_tokens", "20",
-                     "--trainer.callbacks", json.dumps([{"class_path": "lightning_megatron.callbacks.ContinuationWriter",
-                                                         "init_args": {"output_path": str(output)}}]))
+    completed, folder = cli_runs.result("predict")
+    checkpoint, prompts, output = folder / "tiny", PREDICT_PROMPTS, folder / "continuations.jsonl"
     assert completed.returncode == 0, completed.stderr[-3000:]
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(rows) == len(prompts)
@@ -202,18 +230,17 @@ def test_validation_acceptance_equals_the_hf_reference(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_main_job_raises_acceptance_on_held_out_prompts(tmp_path: Path) -> None:
+def test_main_job_raises_acceptance_on_held_out_prompts(early_runs) -> None:
     """README command 1, shortened: continuations, MTP-only fit, acceptance before < after, identical outputs."""
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli.quickstart", "--workdir", str(tmp_path),
-                                "--max-steps", "60"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                               env=_env())
+    completed, folder = early_runs.result("main_job")
+    work = folder / "work"
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    before = json.loads((tmp_path / "acceptance_before" / "report.json").read_text())["summary"]
-    after = json.loads((tmp_path / "acceptance_after" / "report.json").read_text())["summary"]
+    before = json.loads((work / "acceptance_before" / "report.json").read_text())["summary"]
+    after = json.loads((work / "acceptance_after" / "report.json").read_text())["summary"]
     assert before["acceptance_rate"] < 0.05 < after["acceptance_rate"]
     assert before["all_identical"] and after["all_identical"]
     assert "MTP draft acceptance on held-out prompts: before" in completed.stdout
-    assert (tmp_path / "mtp_only" / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()
+    assert (work / "mtp_only" / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()
 
 
 @pytest.mark.slow

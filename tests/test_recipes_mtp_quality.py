@@ -4,22 +4,32 @@ model's own continuations, all through `lightning-megatron`."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._background import Command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+# started when the session starts (tests/_background.py): it runs about two minutes, mostly on one core
+EARLY_RUNS = {"mtp_quality": Command(
+    "test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost",
+    lambda folder: ["lightning_megatron.recipes.mtp_quality", str(folder / "out"), "--size", "cpu"], _env, ROOT,
+    timeout=600)}
+
+
 @pytest.mark.slow
-def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(tmp_path: Path) -> None:
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.recipes.mtp_quality", str(tmp_path),
-                                "--size", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(early_runs) -> None:
+    completed, folder = early_runs.result("mtp_quality")
+    out = folder / "out"
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    summary = json.loads((tmp_path / "mtp_quality.json").read_text())
+    summary = json.loads((out / "mtp_quality.json").read_text())
     heads = summary["heads"]
     for variant in ("self_distill", "labels_corpus", "labels_continuations"):
         assert heads["reset"]["greedy_acceptance"] < heads[variant]["greedy_acceptance"]
@@ -30,4 +40,4 @@ def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(tmp_path: P
     assert set(summary["targets"]) == {"self_distill_greedy_at_least_continuations",
                                        "self_distill_sampled_beats_continuations", "self_distill_greedy_over_joint"}
     assert summary["greedy_identical_throughout"] and summary["frozen_bit_identical"]
-    assert (tmp_path / "mtp_quality.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "mtp_quality.png").read_bytes()[:4] == b"\x89PNG"

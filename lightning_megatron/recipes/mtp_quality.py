@@ -26,13 +26,15 @@ defaults (300 joint steps, 200 MTP-only steps each, 12 prompts x 48 new tokens) 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from lightning_megatron.recipes import stdlib_corpus
 from lightning_megatron.recipes.steps import acceptance, derived_config, read_jsonl, run_cli, write_jsonl
 
 # what the CPU version changes in the GPU recipe so that the whole benchmark runs in the test suite
@@ -87,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return now
 
     clock = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lightning_megatron.recipes.stdlib_corpus", str(out), "--size", size,
-                    *CORPUS_OVERRIDES[size]],
-                   check=True, stdout=subprocess.DEVNULL)
+    with contextlib.redirect_stdout(io.StringIO()):  # its summary: the files are what the steps below read
+        stdlib_corpus.main([str(out), "--size", size, *CORPUS_OVERRIDES[size]])
     corpus, model = out / "corpus", out / "model"
     clock = step("corpus_s", clock)
     measure = MEASURE[size]
@@ -114,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"joint": measured("joint", joint / "hf")}
     clock = step("measure_joint_s", clock)
 
+    from lightning_megatron.mtp.restore import restore_mtp_head
+
     export_without_mtp(joint / "hf", out / "no_mtp")
     restored = out / "restored"
-    subprocess.run([sys.executable, "-m", "lightning_megatron.cli.restore_mtp", str(out / "no_mtp"), str(restored),
-                    "--init", "random", "--seed", "1"], check=True, stdout=subprocess.DEVNULL)
+    restore_mtp_head(out / "no_mtp", restored, init="random", seed=1)  # lightning-megatron-restore-mtp's work
     print(f"[2/5] exported without MTP, head restored at random: {restored}", flush=True)
     results["reset"] = measured("reset", restored, draft_tokens=(1,))
     clock = step("reset_and_measure_s", clock)

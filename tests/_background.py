@@ -1,0 +1,93 @@
+"""Commands that tests run each in its own process, started before the tests need them.
+
+Such a process spends most of its time importing torch, Megatron-Core and Lightning, or running a tiny model, on
+one core, so on the CI's two cores two of them finish in little more than the time of one. A module lists its
+commands once (`Command`, keyed by name); each test waits for its own and asserts on it as before. Nothing about a
+command changes: the same arguments, working directory and environment, a folder of its own; only when it runs.
+
+- a module's commands (`background_runs` in a module fixture): started when the module's first test runs, those
+  whose test was collected (and not skipped), in the order listed;
+- `EARLY_RUNS`, a dict a test module may define: its long single-process commands, started one after the other when
+  the session starts (tests/conftest.py's `early_runs`), so that they use the core that the one-process tests
+  before them leave idle, and are done by the time their test comes.
+
+At most two of these processes run at once, whatever started them (the CI machine's two cores and its memory).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+WORKERS = 2  # the CI machine's cores
+_RUNNING = threading.BoundedSemaphore(WORKERS)  # across all pools: at most two such processes (~1.2 GB each) at once
+
+
+@dataclass(frozen=True)
+class Command:
+    """`python -m <args(folder)...>` for the test named `test` (its node name: `test_x` or `test_x[param]`).
+
+    `prepare(folder)` runs first, in the test process, before any command starts (a checkpoint, a config file)."""
+
+    test: str
+    args: Callable[[Path], Sequence[str]]
+    env: Callable[[], dict[str, str]]
+    cwd: Path
+    timeout: int = 300
+    prepare: Callable[[Path], None] | None = None
+
+
+class BackgroundRuns:
+    """The module's commands, running; `result(name)` waits for one and gives its `CompletedProcess` and folder."""
+
+    def __init__(self, commands: dict[str, Command], root: Path, collected: Sequence[pytest.Item],
+                 workers: int = WORKERS) -> None:
+        wanted = {item.name for item in collected if item.get_closest_marker("skip") is None}
+        # no brackets in the folder names: libraries glob for files inside them (`default_fit[cpu]` would not match)
+        self._folders = {name: root / re.sub(r"\W", "_", name) for name, command in commands.items()
+                         if command.test in wanted}
+        for name, folder in self._folders.items():
+            folder.mkdir(parents=True)
+            if commands[name].prepare is not None:
+                commands[name].prepare(folder)
+        self._executor = ThreadPoolExecutor(workers)
+        # each environment taken now, in the test process's thread: a test that sets a variable later (TMPDIR for
+        # its own temporary folder) must not hand it to a command that starts meanwhile
+        self._runs: dict[str, Future[subprocess.CompletedProcess]] = {
+            name: self._executor.submit(_run, commands[name], folder, commands[name].env())
+            for name, folder in self._folders.items()}
+
+    def result(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        return self._runs[name].result(), self._folders[name]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _run(command: Command, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # output to files, not pipes: a child process left behind could hold a pipe open
+    args = [sys.executable, "-m", *command.args(folder)]
+    with _RUNNING, open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
+        completed = subprocess.run(args, cwd=command.cwd, stdout=stdout, stderr=stderr, timeout=command.timeout,
+                                   env=env)
+    return subprocess.CompletedProcess(args, completed.returncode, (folder / "stdout.txt").read_text(),
+                                       (folder / "stderr.txt").read_text())
+
+
+def background_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                    commands: dict[str, Command]):
+    """The body of a module-scoped fixture: `yield from background_runs(request, tmp_path_factory, COMMANDS)`."""
+    collected = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    runs = BackgroundRuns(commands, tmp_path_factory.mktemp("background"), collected)
+    try:
+        yield runs
+    finally:
+        runs.close()
