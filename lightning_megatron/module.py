@@ -19,6 +19,7 @@ from lightning_megatron.generate import eos_token_ids, greedy_continuations, voc
 from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs, whole_rows
 from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance
 from lightning_megatron.mtp.self_distill import MTP_LOSS_TYPES, MTPLossType
+from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.options import ModelOptions
 
 __all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
@@ -61,10 +62,15 @@ class MegatronLightningModule(pl.LightningModule):
 
 
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
-    """Response-only token loss: Megatron returns an unmasked per-token loss, the mask is the data's."""
+    """Response-only token loss: Megatron returns an unmasked per-token loss, the mask is the data's.
+
+    An MTP-only step that skipped the main head (`main_loss_skipped`) reports no `lm_loss`; its token count stays,
+    so Megatron scales the MTP gradients as always."""
     loss_mask = microbatch["loss_mask"].to(per_token_loss.device).float()
     loss_sum = (per_token_loss.float() * loss_mask).sum()
     num_tokens = loss_mask.sum().to(torch.int)
+    if main_loss_skipped(per_token_loss):
+        return loss_sum, num_tokens, {}
     return loss_sum, num_tokens, {"lm_loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
 
 
@@ -97,7 +103,8 @@ class SFTModule(MegatronLightningModule):
     `T = mtp_distill_temperature`, by KL divergence (`mtp.self_distill`): the target's own distribution on any
     text, no generation step, and what speculative sampling accepts. T = 1 matches the target's distribution;
     T -> 0 is hard labels on the model's own greedy text.
-    Logged every step: `lm_loss` (token-weighted over the global batch), `mtp_loss` (the hard-label cross-entropy,
+    Logged every step: `lm_loss` (token-weighted over the global batch; with `MTPOnlyCallback` only on the steps
+    it computes it, `log_lm_loss_every_n_steps`), `mtp_loss` (the hard-label cross-entropy,
     or with self-distillation the KL), `mtp_accuracy` (argmax = data token), and on MoE
     models `moe_aux_loss` (the load-balancing loss, averaged like Megatron-LM reports it); each
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
@@ -191,9 +198,12 @@ class SFTModule(MegatronLightningModule):
         return masked_token_loss(microbatch, output)
 
     def training_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
+        """Returns `lm_loss`, or on an MTP-only step that skips the main head (no `lm_loss` logged) `mtp_loss`."""
         strategy = self.megatron_strategy
         metrics = strategy.forward_backward(microbatches, self.forward_step, self.loss_func)
-        self.log("lm_loss", metrics["lm_loss"], prog_bar=True)
+        loss = metrics.get("lm_loss")
+        if loss is not None:
+            self.log("lm_loss", loss, prog_bar=True)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
             from lightning_megatron.mtp.parameters import read_and_reset_mtp_tracker
@@ -201,7 +211,8 @@ class SFTModule(MegatronLightningModule):
             mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device)
             self.log("mtp_loss", mtp_metrics["mtp_loss"], prog_bar=True)
             self.log("mtp_accuracy", mtp_metrics["mtp_accuracy"])
-        return metrics["lm_loss"]
+            loss = mtp_metrics["mtp_loss"] if loss is None else loss
+        return loss
 
     def _log_moe_aux_loss(self, num_microbatches: int) -> None:
         """`moe_aux_loss`: the routers' load-balancing loss (before its coefficient), apart from `lm_loss`."""

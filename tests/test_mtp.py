@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from lightning.pytorch.loggers import Logger
+
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.module import SFTModule
 from lightning_megatron.mtp.parameters import is_mtp_parameter
@@ -64,6 +66,23 @@ class Snapshot(pl.Callback):
         self.after = _named_parameters(pl_module)
 
 
+class RecordedLogs(Logger):
+    """The training metrics that reach a logger, one dict per logged step (what a real logger would write)."""
+
+    name, version = "recorded", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[dict[str, float]] = []
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if "mtp_loss" in metrics:
+            self.steps.append(dict(metrics))
+
+
 def _named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict[str, torch.Tensor]:
     from megatron.core.utils import unwrap_model
 
@@ -75,16 +94,19 @@ def _named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict
 def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = True, devices: int = 1,
          dataset: Any = None, lr: float = 1e-2, module_kwargs: dict | None = None, callbacks: tuple = (),
          skip_main_head_backward: bool = True, loss_chunk_tokens: int | None = 8, validate_every: int | None = None,
+         log_lm_loss_every_n_steps: int | None = 1, logger: Logger | None = None, log_every_n_steps: int = 1,
          **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot = Snapshot()
     mtp_only_callback = MTPOnlyCallback(skip_main_head_backward=skip_main_head_backward,
-                                        loss_chunk_tokens=loss_chunk_tokens)
+                                        loss_chunk_tokens=loss_chunk_tokens,
+                                        log_lm_loss_every_n_steps=log_lm_loss_every_n_steps)
     callbacks = [snapshot, *callbacks] + ([mtp_only_callback] if mtp_only else [])
     validation = dict(val_check_interval=validate_every, limit_val_batches=2, num_sanity_val_steps=0)
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
-                         devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
+                         devices=devices, max_steps=steps, logger=logger or False, enable_checkpointing=False,
+                         log_every_n_steps=log_every_n_steps,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=callbacks, **(validation if validate_every else {}))
     # MTP-only detaches the head, as the MTP-only configs do (it then logs grad_norm_mtp)
@@ -151,19 +173,26 @@ def test_the_audit_checksum_does_not_depend_on_its_chunk_size():
 
 
 def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: str, parallel: dict) -> dict:
-    """Chunked losses (default) and whole logits (the previous implementation) on the same ranks."""
+    """Chunked losses with the main head in every step, whole logits (the previous implementation) and chunked
+    losses with the main head on demand (the default: in the steps the logger records) on the same ranks."""
     from megatron.core import parallel_state
 
-    runs = {}
-    for name, chunk_tokens in (("chunked", 8), ("whole_logits", None)):
-        heads = HeadGradients()
+    runs, logs = {}, {}
+    for name, chunk_tokens, every in (("chunked", 8, 1), ("whole_logits", None, 1), ("on_demand", 8, None)):
+        heads, logs[name] = HeadGradients(), RecordedLogs()
         snapshot, trainer = _fit(Path(tmp) / name, Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,),
-                                 loss_chunk_tokens=chunk_tokens, **parallel)
+                                 loss_chunk_tokens=chunk_tokens, log_lm_loss_every_n_steps=every, logger=logs[name],
+                                 log_every_n_steps=2, **parallel)
         runs[name] = snapshot, trainer, heads
     (snapshot, trainer, heads), (whole, _, whole_heads) = runs["chunked"], runs["whole_logits"]
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
     torch.distributed.barrier()  # global rank 0 writes the audits at the end of fit
+    audits = {name: json.loads((Path(tmp) / name / "mtp_only_audit.json").read_text()) for name in runs}
+    _assert_main_head_on_demand_changes_only_lm_loss(
+        (runs["on_demand"][0], runs["on_demand"][2], audits["on_demand"]), (snapshot, heads, audits["chunked"]),
+        logs["on_demand"].steps, logs["chunked"].steps)
     return {
+        "main_head_calls": [heads.training_calls, runs["on_demand"][2].training_calls],
         "has_mtp": bool(mtp),
         "frozen_moved": [name for name in snapshot.before if name not in mtp
                          and not torch.equal(snapshot.before[name], snapshot.after[name])],
@@ -178,7 +207,7 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
         "chunked_mtp_loss": [heads.chunked_mtp_loss, whole_heads.chunked_mtp_loss],
         "metrics": [snapshot.metrics, whole.metrics],
         "mtp_grads": [snapshot.mtp_grads, whole.mtp_grads],
-        "audits": [json.loads((Path(tmp) / name / "mtp_only_audit.json").read_text()) for name in runs],
+        "audits": [audits["chunked"], audits["whole_logits"]],
     }
 
 
@@ -187,7 +216,8 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
                                       dict(pipeline_model_parallel_size=2)], ids=["tp2", "pp2"])
 def test_mtp_only_under_tensor_and_pipeline_parallelism(checkpoints, tmp_path, parallel):
     """MTP-only trains the MTP head alone on every rank; chunked losses log the same `lm_loss`, `mtp_loss`,
-    `mtp_accuracy`, give the same MTP gradients and the same audit as whole logits."""
+    `mtp_accuracy`, give the same MTP gradients and the same audit as whole logits; so does the main head on demand
+    (`lm_loss` in the logged steps only, computed there on the last stage alone)."""
     results = run_distributed(_distributed_mtp_only, tmp_path, str(tmp_path), str(checkpoints["qwen3_mtp"]), parallel)
     for result in results:
         assert result["frozen_moved"] == [] and result["mtp_unchanged"] == [] and result["trainable_is_mtp"]
@@ -197,6 +227,8 @@ def test_mtp_only_under_tensor_and_pipeline_parallelism(checkpoints, tmp_path, p
         # the main LM head's backward is skipped on the last stage (the TP ranks alike), the MTP head's runs
         expected = {"mtp": 4, "main": 0} if result["last_stage"] else {"mtp": 0, "main": 0}
         assert result["head_gradients"] == [expected, expected]
+        # 2 steps x 2 microbatches, each the MTP depth's and 4 main-head chunks; on demand only in step 2
+        assert result["main_head_calls"] == ([20, 4 + 2 * 4] if result["last_stage"] else [0, 0])
         assert result["chunked_mtp_loss"] == [result["last_stage"], False]
         chunked, whole = result["metrics"]
         assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp"} <= set(chunked[-1])
@@ -279,6 +311,7 @@ class HeadGradients(pl.Callback):
         from megatron.core.utils import unwrap_model
 
         self.gradients = {"mtp": 0, "main": 0}
+        self.training_calls = 0  # output-layer calls in training forwards, main-head chunks under no_grad too
         self.main_logits_require_grad: list[bool] = []
         self.chunked_mtp_loss = False
         for chunk in pl_module.model:
@@ -290,6 +323,7 @@ class HeadGradients(pl.Callback):
                 model.output_layer.register_forward_hook(partial(self._count, calls))
 
     def _count(self, calls: list[str], module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        self.training_calls += module.training
         if not torch.is_grad_enabled():
             return
         kind = "mtp" if not calls else "main"
@@ -324,17 +358,24 @@ def test_skipping_the_main_head_backward_changes_nothing_but_the_work(process_gr
     """Three implementations of the same MTP-only step: chunked losses (default), whole logits with the main
     head's backward skipped (`loss_chunk_tokens=None`), and plain Megatron-Core (`skip_main_head_backward=False`).
     bf16 also checks the audit's reference point: the norm weights are built in fp32 and cast by the wrap."""
-    runs = {}
+    runs, logs = {}, {}
     for name, options in {"chunked": {}, "whole_logits": {"loss_chunk_tokens": None},
-                          "plain": {"skip_main_head_backward": False}}.items():
-        heads = HeadGradients()
+                          "plain": {"skip_main_head_backward": False},
+                          "on_demand": {"log_lm_loss_every_n_steps": None}}.items():
+        heads, logs[name] = HeadGradients(), RecordedLogs()
         snapshot, _ = _fit(tmp_path / name, checkpoints[model], 3, precision=precision, callbacks=(heads,),
-                           validate_every=2, **options)
+                           validate_every=2, logger=logs[name], log_every_n_steps=2, **options)
         _assert_only_mtp_moved(snapshot)
         audit = json.loads((tmp_path / name / "mtp_only_audit.json").read_text())
         runs[name] = snapshot, heads, audit
     (chunked, chunked_heads, chunked_audit), (whole, whole_heads, whole_audit), (plain, plain_heads, plain_audit) = (
-        runs.values())
+        list(runs.values())[:3])
+    _assert_main_head_on_demand_changes_only_lm_loss(runs["on_demand"], runs["chunked"], logs["on_demand"].steps,
+                                                     logs["chunked"].steps)
+    # per microbatch, the MTP depth's call and (chunked) 32 tokens / 8 main-head chunks; on demand only in the
+    # logged step 2 (log_every_n_steps=2)
+    assert chunked_heads.training_calls == 3 * 2 * (1 + 4) and runs["on_demand"][1].training_calls == 6 + 1 * 2 * 4
+    assert whole_heads.training_calls == plain_heads.training_calls == 3 * 2 * 2
     # 3 steps x 2 microbatches: the MTP head's backward runs in all; the main head's only in the plain one, and with
     # chunked losses the main logits are made chunk by chunk without grad
     assert chunked_heads.chunked_mtp_loss and not whole_heads.chunked_mtp_loss and not plain_heads.chunked_mtp_loss
@@ -344,6 +385,30 @@ def test_skipping_the_main_head_backward_changes_nothing_but_the_work(process_gr
     _assert_same_training(whole, plain, exact=True)
     _assert_same_training(chunked, whole, exact=False)
     assert chunked_audit == whole_audit == plain_audit and chunked_audit["frozen_bit_identical"]
+
+
+def _assert_main_head_on_demand_changes_only_lm_loss(on_demand: tuple, every_step: tuple, on_demand_logs: list,
+                                                    every_step_logs: list) -> None:
+    """The main head on demand (`MTPOnlyCallback`'s default: in the steps the logger records, every second one
+    here) against the main head in every step: the same MTP losses, accuracies, grad norms, validation, MTP
+    gradients, weights and audit; the same `lm_loss` in every logged step; none logged in the first step, which
+    skipped the head (the only step before any value could be stale)."""
+    (ours, ours_heads, ours_audit), (theirs, theirs_heads, theirs_audit) = on_demand, every_step
+    assert ours_heads.gradients == theirs_heads.gradients and ours_audit == theirs_audit
+    assert ours_audit["frozen_bit_identical"]
+    assert "lm_loss" not in ours.metrics[0] and "lm_loss" in theirs.metrics[0]
+    for mine, other in zip(ours.metrics, theirs.metrics, strict=True):  # callback_metrics keep a stale lm_loss
+        mine, other = ({k: v for k, v in metrics.items() if k != "lm_loss"} for metrics in (mine, other))
+        assert mine.keys() == other.keys() and mine == pytest.approx(other, rel=0, abs=1e-6)
+    for mine, other in zip(ours.mtp_grads, theirs.mtp_grads, strict=True):
+        assert mine.keys() == other.keys()
+        for name in mine:
+            torch.testing.assert_close(mine[name], other[name], rtol=0, atol=1e-6)
+    for name in ours.after:
+        torch.testing.assert_close(ours.after[name], theirs.after[name], rtol=0, atol=1e-6)
+    assert on_demand_logs and len(on_demand_logs) == len(every_step_logs)
+    for mine, other in zip(on_demand_logs, every_step_logs):
+        assert "lm_loss" in mine and mine.keys() == other.keys() and mine == pytest.approx(other, rel=0, abs=1e-6)
 
 
 class UnfreezeOutputLayer(pl.Callback):
@@ -429,11 +494,12 @@ def test_joint_training_lets_the_mtp_loss_train_the_trunk_unless_detached(proces
 
 
 def _expect_rejection(tmp_path: Path, hf_checkpoint: Path, message: str, *, bridge_type: str = "megatron-bridge",
-                      module_kwargs: dict | None = None, mtp_only: bool = True) -> None:
+                      module_kwargs: dict | None = None, mtp_only: bool = True,
+                      mtp_only_callback: MTPOnlyCallback | None = None) -> None:
     strategy = MegatronStrategy(hf_checkpoint=str(hf_checkpoint), bridge_type=bridge_type, precision="fp32")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
-                         callbacks=[MTPOnlyCallback()] if mtp_only else [])
+                         callbacks=[mtp_only_callback or MTPOnlyCallback()] if mtp_only else [])
     with pytest.raises(ValueError, match=message):
         trainer.fit(SFTModule(**({"enable_mtp": True} | (module_kwargs or {}))),
                     DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
@@ -461,6 +527,15 @@ def test_mtp_only_with_moe_expert_bias_updates_is_rejected(process_group, checkp
     with pytest.raises(ValueError, match="expert bias every step \\(moe_router_enable_expert_bias\\)"):
         trainer.fit(ExpertBiasSFTModule(enable_mtp=True), DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
     assert strategy.model_chunks == []
+
+
+def test_an_lm_loss_interval_that_would_log_stale_values_is_rejected(process_group, checkpoints, tmp_path):
+    """Lightning sends a logger the last value of a metric a step did not log: with the trainer's
+    log_every_n_steps (50) an interval of 3 would log stale lm_loss values."""
+    _expect_rejection(tmp_path, checkpoints["qwen3_mtp"], r"log_lm_loss_every_n_steps: 3 must divide the trainer's "
+                      r"log_every_n_steps \(50\)", mtp_only_callback=MTPOnlyCallback(log_lm_loss_every_n_steps=3))
+    with pytest.raises(ValueError, match="log_lm_loss_every_n_steps: 0 must be at least 1"):
+        MTPOnlyCallback(log_lm_loss_every_n_steps=0)
 
 
 def test_mtp_only_without_mtp_training_is_rejected(process_group, checkpoints, tmp_path):

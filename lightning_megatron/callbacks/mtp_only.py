@@ -3,7 +3,8 @@
 In `setup` (the model exists: the strategy built it in `setup_environment`; Megatron DDP and the optimizer do not,
 so they only ever see the MTP parameters) every non-MTP parameter is frozen, shared embeddings and output
 projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
-backward hangs off it; by default its values are computed but its own backward is skipped (`mtp_only_graph`). At
+backward hangs off it; by default its values are computed only on the steps that log them and its own backward is
+skipped (`mtp.skip_main_head`). At
 the end of fit an audit compares a checksum of every frozen tensor with its value when training started (after the
 wrap and any checkpoint restore, before the first step; no copy of the weights is kept) and writes the result as
 JSON; a frozen tensor that changed fails the run.
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from lightning_megatron.bridges import capable_backends
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
-from lightning_megatron.mtp.skip_main_head import skip_main_lm_head_backward
+from lightning_megatron.mtp.skip_main_head import MainLossOnDemand, skip_main_lm_head_backward
 
 if TYPE_CHECKING:
     from lightning_megatron.strategy import MegatronStrategy
@@ -42,12 +43,26 @@ class MTPOnlyCallback(pl.Callback):
     time, so no `[tokens, vocab]` fp32 tensor outlives a chunk and the main logits never exist whole
     (`mtp_only_graph`); the logged values and gradients are the same to fp32 rounding. None: whole logits, as
     before.
+    `log_lm_loss_every_n_steps` (with `loss_chunk_tokens`): the main head (output layer and cross-entropy, about 14%
+    of a 0.6B MTP-only step) runs only every n-th optimizer step (`(global_step + 1) % n == 0`, Lightning's own
+    rule for `log_every_n_steps`) and always in validation; the other steps skip it and log no `lm_loss`, with the
+    same `mtp_loss`, `mtp_accuracy` and MTP gradients. Default (null): the trainer's `log_every_n_steps`, the steps
+    whose metrics reach the loggers; 1: every step. It must divide `log_every_n_steps`: Lightning sends a logger
+    the last value of a metric a step did not log, so every logged step must compute it. In between,
+    `trainer.callback_metrics["lm_loss"]` (progress bar, callbacks) keeps the last computed value. With whole
+    logits the main head runs every step.
     """
 
     def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True,
-                 loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> None:
+                 loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+                 log_lm_loss_every_n_steps: int | None = None) -> None:
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens: {loss_chunk_tokens} must be at least 1 (or null for whole logits)")
+        if log_lm_loss_every_n_steps is not None and log_lm_loss_every_n_steps < 1:
+            raise ValueError(f"log_lm_loss_every_n_steps: {log_lm_loss_every_n_steps} must be at least 1 (or null "
+                             "for the trainer's log_every_n_steps)")
+        self.log_lm_loss_every_n_steps = log_lm_loss_every_n_steps
+        self._main_loss = MainLossOnDemand()
         self.audit_path = audit_path
         self.skip_main_head_backward = skip_main_head_backward
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -65,6 +80,11 @@ class MTPOnlyCallback(pl.Callback):
         if not getattr(module, "enable_mtp_training", False):
             raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
                              "(enable_mtp_training then defaults to true)")
+        every, logged_every = self.log_lm_loss_every_n_steps, module.trainer.log_every_n_steps
+        if every is not None and logged_every % every:
+            raise ValueError(f"log_lm_loss_every_n_steps: {every} must divide the trainer's log_every_n_steps "
+                             f"({logged_every}), so that every step a logger records computes lm_loss; to log it less "
+                             "often raise log_every_n_steps, or leave log_lm_loss_every_n_steps null")
         overrides = module.model_options().config_overrides
         provider = bridge.auto_bridge.to_megatron_provider(load_weights=False)
         if overrides.get("moe_router_enable_expert_bias", getattr(provider, "moe_router_enable_expert_bias", False)):
@@ -80,7 +100,15 @@ class MTPOnlyCallback(pl.Callback):
         last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.trainable = freeze_non_mtp_parameters(chunks, allow_missing_mtp=not last_stage)
         if self.skip_main_head_backward:
-            self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens)
+            self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens,
+                                                            on_demand=self._main_loss)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """One Lightning batch is one optimizer step under MegatronStrategy, so `global_step + 1` is the step the
+        logger connector checks (a stop already asked for logs that step too); the same on every rank."""
+        every = self.log_lm_loss_every_n_steps or trainer.log_every_n_steps
+        self._main_loss.compute = trainer.should_stop or (every > 0 and (trainer.global_step + 1) % every == 0)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The reference checksums: after the wrap (bf16 casts the norm weights the model was built with in fp32)
@@ -88,6 +116,7 @@ class MTPOnlyCallback(pl.Callback):
         self._frozen_checksums = _frozen_checksums(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._main_loss.compute = True
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -21,6 +21,13 @@ so its logits never exist whole; the MTP head's loss, which does backpropagate i
 `chunked_cross_entropy` (the model's `compute_language_model_loss`, which `GPTModel` hands `process_mtp_loss`, is
 replaced for the fit by `self_distill.MTPDepthLoss`, which self-distillation shares) and keeps its bf16 logits instead of an fp32 softmax. Values and gradients are the same to
 fp32 rounding; `chunk_tokens=None` is the previous implementation.
+
+With chunked losses the main head also runs on demand (`MainLossOnDemand`): in MTP-only training `lm_loss` is only
+a number to log, so on training steps that do not log it neither the main output layer nor its cross-entropy runs.
+The model's output is then `_SkippedMainLoss`: zeros of the per-token loss's shape, tied to the same hidden states
+with the same zero gradient, so the MTP loss's backward and every MTP gradient are unchanged; `main_loss_skipped`
+tells a loss function the output holds no main loss (SFTModule then logs no `lm_loss`). Validation (no grad) always
+runs the main head.
 """
 
 from __future__ import annotations
@@ -47,6 +54,34 @@ class _ZeroGradientTie(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, torch.Tensor]:
         shape, dtype, device = ctx.hidden_layout
         return None, torch.zeros(shape, dtype=dtype, device=device)
+
+
+class _SkippedMainLoss(torch.autograd.Function):
+    """The model's output on a step that skips the main head: zeros in the per-token loss's place, tied to `hidden`
+    with a zero gradient like `_ZeroGradientTie`; its own class so `main_loss_skipped` can tell it apart."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, loss_shape: torch.Size) -> torch.Tensor:
+        ctx.hidden_layout = (hidden.shape, hidden.dtype, hidden.device)
+        return torch.zeros(loss_shape, dtype=torch.float32, device=hidden.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        shape, dtype, device = ctx.hidden_layout
+        return torch.zeros(shape, dtype=dtype, device=device), None
+
+
+def main_loss_skipped(output: torch.Tensor) -> bool:
+    """Whether a model output is `_SkippedMainLoss`'s: no main head ran, so it holds no main loss to report."""
+    return isinstance(getattr(output, "grad_fn", None), _SkippedMainLoss._backward_cls)
+
+
+class MainLossOnDemand:
+    """Whether the next training forwards compute the main loss (`compute`), shared by every hooked chunk; its
+    owner (`MTPOnlyCallback`) sets it before each step."""
+
+    def __init__(self) -> None:
+        self.compute = True
 
 
 class _MainHeadShortcut:
@@ -109,11 +144,12 @@ class _ChunkedMainLoss:
     output layer and `compute_language_model_loss` under `no_grad`, the per-token loss tied to the hidden states
     `MTPLossAutoScaler` returned with a zero gradient (so the MTP loss's backward still runs)."""
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int, on_demand: MainLossOnDemand) -> None:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
         self.autoscaler_node = MTPLossAutoScaler._backward_cls
         self.chunk_tokens = chunk_tokens
+        self.on_demand = on_demand
         # Megatron-Core's own (fused when configured) loss: nothing backpropagates through the main head's chunks,
         # so they need no chunked backward
         self.language_model_loss = type(model).compute_language_model_loss.__get__(model)
@@ -135,6 +171,8 @@ class _ChunkedMainLoss:
             raise RuntimeError("MTPOnlyCallback: the main head's input is not MTPLossAutoScaler's output; "
                                "megatron-core's call pattern changed, pass MTPOnlyCallback(loss_chunk_tokens=None)")
         _refuse_trainable_head(output_layer, output_weight)
+        if not self.on_demand.compute:
+            return _SkippedMainLoss.apply(hidden_states, labels.shape)
         loss = torch.empty(labels.shape, dtype=torch.float32, device=hidden_states.device)
         with torch.no_grad():
             for hidden_slice, label_slice in self._token_chunks(hidden_states, output_layer.sequence_parallel):
@@ -162,13 +200,14 @@ def _tensor_parallel_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
-                               ) -> list[RemovableHandle | DepthLossHandle]:
+def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+                               on_demand: MainLossOnDemand | None = None) -> list[RemovableHandle | DepthLossHandle]:
     """Hook every last-stage chunk with an MTP block (unwrapped GPTModels, before DDP); returns the handles.
 
     Only valid when every non-MTP parameter is frozen on this rank (checked: `freeze_non_mtp_parameters` first).
     Chunks without the output layer (earlier pipeline stages, virtual chunks before the last) get no hooks.
     `chunk_tokens`: both heads' losses in chunks of that many tokens (module docstring); None: whole logits.
+    `on_demand` (with `chunk_tokens`): training forwards skip the main head while its `compute` is false.
     """
     from megatron.core.utils import unwrap_model
 
@@ -183,7 +222,7 @@ def skip_main_lm_head_backward(chunks: list[torch.nn.Module], *, chunk_tokens: i
         if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
             continue
         if chunk_tokens is not None:
-            chunked = _ChunkedMainLoss(model, chunk_tokens)
+            chunked = _ChunkedMainLoss(model, chunk_tokens, on_demand or MainLossOnDemand())
             handles += [model.register_forward_pre_hook(chunked.before_model, with_kwargs=True),
                         *use_mtp_depth_loss([model], label_chunk_tokens=chunk_tokens)]
             continue
