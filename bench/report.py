@@ -114,6 +114,7 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
 
 _MTP_MEMORY_VARIANTS = {"joint": "lightning_megatron, joint with MTP",
                         "mtp_only": "lightning_megatron, MTP-only (`MTPOnlyCallback`)",
+                        "mtp_only_lm_loss_every_step": "lightning_megatron, MTP-only, main head in every step",
                         "plain_mtp_only": "plain Megatron-Core MTP-only loop (non-MTP frozen)"}
 _MTP_MEMORY_FIGURES = {  # figure -> (label, formatter, unit after the target)
     "mtp_only_over_joint_peak_memory": ("MTP-only / joint peak memory", _times, "x"),

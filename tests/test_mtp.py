@@ -13,9 +13,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-
 from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.module import SFTModule

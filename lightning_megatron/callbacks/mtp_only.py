@@ -103,6 +103,11 @@ class MTPOnlyCallback(pl.Callback):
             self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens,
                                                             on_demand=self._main_loss)
 
+    @property
+    def main_head_runs(self) -> bool:
+        """Whether the training step in flight runs the main head (false only on a step that skips it)."""
+        return self._main_loss.compute or not (self.skip_main_head_backward and self.loss_chunk_tokens is not None)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         """One Lightning batch is one optimizer step under MegatronStrategy, so `global_step + 1` is the step the
