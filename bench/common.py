@@ -16,9 +16,10 @@ with h hidden, f FFN, q = heads * head_dim, k = KV groups * head_dim, V the voca
 passes each part needs: 3 (forward, input gradient, weight gradient) or fewer. Joint training is Megatron-LM's count:
 every p = 3. The s^2 term is Q K^T and softmax(.) V, halved by the causal mask. MTP-only training counts what it
 needs: the frozen backbone forward only (p_b = 1), the MTP layer with its projection and norms fully (p_m = 3), the
-main LM head forward only (p_o = 1: `lm_loss` is still logged) and the MTP LM head forward plus its input gradient
-(p_mo = 2: the shared output weight is frozen). MFU = F / step time / peak; the peak is the H200's dense bf16
-989.4 TFLOP/s (no MFU elsewhere unless `--peak-tflops` says what the peak is).
+main LM head forward only (p_o = 1, `MTP_ONLY`) on the steps that log `lm_loss` and not at all on the others
+(p_o = 0, `MTP_ONLY_WITHOUT_MAIN_HEAD`: `MTPOnlyCallback` skips it there), and the MTP LM head forward plus its
+input gradient (p_mo = 2: the shared output weight is frozen). MFU = F / step time / peak; the peak is the H200's
+dense bf16 989.4 TFLOP/s (no MFU elsewhere unless `--peak-tflops` says what the peak is).
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ class Passes:
 
 JOINT = Passes()
 MTP_ONLY = Passes(backbone=1, mtp=3, main_head=1, mtp_head=2)
+MTP_ONLY_WITHOUT_MAIN_HEAD = Passes(backbone=1, mtp=3, main_head=0, mtp_head=2)
 
 
 def model_flops(shape: ModelShape, sequences: int, seq_length: int, passes: Passes = JOINT, *,

@@ -63,7 +63,7 @@ from bench.common import (
     scratch_dir,
     throughput,
 )
-from lightning_megatron import SFTModule
+from lightning_megatron import MTPOnlyCallback, SFTModule
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.datasets import RandomTokenDataset
@@ -87,6 +87,8 @@ class Settings:
     random_weights: bool = False
     loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     mtp_loss_type: str = "labels"
+    log_lm_loss_every_n_steps: int | None = 1  # MTPOnlyCallback's; None: on demand (its default)
+    log_every_n_steps: int = 50  # the Trainer's (Lightning's default)
 
     @property
     def global_batch(self) -> int:
@@ -126,8 +128,9 @@ class StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.step_times_s: list[float] = []
-        self.losses: list[float] = []
+        self.losses: list[float | None] = []
         self.mtp_losses: list[float] = []
+        self.main_head_steps: list[bool] = []
         self.setup_peak_memory_gib: float | None = None
         self._previous_end = 0.0
 
@@ -142,7 +145,10 @@ class StepTimer(pl.Callback):
         end = _synchronized_now()
         self.step_times_s.append(end - self._previous_end)
         self._previous_end = end
-        self.losses.append(float(outputs["loss"]))
+        mtp_only = [callback for callback in trainer.callbacks if isinstance(callback, MTPOnlyCallback)]
+        main_head = not mtp_only or mtp_only[0].main_head_runs
+        self.main_head_steps.append(main_head)
+        self.losses.append(float(outputs["loss"]) if main_head else None)  # else the step returned mtp_loss
         self.mtp_losses.append(float(trainer.callback_metrics["mtp_loss"]))
 
 
@@ -168,7 +174,7 @@ def run_lightning(settings: Settings, vocab: int, *, mtp_only: bool, callbacks: 
 
 def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: bool,
                    callbacks: tuple[pl.Callback, ...], max_epochs: int | None) -> dict[str, Any]:
-    from lightning_megatron import MegatronStrategy, MTPOnlyCallback
+    from lightning_megatron import MegatronStrategy
 
     fresh_memory()
     at_start = allocated_gib()
@@ -176,7 +182,8 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
     callbacks = (timer, *callbacks)
     if mtp_only:
         callbacks += (MTPOnlyCallback(audit_path=str(workdir / "mtp_only_audit.json"),
-                                      loss_chunk_tokens=settings.loss_chunk_tokens),)
+                                      loss_chunk_tokens=settings.loss_chunk_tokens,
+                                      log_lm_loss_every_n_steps=settings.log_lm_loss_every_n_steps),)
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
         global_batch_size=settings.global_batch, precision=settings.precision,
@@ -187,12 +194,14 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
         max_steps=-1 if max_epochs else settings.total_steps, max_epochs=max_epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=list(callbacks),
+        log_every_n_steps=settings.log_every_n_steps,
     )
     loader = DataLoader(settings.dataset(vocab), batch_size=settings.micro_batch, drop_last=True)
     module_class = RandomWeightsSFTModule if settings.random_weights else SFTModule
     trainer.fit(module_class(enable_mtp=True, lr=settings.lr, mtp_loss_type=settings.mtp_loss_type), loader)
     release_model(strategy.model_chunks)
     result = {"step_times_s": timer.step_times_s, "losses": timer.losses, "mtp_losses": timer.mtp_losses,
+              "main_head_steps": timer.main_head_steps,
               "memory_at_start_gib": at_start, "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
               "peak_memory_gib": own_gib(peak_memory_gib(), at_start)}
     if mtp_only:

@@ -5,13 +5,19 @@ checkpoint (`ModelOptions(random_weights=True)`: no weights are written or read)
 megatron-bridge, one MTP layer, seq 2048, random tokens, all in this one process:
 
 - Qwen3-0.6B (tied), micro-batch 2 x 4: Lightning joint (`SFTModule(enable_mtp=True)`), Lightning MTP-only
-  (`MTPOnlyCallback`), the same with the self-distillation MTP loss (`mtp_loss_type="self_distill"`, issue 33's
-  memory target: <= 0.25x joint), the same with whole-logits cross-entropy (`MTPOnlyCallback(loss_chunk_tokens=None)`, what
-  the token chunks cost in time), and the plain Megatron-Core MTP-only loop (`bench/megatron_loop.py`: every
-  non-MTP parameter `requires_grad=False`, nothing else). Targets: MTP-only / joint peak memory <= 0.25, step time
-  <= 0.42.
-- Qwen3-8B (hidden 4096, 36 layers, 32/8 heads, FFN 12288, untied), micro-batch 1 x 4: the same but joint.
-  Targets: peak <= 23.6 GiB (the plain loop's figure in issue 21), step <= 0.348 s.
+  (`MTPOnlyCallback()`, its defaults: token-chunked cross-entropies, the main head only on the steps that log
+  `lm_loss`, every `--log-every-n-steps`), the same with the main head in every step
+  (`log_lm_loss_every_n_steps=1`: what skipping it saves), the same with the self-distillation MTP loss
+  (`mtp_loss_type="self_distill"`, issue 33's memory target: <= 0.25x joint), the same with whole-logits
+  cross-entropy (`MTPOnlyCallback(loss_chunk_tokens=None)`, the previous implementation, the main head in every
+  step), and the plain Megatron-Core MTP-only loop (`bench/megatron_loop.py`: every non-MTP parameter
+  `requires_grad=False`, nothing else). Targets: MTP-only / joint peak memory <= 0.25, step time <= 0.42.
+- Qwen3-8B (hidden 4096, 36 layers, 32/8 heads, FFN 12288, untied), micro-batch 1 x 4: the same but joint and the
+  main head in every step. Targets: peak <= 23.6 GiB (the plain loop's figure in issue 21), step <= 0.348 s.
+
+Each run reports tokens/s and MFU on the model FLOPs it really runs (`bench/common.py`): per timed step
+`MTP_ONLY` where the main head ran and `MTP_ONLY_WITHOUT_MAIN_HEAD` where it was skipped (`main_head_steps`), plus
+the teacher's vocabulary projection for self-distillation; joint `JOINT`.
 
 Runs alternate in mirrored rounds (a, b, c, c, b, a) as in `bench/lightning_overhead.py`, whose run functions
 these are: the median step time over the timed steps of all rounds, the training steps' peak memory
@@ -25,12 +31,18 @@ to find the largest live total during the training steps, and the blocks live at
 innermost stack frame in megatron-core, lightning_megatron or bench. The JSON holds the table; the markdown
 version goes to `--breakdown-md` (default: `mtp_memory_breakdown.md` beside `--out`).
 
+Profile: one more short MTP-only run per shape profiles one step with `torch.profiler`
+(`bench/packing_profile.py`'s `profile_figures`): the GPU-busy fraction of the step (the union of device activity
+over the median un-profiled step time of the `mtp_only` arm), kernels and kernel launches per step, synchronising
+calls, the top kernels and CPU operators (on the CPU, `--tiny`, only the host's figures).
+
 `--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU, a few steps (what tests/test_bench.py runs; no breakdown).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +54,7 @@ import torch
 from bench.common import (
     JOINT,
     MTP_ONLY,
+    MTP_ONLY_WITHOUT_MAIN_HEAD,
     QWEN3_0_6B,
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
@@ -57,6 +70,7 @@ from bench.common import (
     scratch_dir,
 )
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
+from bench.packing_profile import profile_figures, profiler
 
 GIB = 1024**3
 MARKER_BYTES = 3 * 1024**2 + 7 * 512  # one allocation of this size marks where training starts in the trace
@@ -78,20 +92,24 @@ class ShapeRun:
 
 SHAPES = (
     ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, microbatches=4,
-             variants=("joint", "mtp_only", "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"),
+             variants=("joint", "mtp_only", "mtp_only_lm_loss_every_step", "mtp_only_self_distill",
+                       "mtp_only_whole_logits", "plain_mtp_only"),
              targets={"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
                       "self_distill_over_joint_peak_memory": 0.25}),
     ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, microbatches=4,
              variants=("mtp_only", "mtp_only_whole_logits", "plain_mtp_only"),
              targets={"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}),
 )
-TINY = dict(seq=32, steps=2, warmup=1, rounds=1, precision="fp32", breakdown_steps=0)
+TINY = dict(seq=32, steps=2, warmup=1, rounds=1, precision="fp32", breakdown_steps=0, log_every_n_steps=2)
 
 
 def run_variant(variant: str, settings: Settings, vocab: int, callbacks: tuple[pl.Callback, ...] = ()
                 ) -> dict[str, Any]:
     if variant == "plain_mtp_only":
         return run_plain(settings, vocab, mtp_only=True)
+    if variant == "mtp_only_lm_loss_every_step":
+        return run_lightning(replace(settings, log_lm_loss_every_n_steps=1), vocab, mtp_only=True,
+                             callbacks=callbacks)
     if variant == "mtp_only_self_distill":
         return run_lightning(replace(settings, mtp_loss_type="self_distill"), vocab, mtp_only=True,
                              callbacks=callbacks)
@@ -118,6 +136,61 @@ class RecordAllocations(pl.Callback):
         self.max_memory_allocated = torch.cuda.max_memory_allocated()
         self.snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+class ProfileStep(pl.Callback):
+    """`torch.profiler` over one training step (`step_index`), from its start to its synchronised end."""
+
+    def __init__(self, step_index: int) -> None:
+        self.step_index = step_index
+        self.profile: Any = None
+        self.profiled_s: float | None = None
+        self._started = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if batch_idx == self.step_index:
+            _synchronize()
+            self.profile = profiler()
+            self.profile.__enter__()
+            self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == self.step_index:
+            _synchronize()
+            self.profiled_s = time.perf_counter() - self._started
+            self.profile.__exit__(None, None, None)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_mtp_only(settings: Settings, vocab: int, step_s: float) -> dict[str, Any]:
+    """One profiled step of the MTP-only arm, after two warm-up steps (both skipping the main head unless
+    `log_every_n_steps` is 1 or 3), in a run of its own so the profiler's cost stays out of the timed runs."""
+    fresh_memory()
+    recorder = ProfileStep(step_index=2)
+    result = run_variant("mtp_only", replace(settings, steps=1, warmup=2), vocab, callbacks=(recorder,))
+    figures = profile_figures(recorder.profile, recorder.profiled_s, step_s)
+    return {**figures, "main_head_ran": result["main_head_steps"][2], "step_index": 2}
+
+
+def step_flops(variant: str, run: dict[str, Any], shape: ModelShape, settings: Settings) -> float:
+    """The mean model FLOPs of a run's timed steps: the main head counted only on the steps that ran it, the
+    self-distillation teacher's vocabulary projection on every step."""
+    if variant == "joint":
+        return model_flops(shape, settings.global_batch, settings.seq, JOINT)
+    main_head_steps = run.get("main_head_steps") or [True] * settings.total_steps  # the plain loop: every step
+    teacher = int(variant == "mtp_only_self_distill")
+    flops = []
+    for main_head in main_head_steps[settings.warmup:]:
+        passes = MTP_ONLY if main_head else MTP_ONLY_WITHOUT_MAIN_HEAD
+        passes = replace(passes, main_head=passes.main_head + teacher)
+        flops.append(model_flops(shape, settings.global_batch, settings.seq, passes))
+    return sum(flops) / len(flops)
 
 
 def _frame_label(frames: list[dict[str, Any]]) -> str:
@@ -210,6 +283,9 @@ def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[
         figures["mtp_only_over_plain_mtp_only_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
                                                                      plain["peak_memory_gib"])
         figures["mtp_only_over_plain_mtp_only_step_time"] = _ratio(mtp_only["step_s"], plain["step_s"])
+    if "mtp_only_lm_loss_every_step" in runs:
+        every_step = runs["mtp_only_lm_loss_every_step"]
+        figures["mtp_only_over_lm_loss_every_step_step_time"] = _ratio(mtp_only["step_s"], every_step["step_s"])
     if "mtp_only_whole_logits" in runs:
         whole = runs["mtp_only_whole_logits"]
         figures["mtp_only_over_whole_logits_step_time"] = _ratio(mtp_only["step_s"], whole["step_s"])
@@ -225,20 +301,22 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tupl
     shape = ModelShape.from_hf_checkpoint(checkpoint)
     settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=shape_run.micro_batch,
                         microbatches=shape_run.microbatches, steps=args.steps, warmup=args.warmup,
-                        precision=args.precision, random_weights=True, loss_chunk_tokens=args.loss_chunk_tokens)
+                        precision=args.precision, random_weights=True, loss_chunk_tokens=args.loss_chunk_tokens,
+                        log_lm_loss_every_n_steps=None, log_every_n_steps=args.log_every_n_steps)
     order = [variant for round_index in range(args.rounds)
              for variant in (shape_run.variants if round_index % 2 == 0 else shape_run.variants[::-1])]
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in shape_run.variants}
     for variant in order:
         runs[variant].append(run_variant(variant, settings, shape.vocab))
     peak = peak_flops(args.peak_tflops)
-    summaries = {variant: summarize(variant_runs, settings,
-                                    model_flops(shape, settings.global_batch, settings.seq,
-                                                JOINT if variant == "joint" else MTP_ONLY), peak)
+    summaries = {variant: {**summarize(variant_runs, settings, step_flops(variant, variant_runs[0], shape, settings),
+                                       peak),
+                           "main_head_steps": variant_runs[0].get("main_head_steps")}
                  for variant, variant_runs in runs.items()}
     result = {"shape": asdict(shape), "tied": shape_run.tied,
               "settings": {**asdict(settings), "global_batch": settings.global_batch, "rounds": args.rounds},
               "order": order, "runs": summaries, **compare(summaries, shape_run.targets)}
+    result["mtp_only_profile"] = profile_mtp_only(settings, shape.vocab, summaries["mtp_only"]["step_s"])
     breakdown = None
     if args.breakdown_steps and torch.cuda.is_available():
         fresh_memory()
@@ -264,6 +342,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES])
     parser.add_argument("--loss-chunk-tokens", type=int, default=Settings.loss_chunk_tokens,
                         help="MTPOnlyCallback(loss_chunk_tokens); 0 = whole logits (the previous implementation)")
+    parser.add_argument("--log-every-n-steps", type=int, default=50,
+                        help="the Trainer's log_every_n_steps: MTP-only runs the main head on those steps only")
     parser.add_argument("--breakdown-steps", type=int, default=2, help="training steps of the recorded run (0: none)")
     parser.add_argument("--breakdown-md", type=Path, default=None,
                         help="markdown breakdown (default: mtp_memory_breakdown.md beside --out)")

@@ -317,18 +317,30 @@ def _top_level(event: Any) -> str:
     return " > ".join(chain[::-1][:3]) or "(no operator)"
 
 
-def profile_step(step: Any, step_s: float) -> dict[str, Any]:
-    """One step under torch.profiler: what the GPU did and what the host asked of it."""
-    from torch.autograd import DeviceType
+def profiler() -> Any:
+    """A `torch.profiler.profile` of the CPU, and of CUDA where there is one."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+
+
+def profile_step(step: Any, step_s: float) -> dict[str, Any]:
+    """One step under torch.profiler: what the GPU did and what the host asked of it."""
     _synchronize()
-    with _ranges(), profile(activities=activities) as prof:
+    with _ranges(), profiler() as prof:
         started = time.perf_counter()
         step()
         _synchronize()
         profiled_s = time.perf_counter() - started
+    return profile_figures(prof, profiled_s, step_s)
+
+
+def profile_figures(prof: Any, profiled_s: float, step_s: float) -> dict[str, Any]:
+    """What a finished profile of one step (`profiled_s` long under the profiler, `step_s` without) says: GPU busy
+    time (the union of device activity) and its fraction of the step, kernels, launch and sync calls, top kernels
+    and CPU operators."""
+    from torch.autograd import DeviceType
+
     events = prof.events()
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
     kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]

@@ -370,33 +370,44 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny")
     assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
     small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
-    assert small["order"] == ["joint", "mtp_only", "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"]
+    assert small["order"] == ["joint", "mtp_only", "mtp_only_lm_loss_every_step", "mtp_only_self_distill",
+                              "mtp_only_whole_logits", "plain_mtp_only"]
     assert large["order"] == ["mtp_only", "mtp_only_whole_logits", "plain_mtp_only"]
     assert (small["tied"], large["tied"]) == (True, False)
     for shape in (small, large):
         for figures in shape["runs"].values():
             _check_throughput(figures)
             assert figures["memory_at_start_gib"] == [None]
-            assert all(math.isfinite(x) and x > 0 for losses in figures["losses"] for x in losses)
+            assert all(math.isfinite(x) and x > 0 for losses in figures["losses"] for x in losses if x is not None)
         # randomly initialised the same way, the same tokens: Lightning MTP-only and the plain MTP-only loop
-        # compute the same first step, and leave the backbone (so lm_loss's model) alone
+        # compute the same steps, and leave the backbone (so lm_loss's model) alone; MTP-only runs the main head
+        # (and has an lm_loss) only in the step Lightning logs (log_every_n_steps 2 of --tiny), the others in all
         ours, plain = shape["runs"]["mtp_only"], shape["runs"]["plain_mtp_only"]
-        assert ours["losses"][0] == pytest.approx(plain["losses"][0], abs=1e-5)
+        assert ours["main_head_steps"] == [False, True, False] and ours["losses"][0][::2] == [None, None]
+        assert ours["losses"][0][1] == pytest.approx(plain["losses"][0][1], abs=1e-5)
         assert ours["mtp_losses"][0] == pytest.approx(plain["mtp_losses"][0], abs=1e-5)
         assert ours["frozen_bit_identical"] is True
         whole = shape["runs"]["mtp_only_whole_logits"]  # token chunks change the time, not the losses
-        assert whole["losses"][0] == pytest.approx(ours["losses"][0], abs=1e-5)
+        assert whole["main_head_steps"] == [True] * 3
+        assert whole["losses"][0] == pytest.approx(plain["losses"][0], abs=1e-5)
         assert whole["mtp_losses"][0] == pytest.approx(ours["mtp_losses"][0], abs=1e-5)
+        # MFU counts what ran: the main head's projection in one timed step of two
+        assert ours["model_tflop_per_step"] < whole["model_tflop_per_step"]
+        profile = shape["mtp_only_profile"]  # one profiled step; on the CPU no device figures
+        assert profile["main_head_ran"] is False and profile["profiled_step_s"] > 0 and profile["top_cpu_ops"]
+        assert profile["gpu_busy_fraction"] is None and profile["kernel_launch_calls"] == 0
         assert shape["figures"]["mtp_only_over_whole_logits_step_time"] > 0
         assert shape["figures"]["mtp_only_peak_memory_gib"] is None  # no peak memory on the CPU
         assert all(met is None for figure, met in shape["met"].items() if "memory" in figure)
-    joint = small["runs"]["joint"]
-    assert joint["losses"][0][0] == small["runs"]["mtp_only"]["losses"][0][0]
+    joint, every_step = small["runs"]["joint"], small["runs"]["mtp_only_lm_loss_every_step"]
+    assert joint["losses"][0][0] == every_step["losses"][0][0] and every_step["main_head_steps"] == [True] * 3
+    assert every_step["mtp_losses"][0] == pytest.approx(small["runs"]["mtp_only"]["mtp_losses"][0], abs=1e-6)
+    assert small["figures"]["mtp_only_over_lm_loss_every_step_step_time"] > 0
     assert small["figures"]["mtp_only_over_joint_step_time"] > 0
     assert small["targets"] == {"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
                                 "self_distill_over_joint_peak_memory": 0.25}
     distilled = small["runs"]["mtp_only_self_distill"]  # same trunk, same lm_loss; a different MTP target
-    assert distilled["losses"][0][0] == small["runs"]["mtp_only"]["losses"][0][0]
+    assert distilled["losses"][0][1] == small["runs"]["mtp_only"]["losses"][0][1]
     assert small["figures"]["self_distill_over_joint_step_time"] > 0
     assert large["targets"] == {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}
 

@@ -73,7 +73,14 @@ class TrainingCurves(pl.Callback):
         plot_curves(self.steps).savefig(directory / "curves.png", dpi=100)
 
     def _record(self, trainer: pl.Trainer, names: tuple[str, ...]) -> None:
+        from lightning_megatron.callbacks.mtp_only import MTPOnlyCallback
+
+        # an MTP-only step that skipped the main head logged no lm_loss; callback_metrics still holds the last one
+        skipped = any(isinstance(callback, MTPOnlyCallback) and not callback.main_head_runs
+                      for callback in trainer.callbacks)
         for name in names:
+            if skipped and name == "lm_loss":
+                continue
             value = trainer.callback_metrics.get(name)
             if value is not None and math.isfinite(float(value)):
                 self.steps.setdefault(name, []).append((trainer.global_step, float(value)))

@@ -4,10 +4,9 @@ In `setup` (the model exists: the strategy built it in `setup_environment`; Mega
 so they only ever see the MTP parameters) every non-MTP parameter is frozen, shared embeddings and output
 projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
 backward hangs off it; by default its values are computed only on the steps that log them and its own backward is
-skipped (`mtp.skip_main_head`). At
-the end of fit an audit compares a checksum of every frozen tensor with its value when training started (after the
-wrap and any checkpoint restore, before the first step; no copy of the weights is kept) and writes the result as
-JSON; a frozen tensor that changed fails the run.
+skipped (`mtp.skip_main_head`). At the end of fit an audit compares a checksum of every frozen tensor with its
+value when training started (after the wrap and any checkpoint restore, before the first step; no copy of the
+weights is kept) and writes the result as JSON; a frozen tensor that changed fails the run.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ class MTPOnlyCallback(pl.Callback):
     check, which they report as an error).
     `loss_chunk_tokens` (with `skip_main_head_backward`): both heads' cross-entropies run that many tokens at a
     time, so no `[tokens, vocab]` fp32 tensor outlives a chunk and the main logits never exist whole
-    (`mtp_only_graph`); the logged values and gradients are the same to fp32 rounding. None: whole logits, as
+    (`mtp.skip_main_head`); the logged values and gradients are the same to fp32 rounding. None: whole logits, as
     before.
     `log_lm_loss_every_n_steps` (with `loss_chunk_tokens`): the main head (output layer and cross-entropy, about 14%
     of a 0.6B MTP-only step) runs only every n-th optimizer step (`(global_step + 1) % n == 0`, Lightning's own
@@ -114,6 +113,11 @@ class MTPOnlyCallback(pl.Callback):
         if self.skip_main_head_backward:
             self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens,
                                                             on_demand=self._main_loss)
+
+    @property
+    def main_head_runs(self) -> bool:
+        """Whether the training step in flight runs the main head (false only on a step that skips it)."""
+        return self._main_loss.compute or not (self.skip_main_head_backward and self.loss_chunk_tokens is not None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The reference checksums: after the wrap (bf16 casts the norm weights the model was built with in fp32)

@@ -1,14 +1,26 @@
 """Megatron-Core's vocabulary-parallel cross-entropy, computed in token chunks so no `[tokens, vocab]` fp32 tensor
-lives longer than one chunk.
+lives longer than one chunk, each chunk's gradient made in the forward.
 
 Megatron-Core's cross-entropy (fused or not) upcasts the whole logits tensor to fp32 and keeps the fp32 softmax
 for the backward pass: at 4096 tokens and a 151936-token vocabulary that is 2.3 GiB held from the loss to its
 backward, plus as much again while it is computed. `chunked_vocab_parallel_cross_entropy` runs the same steps
 (`VocabParallelCrossEntropy`'s max, predicted logit and sum of exponentials, all-reduced over the tensor-parallel
-group) on `chunk_tokens` rows at a time and keeps only the logits it was given (bf16 in training) and two fp32
-numbers per token; the backward recomputes each chunk's softmax from them with the same operations, so the loss
-and its gradient are Megatron-Core's. With `fused` (the model's `cross_entropy_loss_fusion`) the steps are
-Megatron-Core's jit-fused ones (`fusions/fused_cross_entropy.py`, whose gradient is bf16), otherwise its plain ones.
+group, then the softmax) on `chunk_tokens` rows at a time. While a chunk's softmax exists it also makes that
+chunk's gradient of the loss sum, `softmax - one_hot(target)` (Megatron-Core's own update), and keeps it in the
+logits' dtype; the backward only multiplies it by the incoming per-token gradient, in place, and hands it on.
+
+Why this and not a recompute or a fused linear + cross-entropy: the recompute (the previous implementation) kept
+the logits and ran max / exp / softmax over them a second time in the backward; keeping the gradient instead costs
+the same memory (one logits-sized tensor in the logits' dtype: the logits themselves are no longer kept, so
+Megatron-Core frees them after the MTP loss, having read them for `mtp_accuracy`) and the backward becomes one
+in-place multiply with no fp32 temporaries. A fused linear + cross-entropy would never materialise the bf16 logits
+at all, but megatron-core 0.19.2 ships none, and Megatron-Core's MTP path computes the logits itself (its output
+layer) and reads them after the loss (`_compute_mtp_acceptance_counts`), so the logits exist anyway.
+
+Values: the loss is Megatron-Core's bit for bit; so is the gradient in fp32 (the same operations, the multiply by
+the incoming gradient only later). In bf16 the gradient is rounded twice (`softmax - one_hot`, then the product)
+where Megatron-Core rounds once: within one bf16 rounding. With `fused` (the model's `cross_entropy_loss_fusion`)
+the forward steps are Megatron-Core's jit-fused ones (`fusions/fused_cross_entropy.py`), otherwise its plain ones.
 """
 
 from __future__ import annotations
@@ -28,18 +40,6 @@ def _vocab_range(partition_vocab_size: int, tp_group: Any) -> tuple[int, int]:
                                                                   tp_group.size())
 
 
-def _softmax_chunk(logits: torch.Tensor, logits_max: torch.Tensor, sum_exp_logits: torch.Tensor) -> torch.Tensor:
-    """fp32 softmax of one chunk: `exp(logits - max) / sum`, the operations Megatron-Core's forward runs."""
-    softmax = logits.to(torch.float32, copy=True)
-    softmax -= logits_max.unsqueeze(-1)
-    torch.exp(softmax, out=softmax)
-    return softmax.div_(sum_exp_logits.unsqueeze(-1))
-
-
-def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.to(torch.float32, copy=True)
-
-
 def _upcast_by_megatron(logits: torch.Tensor) -> torch.Tensor:
     """What to hand `calculate_logits_max`, which upcasts with `.float()` and is then overwritten in place: bf16
     logits as they are (the upcast is a copy, fused with the max), fp32 ones copied (the upcast would be them)."""
@@ -55,89 +55,66 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         vocab_start, vocab_end = _vocab_range(partition_vocab_size, tp_group)
         rows = target_1d.numel()
         loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        logits_max = torch.empty_like(loss)
-        sum_exp_logits = torch.empty_like(loss)
+        gradient = torch.empty_like(logits_2d) if ctx.needs_input_grad[0] else None
         for start in range(0, rows, chunk_tokens):
             end = min(rows, start + chunk_tokens)
-            chunk_loss, chunk_max, chunk_sum = (_fused_chunk_loss if fused else _chunk_loss)(
+            loss[start:end], softmax, target_mask, masked_target = (_fused_chunk if fused else _chunk)(
                 logits_2d[start:end], target_1d[start:end], tp_group, vocab_start, vocab_end)
-            loss[start:end], logits_max[start:end], sum_exp_logits[start:end] = chunk_loss, chunk_max, chunk_sum
-        ctx.save_for_backward(logits, target, logits_max, sum_exp_logits)
-        ctx.vocab_range, ctx.chunk_tokens, ctx.fused = (vocab_start, vocab_end), chunk_tokens, fused
+            if gradient is not None:
+                gradient[start:end] = _minus_one_hot(softmax, target_mask, masked_target)
+        ctx.gradient, ctx.logits_shape = gradient, logits.shape
         return loss.view_as(target)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        logits, target, logits_max, sum_exp_logits = ctx.saved_tensors
-        partition_vocab_size = logits.size(-1)
-        logits_2d, target_1d = logits.reshape(-1, partition_vocab_size), target.reshape(-1)
-        grad_1d = grad_output.reshape(-1)
-        grad_input = torch.empty_like(logits_2d)
-        for start in range(0, target_1d.numel(), ctx.chunk_tokens):
-            end = min(target_1d.numel(), start + ctx.chunk_tokens)
-            grad_input[start:end] = (_fused_chunk_gradient if ctx.fused else _chunk_gradient)(
-                logits_2d[start:end], target_1d[start:end], logits_max[start:end], sum_exp_logits[start:end],
-                grad_1d[start:end], *ctx.vocab_range)
-        return grad_input.view_as(logits), None, None, None, None
+        gradient, ctx.gradient = ctx.gradient, None
+        gradient.mul_(grad_output.reshape(-1, 1))  # `calculate_gradients`' last step, over the whole tensor
+        return gradient.view(ctx.logits_shape), None, None, None, None
 
 
-def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
-                vocab_end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, max, sum of exponentials) of one chunk: `_VocabParallelCrossEntropy.forward`'s steps."""
+def _minus_one_hot(softmax: torch.Tensor, target_mask: torch.Tensor, masked_target: torch.Tensor) -> torch.Tensor:
+    """`softmax - one_hot(target)` in place (targets on other vocabulary shards subtract nothing): the update of
+    `VocabParallelCrossEntropy.calculate_gradients`, before its multiply by the incoming gradient."""
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
-    chunk = _fp32_copy(logits)
+    grad_2d, arange_1d, softmax_update, grad_input = (
+        VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask))
+    grad_2d[arange_1d, masked_target] -= softmax_update
+    return grad_input
+
+
+ChunkResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
+           vocab_end: int) -> ChunkResult:
+    """(loss, fp32 softmax, target mask, masked target) of one chunk: `_VocabParallelCrossEntropy.forward`'s
+    steps."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    chunk = logits.to(torch.float32, copy=True)
     chunk_max = chunk.max(dim=-1)[0]
     dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
-    _, _, predicted, sum_exp, _ = VocabParallelCrossEntropy.calculate_predicted_logits(
+    target_mask, masked_target, predicted, sum_exp, exp_logits = VocabParallelCrossEntropy.calculate_predicted_logits(
         chunk, target, chunk_max, vocab_start, vocab_end)
     dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
     dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
-    return torch.log(sum_exp) - predicted, chunk_max, sum_exp
+    softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+    return loss, softmax, target_mask, masked_target
 
 
-def _chunk_gradient(logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
-                    sum_exp_logits: torch.Tensor, grad_output: torch.Tensor, vocab_start: int,
-                    vocab_end: int) -> torch.Tensor:
-    """`_VocabParallelCrossEntropy.backward` of one chunk, its softmax recomputed."""
-    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-
-    softmax = _softmax_chunk(logits, logits_max, sum_exp_logits)
-    target_mask = (target < vocab_start) | (target >= vocab_end)
-    masked_target = torch.where(target_mask, 0, target - vocab_start)
-    grad_2d, arange_1d, softmax_update, grad_input = (
-        VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask))
-    return VocabParallelCrossEntropy.calculate_gradients(grad_2d, arange_1d, masked_target, softmax_update,
-                                                         grad_input, grad_output)
-
-
-def _fused_chunk_loss(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
-                      vocab_end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, max, sum of exponentials) of one chunk: the fused `_VocabParallelCrossEntropy.forward`'s steps."""
+def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
+                 vocab_end: int) -> ChunkResult:
+    """The same from the fused `_VocabParallelCrossEntropy.forward`'s jit-fused steps."""
     from megatron.core.fusions import fused_cross_entropy as fused
 
     chunk, chunk_max = fused.calculate_logits_max(_upcast_by_megatron(logits))
     dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
-    _, _, predicted_and_sum, exp_logits = fused.calculate_predicted_logits(chunk, target, chunk_max, vocab_start,
-                                                                            vocab_end)
+    target_mask, masked_target, predicted_and_sum, exp_logits = fused.calculate_predicted_logits(
+        chunk, target, chunk_max, vocab_start, vocab_end)
     dist.all_reduce(predicted_and_sum, op=dist.ReduceOp.SUM, group=tp_group)
-    _, loss = fused.calculate_cross_entropy_loss(exp_logits, predicted_and_sum)
-    return loss, chunk_max, predicted_and_sum[target.numel():]
-
-
-def _fused_chunk_gradient(logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
-                          sum_exp_logits: torch.Tensor, grad_output: torch.Tensor, vocab_start: int,
-                          vocab_end: int) -> torch.Tensor:
-    """The fused `_VocabParallelCrossEntropy.backward` of one chunk, its softmax recomputed by the same fused
-    steps from the all-reduced max and sum the forward kept."""
-    from megatron.core.fusions import fused_cross_entropy as fused
-
-    chunk, _ = fused.calculate_logits_max(_upcast_by_megatron(logits))
-    target_mask, masked_target_1d, _, exp_logits = fused.calculate_predicted_logits(
-        chunk, target, logits_max, vocab_start, vocab_end)
-    softmax, _ = fused.calculate_cross_entropy_loss(exp_logits, torch.cat((torch.zeros_like(sum_exp_logits),
-                                                                           sum_exp_logits)))
-    return fused.calculate_gradients(softmax, grad_output, target_mask, masked_target_1d)
+    softmax, loss = fused.calculate_cross_entropy_loss(exp_logits, predicted_and_sum)
+    return loss, softmax, target_mask, masked_target
 
 
 def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group: Any,

@@ -52,37 +52,34 @@ def _log_softmax_chunk(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
 
 class _ChunkedSelfDistillation(torch.autograd.Function):
     """Per-token `KL(softmax(teacher / T) || softmax(student))` of `[n, vocab / TP]` student logits; the teacher
-    logits are `teacher_hidden @ weight.T` (its last dimension the hidden size), remade per chunk in the backward."""
+    logits are `teacher_hidden @ weight.T` (its last dimension the hidden size), made per chunk. While a chunk's
+    two distributions exist its gradient `q - p` is kept (in the student's dtype), so the backward only scales it:
+    no second teacher matmul, no recomputed softmax (`chunked_cross_entropy` does the same, and says why)."""
 
     @staticmethod
     def forward(ctx: Any, student: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
                 teacher_logits: Any, tp_group: Any, temperature: float, chunk_tokens: int) -> torch.Tensor:
         rows = student.size(0)
         loss = torch.empty(rows, dtype=torch.float32, device=student.device)
+        gradient = torch.empty_like(student) if ctx.needs_input_grad[0] else None
         with torch.no_grad():
             for start in range(0, rows, chunk_tokens):
                 end = min(rows, start + chunk_tokens)
                 log_q = _log_softmax_chunk(student[start:end], tp_group)
                 log_p = _log_softmax_chunk(teacher_logits(teacher_hidden[start:end], weight) / temperature, tp_group)
-                kl = log_q.neg_().add_(log_p).mul_(log_p.exp_()).sum(dim=-1)
+                p = log_p.exp()
+                if gradient is not None:
+                    gradient[start:end] = log_q.exp().sub_(p)
+                kl = log_q.neg_().add_(log_p).mul_(p).sum(dim=-1)
                 dist.all_reduce(kl, op=dist.ReduceOp.SUM, group=tp_group)
                 loss[start:end] = kl
-        ctx.save_for_backward(student, teacher_hidden, weight)
-        ctx.teacher_logits, ctx.tp_group, ctx.temperature, ctx.chunk_tokens = (teacher_logits, tp_group, temperature,
-                                                                               chunk_tokens)
+        ctx.gradient = gradient
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        student, teacher_hidden, weight = ctx.saved_tensors
-        grad_input = torch.empty_like(student)
-        for start in range(0, student.size(0), ctx.chunk_tokens):
-            end = min(student.size(0), start + ctx.chunk_tokens)
-            q = _log_softmax_chunk(student[start:end], ctx.tp_group).exp_()
-            p = _log_softmax_chunk(ctx.teacher_logits(teacher_hidden[start:end], weight) / ctx.temperature,
-                                   ctx.tp_group).exp_()
-            grad_input[start:end] = q.sub_(p).mul_(grad_output[start:end].unsqueeze(-1))
-        return grad_input, None, None, None, None, None, None
+        gradient, ctx.gradient = ctx.gradient, None
+        return gradient.mul_(grad_output.unsqueeze(-1)), None, None, None, None, None, None
 
 
 def self_distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,

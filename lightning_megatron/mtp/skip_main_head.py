@@ -19,8 +19,9 @@ computed in Megatron-Core's own way (its output layer, its `compute_language_mod
 at a time under `no_grad` (its backward is skipped anyway), through `GPTModel.forward`'s `output_processor` hook,
 so its logits never exist whole; the MTP head's loss, which does backpropagate into the MTP layer, goes through
 `chunked_cross_entropy` (the model's `compute_language_model_loss`, which `GPTModel` hands `process_mtp_loss`, is
-replaced for the fit by `self_distill.MTPDepthLoss`, which self-distillation shares) and keeps its bf16 logits instead of an fp32 softmax. Values and gradients are the same to
-fp32 rounding; `chunk_tokens=None` is the previous implementation.
+replaced for the fit by `self_distill.MTPDepthLoss`, which self-distillation shares) and keeps each chunk's
+gradient, made in the forward, instead of an fp32 softmax. Values and gradients are the same to fp32 rounding;
+`chunk_tokens=None` is the previous implementation.
 
 With chunked losses the main head also runs on demand (`MainLossOnDemand`): in MTP-only training `lm_loss` is only
 a number to log, so on training steps that do not log it neither the main output layer nor its cross-entropy runs.
