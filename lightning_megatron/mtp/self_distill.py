@@ -37,6 +37,9 @@ from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, c
 
 MTPLossType = Literal["labels", "self_distill"]
 MTP_LOSS_TYPES: tuple[MTPLossType, ...] = ("labels", "self_distill")
+# a chunk holds two fp32 distributions over the vocabulary (student and teacher) where the hard-label loss holds
+# one: half the tokens keeps the chunk's transient memory that of the hard-label loss
+DISTILL_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS // 2
 
 
 def _log_softmax_chunk(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
@@ -66,7 +69,9 @@ class _ChunkedSelfDistillation(torch.autograd.Function):
             for start in range(0, rows, chunk_tokens):
                 end = min(rows, start + chunk_tokens)
                 log_q = _log_softmax_chunk(student[start:end], tp_group)
-                log_p = _log_softmax_chunk(teacher_logits(teacher_hidden[start:end], weight) / temperature, tp_group)
+                teacher = teacher_logits(teacher_hidden[start:end], weight)
+                log_p = _log_softmax_chunk(teacher if temperature == 1.0 else teacher / temperature, tp_group)
+                del teacher
                 p = log_p.exp()
                 if gradient is not None:
                     gradient[start:end] = log_q.exp().sub_(p)
@@ -83,7 +88,7 @@ class _ChunkedSelfDistillation(torch.autograd.Function):
 
 
 def self_distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
-                           tp_group: Any, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                           tp_group: Any, temperature: float = 1.0, chunk_tokens: int = DISTILL_CHUNK_TOKENS,
                            scale_logits: Any = None) -> torch.Tensor:
     """Per-token `KL(softmax(teacher / temperature) || softmax(student))` over the whole vocabulary.
 
@@ -131,7 +136,7 @@ class MTPDepthLoss:
         self.class_loss = type(model).compute_language_model_loss.__get__(model)
         self.label_chunk_tokens: int | None = None
         self.distill_temperature: float | None = None
-        self.distill_chunk_tokens = DEFAULT_CHUNK_TOKENS
+        self.distill_chunk_tokens = DISTILL_CHUNK_TOKENS
         self._depths = model.config.mtp_num_layers
         self._pending = 0
         self._teacher: torch.Tensor | None = None
@@ -210,7 +215,7 @@ class DepthLossHandle:
 
 def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int | None = None,
                        distill_temperature: float | None = None,
-                       distill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[DepthLossHandle]:
+                       distill_chunk_tokens: int = DISTILL_CHUNK_TOKENS) -> list[DepthLossHandle]:
     """Set the MTP depths' loss of every last-stage chunk with an MTP block (unwrapped GPTModels): hard labels in
     chunks of `label_chunk_tokens`, or self-distillation at `distill_temperature` (one of the two)."""
     from megatron.core.utils import unwrap_model
