@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -392,10 +394,12 @@ def test_the_default_cache_is_in_the_users_cache_directory(tmp_path: Path, check
 def test_the_command_line_takes_the_cache_options() -> None:
     import yaml
 
-    from tests.test_cli import _cli
+    from tests.test_cli import ROOT, _env
 
-    completed = _cli("fit", "--config", "configs/tiny/mtp_only.yaml", "--data.cache_dir", "/data/cache",
-                     "--data.tokenize_workers", "3", "--print_config")
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+                                "configs/tiny/mtp_only.yaml", "--data.cache_dir", "/data/cache",
+                                "--data.tokenize_workers", "3", "--print_config"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     printed = yaml.safe_load(completed.stdout)["data"]
     assert (printed["cache_dir"], printed["tokenize_workers"]) == ("/data/cache", 3)
