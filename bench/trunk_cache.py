@@ -12,9 +12,10 @@ megatron-bridge, one MTP layer, random tokens), all in one process:
 Step times are medians over each epoch's steps after the first (`StepTimer`: synchronised ends of consecutive
 optimizer steps); peak memory is the training steps' (`max_memory_allocated` from the first step on). Tokens/s and
 MFU count the FLOPs each arm really runs (`bench.common.model_flops`): joint every pass; the first epoch
-`MTP_ONLY`; cached epochs the MTP layer (3 passes) and the MTP head's forward and input gradient (2) alone.
-`cache_bytes_per_token` is what the cache's manifest says (the hidden states) and
-`cache_disk_bytes` what the shards took. The cache lives under `$TMPDIR` and is removed at the end.
+`MTP_ONLY_WITHOUT_MAIN_HEAD` (its timed steps log no `lm_loss`, so the main head does not run); cached epochs the
+MTP layer (3 passes) and the MTP head's forward and input gradient (2) alone. `cache_bytes_per_token` is what the
+cache's manifest says (the hidden states) and `cache_disk_bytes` what the shards took. Everything lives in one
+`bench.common.scratch_dir` (free space checked first, removed at the end).
 
 `--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU (what tests/test_bench.py runs).
 """
@@ -25,7 +26,6 @@ import argparse
 import json
 import shutil
 import statistics
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,10 @@ import torch
 from bench.common import (
     JOINT,
     MTP_ONLY,
+    MTP_ONLY_WITHOUT_MAIN_HEAD,
     QWEN3_0_6B,
     QWEN3_8B,
+    TINY_SCRATCH_BYTES,
     ModelShape,
     Passes,
     emit,
@@ -46,6 +48,7 @@ from bench.common import (
     model_flops,
     parse_with_tiny,
     peak_flops,
+    scratch_dir,
     start_single_process,
     throughput,
 )
@@ -53,6 +56,7 @@ from bench.lightning_overhead import Settings, run_lightning, run_plain, summari
 from bench.mtp_memory import ShapeRun
 
 CACHED = Passes(backbone=0, mtp=3, main_head=0, mtp_head=2)
+CACHE_SCRATCH_BYTES = 2 * 2**30  # the configs plus one epoch's cache: 5 x 4 x 2048 tokens x 8,192 bytes at 8B
 TINY = dict(seq=32, batches=2, epochs=2, precision="fp32")
 
 
@@ -123,14 +127,14 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
         reference_run = run_plain(settings, shape.vocab, mtp_only=True)
     reference = summarize([reference_run], settings, model_flops(
         shape, settings.global_batch, settings.seq, JOINT if reference_name == "joint" else MTP_ONLY), peak)
-    cache_dir = Path(tempfile.mkdtemp(prefix="trunk_cache_", dir=root))
+    cache_dir = root / f"{shape_run.name}_cache"
     try:
         fresh_memory()
         cached_run = run_cached(settings, shape.vocab, args.epochs, cache_dir)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     first = _epoch(cached_run, args.batches, range(1), model_flops(shape, settings.global_batch, settings.seq,
-                                                                    MTP_ONLY), peak, tokens)
+                                                                    MTP_ONLY_WITHOUT_MAIN_HEAD), peak, tokens)
     cached = _epoch(cached_run, args.batches, range(1, args.epochs),
                     model_flops(shape, settings.global_batch, settings.seq, CACHED), peak, tokens)
     figures = {
@@ -171,12 +175,9 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     args = _parse_args()
     start_single_process(tiny=args.tiny)
-    root = Path(tempfile.mkdtemp(prefix="trunk_cache_bench_"))  # under $TMPDIR
-    try:
+    with scratch_dir("trunk_cache_", TINY_SCRATCH_BYTES if args.tiny else CACHE_SCRATCH_BYTES) as root:
         shapes = {shape_run.name: run_shape(shape_run, args, root) for shape_run in SHAPES
                   if shape_run.name in args.shapes}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     emit({"benchmark": "trunk_cache", **environment(),
           "peak_tflops": (peak_flops(args.peak_tflops) or 0) / 1e12 or None, "shapes": shapes}, args.out)
 

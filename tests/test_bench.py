@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench import report
-from bench.common import JOINT, MTP_ONLY, ModelShape, Passes, model_flops
+from bench.common import JOINT, MTP_ONLY, SCRATCH_PREFIX, ModelShape, Passes, model_flops
 from tests._background import Command, background_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -523,4 +523,4 @@ def test_trunk_cache_benchmark_runs_tiny(tmp_path):
         # the cached fit's first step is the reference run's first step (same weights, same tokens): the same MTP
         # loss (its lm_loss is computed only on the steps that log it)
         assert shape["losses"]["cached_fit_mtp"][0] == pytest.approx(shape["losses"]["reference_mtp"][0], abs=1e-5)
-    assert not list(Path(tempfile.gettempdir()).glob("trunk_cache_bench_*/trunk_cache_*/manifest.json"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}trunk_cache_*"))  # the cache removed
