@@ -342,7 +342,8 @@ def profile_figures(prof: Any, profiled_s: float, step_s: float) -> dict[str, An
     from torch.autograd import DeviceType
 
     events = prof.events()
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    # the `record_function` ranges are also projected onto the GPU timeline (user annotations): not device work
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
     busy_s = _interval_union_ns([(int(e.time_range.start * 1000), int(e.time_range.end * 1000))
                                  for e in device_events]) / 1e9

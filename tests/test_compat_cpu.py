@@ -104,6 +104,65 @@ def test_cuda_tensors_optimizer_clips_gradients(model_parallel):
     assert float(step_norm) == pytest.approx(clip, rel=1e-3)  # SGD with lr 1 moves by exactly the clipped gradient
 
 
+def _clipped_step(clip: float) -> tuple[float, list[torch.Tensor]]:
+    ddp, optimizer = _ddp_and_optimizer(tiny_gpt(), distributed=False, optimizer="sgd", lr=1.0,
+                                        weight_decay=0.0, clip_grad=clip)
+    _backward(ddp)
+    ddp.finish_grad_sync()
+    _, grad_norm, _ = optimizer.step()
+    return grad_norm, [p.main_grad.detach().clone() for p in ddp.parameters()]
+
+
+def test_grad_norm_on_device_equals_upstreams_without_a_sync_per_tensor(model_parallel):
+    """Without Apex/TE upstream's gradient norm reads every parameter's norm back to the host (a synchronisation per
+    tensor on a GPU); the adjustment computes the same norm on the device and clips by the same factor."""
+    from megatron.core.optimizer import clip_grads
+
+    adjustment = next(a for a in no_te.MEGATRON_CORE_ADJUSTMENTS if a.name == "megatron_core.grad_norm_on_device")
+    prepare_megatron_core()
+    assert adjustment.active
+    host_reads = []
+    upstream_float = torch.Tensor.__float__
+
+    def counted_float(tensor: torch.Tensor) -> float:
+        host_reads.append(tensor.numel())
+        return upstream_float(tensor)
+
+    torch.manual_seed(0)
+    with adjustment.suspended(), pytest.MonkeyPatch.context() as patch:
+        assert clip_grads.l2_norm_impl is not no_te._l2_norm_on_device
+        patch.setattr(torch.Tensor, "__float__", counted_float)
+        upstream_norm, upstream_grads = _clipped_step(clip=1e-3)
+    upstream_reads, host_reads[:] = len(host_reads), []
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "__float__", counted_float)
+        norm, grads = _clipped_step(clip=1e-3)
+    parameters = len(grads)
+    assert upstream_reads >= parameters > 1 and len(host_reads) < upstream_reads - parameters + 2
+    assert norm == pytest.approx(upstream_norm, rel=1e-6) and norm > 1e-3
+    for ours, theirs in zip(grads, upstream_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+def test_grad_norm_on_device_makes_no_host_sync_on_cuda():
+    from megatron.core.optimizer import clip_grads
+
+    prepare_megatron_core()
+    grads = [torch.randn(n, device="cuda") for n in (7, 1000, 33)]
+    expected = torch.linalg.vector_norm(torch.cat(grads)).item()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm, _ = clip_grads.l2_norm_impl(0, None, [grads], False)
+        clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert norm.item() == pytest.approx(expected, rel=1e-5)
+    assert torch.linalg.vector_norm(torch.cat(grads)).item() == pytest.approx(expected / 2, rel=1e-5)
+
+
 @cpu_only
 def test_cuda_tensors_distributed_optimizer_steps(model_parallel):
     ddp, optimizer = _ddp_and_optimizer(tiny_gpt(), clip_grad=1.0)
