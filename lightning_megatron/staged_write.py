@@ -1,16 +1,28 @@
-"""Tensors written into files laid out up front, each at its place, as fast as the copies and the files allow.
+"""Tensors written into files laid out up front, each at its place, every file at once.
 
-Why this shape: an export hands tensors over one at a time, in the model's order, not the files'. The place of
-every tensor in its file is known from the names, shapes and dtypes before the first tensor arrives, so each one
-is written at its offset the moment it comes (`os.pwrite`, which releases the GIL), while the export produces the
-next. A tensor on a GPU is copied in chunks into pinned host buffers on the stream that produced it (so a freed
-tensor's memory is reused only after the copy) and written from there: the only host copy is that staging. The
-buffers form a window of `staging_bytes`: the copy of the next chunks overlaps the writing of the earlier ones.
+Why this shape: an export hands tensors over one at a time, in the model's order, and that is nearly the order of
+HF's shard files too (layers 0.. in the first file, ...). The place of every tensor in its file is known from the
+names, shapes and dtypes before the first tensor arrives, so each one can be written at its offset in any order
+(`os.pwrite`, which releases the GIL). Writes into one file are serialised by the kernel (the inode lock, on tmpfs
+and local file systems alike), so the speed comes from writing several files at the same time, which the export's
+order does not give by itself.
 
-Each file has its own writing thread: writes into one file are serialised by the kernel (the inode lock, on tmpfs
-and local file systems alike), so parallelism comes from several files at once. The staging window lets the files
-progress together although the export feeds them one after another. A tensor already on the host is written
-straight from its memory, with no staging.
+So the export's thread only hands each tensor to its file's thread, with an event marking where the producing
+stream stands, and goes on: the export runs ahead of the writes, and every file's thread has its own tensors to
+write from the start. Each file's thread copies its GPU tensors in chunks into its own two pinned buffers, on its
+own CUDA stream (waiting on the event), and writes one buffer while the next chunk is copied into the other: the
+only host copy is that staging. A tensor already on the host is written straight from its memory.
+
+The price is device memory: a GPU tensor stays referenced until its file's thread has copied it. A view of the
+parameters (most of an export at TP=1) costs nothing; tensors the export made (gathers, casts, splits) do, so the
+export waits while the device memory allocated since the first tensor exceeds `device_budget_bytes` (4 GiB by
+default; a gathering export at TP>1 then runs at most that far ahead of the writes). A tensor handed to `write`
+must stay unchanged until `close`: true of an export's tensors, and of the parameters while the training waits for
+the save.
+
+Pinned buffers: two of `chunk_bytes` (32 MiB) per file that has GPU tensors, taken at its first GPU tensor and
+freed at `close` into torch's pinned-memory cache, where the next writer finds them (a `WeightSync` in disk mode
+saves many times and allocates pinned memory once).
 
 Nothing here raises before `close`: every rank of an export must keep iterating it in lockstep (its collectives),
 so a failed write is remembered, later writes are skipped, and `close` raises the first failure.
@@ -18,6 +30,7 @@ so a failed write is remembered, later writes are skipped, and `close` raises th
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -29,7 +42,8 @@ from typing import Any
 import torch
 
 CHUNK_BYTES = 32 * 1024**2
-STAGING_BYTES = 1024**3
+PINNED_BUFFERS_PER_FILE = 2
+DEVICE_BUDGET_BYTES = 4 * 1024**3
 WRITER_THREADS = 8
 
 
@@ -58,44 +72,76 @@ def _write_all(descriptor: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-@dataclass
-class _Chunk:
-    data: torch.Tensor  # uint8, on the host: a pinned staging slot or the tensor's own memory
+@dataclass(eq=False)
+class _Tensor:
+    data: torch.Tensor  # flat uint8 view of a contiguous tensor, on the host or a GPU
     offset: int
-    ready: torch.cuda.Event | None  # the copy into the staging slot is done once this has happened
-    slot: int | None
+    produced: torch.cuda.Event | None  # a GPU tensor's producing stream has made it once this has happened
+    held: bool = False  # a GPU tensor the export waits on (counted in the writer's device budget)
+
+
+class _FileStaging:
+    """One file thread's way off the GPU: its own stream and pinned buffers, used in turn; the copy of a chunk into
+    one buffer overlaps the write of the chunk before from another."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+        torch.cuda.set_device(device)  # a new thread's current device is cuda:0, whatever this rank's is
+        self.stream = torch.cuda.Stream(device)
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(PINNED_BUFFERS_PER_FILE)]
+        self.turn = 0
+        # chunks being copied, oldest first: (its buffer's bytes, file offset, copy done, the tensor if its last)
+        self.pending: collections.deque[tuple[torch.Tensor, int, torch.cuda.Event, _Tensor | None]] = (
+            collections.deque())
+
+    def full(self) -> bool:
+        return len(self.pending) == len(self.buffers)
+
+    def copy(self, tensor: _Tensor, start: int, stop: int) -> None:
+        """Start copying `tensor.data[start:stop]` into the next buffer (which must not be `full`)."""
+        staged = self.buffers[self.turn][:stop - start]
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if start == 0:
+            self.stream.wait_event(tensor.produced)
+        with torch.cuda.stream(self.stream):
+            staged.copy_(tensor.data[start:stop], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+        self.pending.append((staged, tensor.offset + start, copied, tensor if stop == tensor.data.numel() else None))
+
+    def next_copied(self) -> tuple[torch.Tensor, int, _Tensor | None]:
+        """The oldest chunk, waited for: its bytes, offset, and its tensor when it was the last chunk of it."""
+        staged, offset, copied, last_of = self.pending.popleft()
+        copied.synchronize()
+        return staged, offset, last_of
 
 
 class StagedWriter:
     """Writes named tensors into the files of `layouts` (path -> layout); use as a context manager, or `close`.
 
-    `threads`: how many files are written at the same time; `staging_bytes`: the pinned window for GPU tensors
-    (allocated at the first GPU tensor, and kept by torch's pinned-memory cache for the next writer).
+    `threads`: how many files are written at the same time; `device_budget_bytes`: how much device memory the
+    tensors waiting for their files' threads may hold (views of existing tensors cost nothing).
     """
 
     def __init__(self, layouts: Mapping[Path, FileLayout], *, threads: int = WRITER_THREADS,
-                 staging_bytes: int = STAGING_BYTES, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, device_budget_bytes: int = DEVICE_BUDGET_BYTES) -> None:
         self._chunk_bytes = chunk_bytes
-        self._slot_count = max(2, staging_bytes // chunk_bytes)
-        self._staging: torch.Tensor | None = None
-        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._device_budget_bytes = device_budget_bytes
+        self._allocated_at_start: int | None = None
         self._active = threading.Semaphore(max(1, threads))
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._released = threading.Condition()
+        self._held_bytes = 0  # of the GPU tensors handed over and not yet copied (views of other tensors too)
         self._targets: dict[str, tuple[int, int, int]] = {}  # name -> (file index, offset, byte count)
-        self._descriptors: list[int | None] = []
-        self._queues: list[queue.SimpleQueue[_Chunk | None]] = []
+        self._queues: list[queue.SimpleQueue[_Tensor | None]] = []
         self._threads: list[threading.Thread] = []
         for index, (path, layout) in enumerate(layouts.items()):
-            try:
-                self._descriptors.append(create_file(path, layout))
-            except BaseException as error:  # raised by `close`, after the export went on in lockstep
-                self._descriptors.append(None)
-                self._fail(error)
             for name, (offset, nbytes) in layout.regions.items():
                 self._targets[name] = (index, offset, nbytes)
             self._queues.append(queue.SimpleQueue())
-            thread = threading.Thread(target=self._drain, args=(index,), name=f"hf-write-{index}", daemon=True)
+            thread = threading.Thread(target=self._write_file, args=(index, Path(path), layout),
+                                      name=f"hf-write-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
@@ -106,7 +152,8 @@ class StagedWriter:
         self.close(raise_error=exc_info[0] is None)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue `tensor` (laid out under `name`) for writing; returns once it is staged (a GPU tensor) or queued."""
+        """Hand `tensor` (laid out under `name`) to its file's thread; returns at once unless the device budget
+        is spent. `tensor` must stay unchanged until `close`."""
         if self._error is not None:
             return
         if name not in self._targets:
@@ -116,24 +163,33 @@ class StagedWriter:
         if tensor.nbytes != nbytes:
             self._fail(ValueError(f"{name} has {tensor.nbytes} bytes, its place in the file {nbytes}"))
             return
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        for start in range(0, nbytes, self._chunk_bytes):
-            piece = data[start:start + self._chunk_bytes]
-            if piece.is_cuda:
-                self._queues[index].put(self._stage(piece, offset + start))
-            else:
-                self._queues[index].put(_Chunk(piece, offset + start, None, None))
+        try:
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            if not data.is_cuda:
+                self._queues[index].put(_Tensor(data, offset, None))
+                return
+            if self._allocated_at_start is None:
+                self._allocated_at_start = torch.cuda.memory_allocated(data.device)
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(data.device))
+            with self._released:
+                self._held_bytes += nbytes
+            self._queues[index].put(_Tensor(data, offset, produced, held=True))
+            self._wait_for_device_budget(data.device)
+        except BaseException as error:  # e.g. out of device memory for a contiguous copy: raised by `close`
+            self._fail(error)
 
     def close(self, *, raise_error: bool = True) -> None:
-        """Wait for every write, close the files; raise the first failure, or name the tensors never written."""
-        for chunks in self._queues:
-            chunks.put(None)
+        """Wait for every write, close the files; raise the first failure, or name the tensors never written.
+
+        `raise_error=False` (the export failed): the queued writes are skipped; the caller removes the files."""
+        if not raise_error:
+            self._fail(RuntimeError("the writer was closed without finishing"))
+        for tensors in self._queues:
+            tensors.put(None)
         for thread in self._threads:
             thread.join()
-        for descriptor in self._descriptors:
-            if descriptor is not None:
-                os.close(descriptor)
-        self._queues, self._threads, self._descriptors, self._staging = [], [], [], None
+        self._queues, self._threads = [], []
         if not raise_error:
             return
         if self._error is not None:
@@ -142,40 +198,96 @@ class StagedWriter:
             missing = sorted(self._targets)
             raise ValueError(f"{len(missing)} tensor(s) laid out in the files were never written, e.g. {missing[:5]}")
 
-    def _stage(self, piece: torch.Tensor, offset: int) -> _Chunk:
-        """Copy a GPU chunk into a free pinned slot on the current stream of its device (waits for a free slot)."""
-        if self._staging is None:
-            self._staging = torch.empty(self._slot_count * self._chunk_bytes, dtype=torch.uint8, pin_memory=True)
-            for slot in range(self._slot_count):
-                self._free_slots.put(slot)
-        slot = self._free_slots.get()
-        start = slot * self._chunk_bytes
-        staged = self._staging[start:start + piece.numel()]
-        stream = torch.cuda.current_stream(piece.device)
-        with torch.cuda.stream(stream):
-            staged.copy_(piece, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-        return _Chunk(staged, offset, ready, slot)
+    def _wait_for_device_budget(self, device: torch.device) -> None:
+        """Wait while the held tensors' bytes exceed the budget and so does the device memory allocated since the
+        first one (what they really cost: views of existing tensors add nothing)."""
+        assert self._allocated_at_start is not None
+        with self._released:
+            while (self._error is None and self._held_bytes > self._device_budget_bytes
+                   and torch.cuda.memory_allocated(device) - self._allocated_at_start > self._device_budget_bytes):
+                self._released.wait()
 
-    def _drain(self, index: int) -> None:
-        """One file's thread: write its chunks in arrival order; a slot goes back to the window once written."""
-        while (chunk := self._queues[index].get()) is not None:
+    def _release(self, tensor: _Tensor) -> None:
+        """Drop a GPU tensor once copied (or skipped): its memory may be reused, the export may run on."""
+        if tensor.held:
+            tensor.held = False
+            with self._released:
+                self._held_bytes -= tensor.data.numel()
+                tensor.data = torch.empty(0, dtype=torch.uint8)
+                self._released.notify_all()
+
+    def _write_file(self, index: int, path: Path, layout: FileLayout) -> None:
+        """One file's thread: create the file (truncating an old one, in parallel with the other files), then write
+        its tensors in arrival order, the next GPU chunk copied while the one before is written."""
+        descriptor: int | None = None
+        try:
+            descriptor = create_file(path, layout)
+        except BaseException as error:  # raised by `close`, after the export went on in lockstep
+            self._fail(error)
+        staging: _FileStaging | None = None
+        tensors = self._queues[index]
+        try:
+            while True:
+                if staging is not None and staging.pending:
+                    try:
+                        tensor = tensors.get_nowait()
+                    except queue.Empty:  # nothing new yet: write what is copied meanwhile
+                        self._write_staged(descriptor, staging)
+                        continue
+                else:
+                    tensor = tensors.get()
+                if tensor is None:
+                    break
+                try:
+                    if self._error is None and descriptor is not None:
+                        if tensor.produced is None:
+                            with self._active:
+                                _write_all(descriptor, memoryview(tensor.data.numpy()), tensor.offset)
+                        else:
+                            staging = staging or _FileStaging(tensor.data.device, self._chunk_bytes)
+                            self._stage(tensor, descriptor, staging)
+                except BaseException as error:
+                    self._fail(error)
+                finally:
+                    if tensor.data.numel() == 0 or self._error is not None:  # nothing (more) to copy
+                        self._release(tensor)
+            while staging is not None and staging.pending:
+                self._write_staged(descriptor, staging)
+        finally:
+            if descriptor is not None:
+                os.close(descriptor)
+
+    def _stage(self, tensor: _Tensor, descriptor: int, staging: _FileStaging) -> None:
+        """Queue the copies of a GPU tensor's chunks, writing the oldest copied chunk whenever no buffer is free."""
+        size = tensor.data.numel()
+        for start in range(0, size, self._chunk_bytes):
+            while staging.full():
+                self._write_staged(descriptor, staging)
+            staging.copy(tensor, start, min(size, start + self._chunk_bytes))
+
+    def _write_staged(self, descriptor: int | None, staging: _FileStaging) -> None:
+        """Write the oldest copied chunk (skipped after a failure); its tensor is released after its last chunk."""
+        try:
+            staged, offset, last_of = staging.next_copied()
+        except BaseException as error:  # the copy failed: nothing pending is written
+            self._fail(error)
+            for *_, tensor in staging.pending:
+                if tensor is not None:
+                    self._release(tensor)
+            staging.pending.clear()
+            return
+        if last_of is not None:
+            self._release(last_of)
+        if self._error is None and descriptor is not None:
             try:
-                if self._error is None:
-                    if chunk.ready is not None:
-                        chunk.ready.synchronize()
-                    descriptor = self._descriptors[index]
-                    assert descriptor is not None  # a file that could not be created failed the writer
-                    with self._active:
-                        _write_all(descriptor, memoryview(chunk.data.numpy()), chunk.offset)
+                with self._active:
+                    _write_all(descriptor, memoryview(staged.numpy()), offset)
             except BaseException as error:
                 self._fail(error)
-            finally:
-                if chunk.slot is not None:
-                    self._free_slots.put(chunk.slot)
 
     def _fail(self, error: BaseException) -> None:
         with self._error_lock:
             if self._error is None:
                 self._error = error
+        with self._released:  # an export waiting for device memory goes on (skipping) at once
+            self._released.notify_all()

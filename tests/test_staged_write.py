@@ -45,7 +45,7 @@ def _write_out_of_order(path: Path, tensors: dict[str, torch.Tensor], **options:
 
 def test_a_file_written_out_of_order_in_small_chunks_is_safetensors_own_bytes(tmp_path):
     tensors = _tensors()
-    _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=40, staging_bytes=80, threads=2)
+    _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=40, threads=2)
     assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
 
 
@@ -103,8 +103,8 @@ def test_an_export_failing_mid_way_leaves_nothing(model_parallel, tmp_path):
 @pytest.mark.gpu
 def test_gpu_tensors_through_pinned_staging_give_the_same_bytes(tmp_path):
     tensors = _tensors("cuda")
-    # a window of two small slots: every slot is reused many times while earlier chunks are still being written
-    _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=64, staging_bytes=128, threads=2)
+    # small chunks: each of the two pinned buffers is reused many times while the other's chunk is written
+    _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=64, threads=2)
     assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
 
 
