@@ -9,16 +9,20 @@ A leaf: it imports nothing of `lightning_megatron` but the distributed helpers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_megatron.distributed import agree_on_failure, cpu_group
+
+REMOVER_THREADS = 8
 
 
 def write_atomically(path: Path, write: Any, *, every_rank: bool = False) -> None:
@@ -63,9 +67,28 @@ def move_into_place(staging: Path, path: Path) -> None:
         retired = path.parent / f".{path.name}.old-{os.getpid()}"
         os.replace(path, retired)
         os.replace(staging, path)
-        shutil.rmtree(retired)
+        remove_folder(retired)
     else:
         os.replace(staging, path)
+
+
+def remove_folder(folder: Path, *, ignore_errors: bool = False) -> None:
+    """`shutil.rmtree`, the files directly in `folder` unlinked on several threads first: the kernel frees a
+    file's pages in the unlink itself (on tmpfs about 0.1 s per GB), so the shards of a replaced or pruned
+    checkpoint go in parallel rather than one after another."""
+    try:
+        files = [entry.path for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
+    except OSError:
+        files = []  # rmtree says why, or ignores it
+    if len(files) > 1:
+        with ThreadPoolExecutor(min(REMOVER_THREADS, len(files)), thread_name_prefix="remove") as pool:
+            list(pool.map(_unlink_if_possible, files))
+    shutil.rmtree(folder, ignore_errors=ignore_errors)
+
+
+def _unlink_if_possible(path: str) -> None:
+    with contextlib.suppress(OSError):  # what is left, rmtree removes or reports
+        os.unlink(path)
 
 
 def write_file_atomically(path: Path, write: Callable[[Path], None], *, mode: int | None = None,

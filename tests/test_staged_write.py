@@ -4,16 +4,20 @@ own serialisation (what the writer wrote before it streamed), from host tensors 
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save
 
+from lightning_megatron import staged_write
 from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.hf_io import TensorSpec, safetensors_layout, write_safetensors
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.staged_write import StagedWriter
+from lightning_megatron.staged_write import FileLayout, StagedWriter
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
 
@@ -117,3 +121,72 @@ def test_gpu_model_export_is_the_source_file_byte_for_byte(model_parallel, tmp_p
     assert next(chunks[0].parameters()).is_cuda
     exported = bridge.save_hf(chunks, tmp_path / "export")
     assert (exported / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def _instrument_writes(monkeypatch, before_write) -> list[tuple[str, int]]:
+    """Record every tensor write (file name, offset) in the order the real writes happen; `before_write(file name)`
+    runs first (to hold a file's writes back). The header, written at offset 0, is not a tensor write."""
+    writes: list[tuple[str, int]] = []
+    real_write_all = staged_write._write_all
+
+    def write_all(descriptor: int, data: memoryview, offset: int) -> None:
+        if offset:
+            file = Path(os.readlink(f"/proc/self/fd/{descriptor}")).name
+            before_write(file)
+            writes.append((file, offset))
+        real_write_all(descriptor, data, offset)
+
+    monkeypatch.setattr(staged_write, "_write_all", write_all)
+    return writes
+
+
+def _two_files(tensors: dict[str, torch.Tensor], split: int) -> dict[str, tuple[list[str], FileLayout]]:
+    names = list(tensors)
+    return {file: (part, safetensors_layout(TensorSpec(n, tuple(tensors[n].shape), tensors[n].dtype) for n in part))
+            for file, part in (("1.safetensors", names[:split]), ("2.safetensors", names[split:]))}
+
+
+@pytest.mark.gpu
+def test_gpu_files_are_written_at_the_same_time_although_the_export_feeds_them_in_turn(tmp_path, monkeypatch):
+    # the export's order: every tensor of the first file, then the second's; the first file's writes are held
+    # back until the second file has been written to, which a writer feeding the files in turn never does
+    tensors = {f"layer.{index:02d}": torch.randn(256, 1024, device="cuda") for index in range(8)}
+    second_file_written = threading.Event()
+
+    def hold_the_first_file(file: str) -> None:
+        if file == "2.safetensors":
+            second_file_written.set()
+        else:
+            assert second_file_written.wait(timeout=60), "the second file was not written while the first was held back"
+
+    writes = _instrument_writes(monkeypatch, hold_the_first_file)
+    files = _two_files(tensors, split=6)
+    layouts = {tmp_path / file: layout for file, (_, layout) in files.items()}
+    with StagedWriter(layouts, chunk_bytes=64 * 1024) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    first_file = [index for index, (file, _) in enumerate(writes) if file == "1.safetensors"]
+    assert min(index for index, (file, _) in enumerate(writes) if file == "2.safetensors") < first_file[-1]
+    for file, (names, _) in files.items():
+        assert (tmp_path / file).read_bytes() == _library_bytes({name: tensors[name] for name in names})
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_made_for_the_writer_hold_no_more_device_memory_than_its_budget(tmp_path, monkeypatch):
+    tensor_bytes, budget = 1024**2, 4 * 1024**2
+    _instrument_writes(monkeypatch, lambda file: time.sleep(0.01))  # slow files: the export could run far ahead
+    shapes = {f"layer.{index:02d}": (256, 1024) for index in range(32)}  # fp32: 1 MiB each
+    layout = safetensors_layout(TensorSpec(name, shape, torch.float32) for name, shape in shapes.items())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    expected = {}
+    with StagedWriter({tmp_path / "model.safetensors": layout}, chunk_bytes=256 * 1024,
+                      device_budget_bytes=budget) as writer:
+        for index, name in enumerate(shapes):
+            made = torch.full(shapes[name], float(index), device="cuda")  # made by the export, as a gather is
+            expected[name] = made.cpu()
+            writer.write(name, made)
+            del made
+    assert torch.cuda.max_memory_allocated() - before <= budget + 2 * tensor_bytes
+    assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(expected)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from lightning_megatron.atomic import write_text_atomically
+from lightning_megatron.atomic import remove_folder, write_text_atomically
 from lightning_megatron.serving.protocol import post_json
 
 Engine = Literal["sglang", "vllm"]
@@ -58,7 +58,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     ordered = [folder for _, folder in sorted(versions(root).items())]
     doomed = [folder for folder in ordered[:max(0, len(ordered) - keep_last)] if folder != latest]
     for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_folder(folder, ignore_errors=True)
     return doomed
 
 
