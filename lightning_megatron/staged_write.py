@@ -1,11 +1,11 @@
 """Tensors written into files laid out up front, each at its place, every file at once.
 
-Why this shape: an export hands tensors over one at a time, in the model's order, and that is nearly the order of
-HF's shard files too (layers 0.. in the first file, ...). The place of every tensor in its file is known from the
-names, shapes and dtypes before the first tensor arrives, so each one can be written at its offset in any order
-(`os.pwrite`, which releases the GIL). Writes into one file are serialised by the kernel (the inode lock, on tmpfs
-and local file systems alike), so the speed comes from writing several files at the same time, which the export's
-order does not give by itself.
+Why this shape: an export hands tensors over one at a time, in the model's order, which feeds HF's shard files
+(the names' order) in long runs of one file: layers 13 to 21 of an 8B model all go to the second of four. The
+place of every tensor in its file is known from the names, shapes and dtypes before the first tensor arrives, so
+each one can be written at its offset in any order (`os.pwrite`, which releases the GIL). Writes into one file are
+serialised by the kernel (the inode lock, on tmpfs and local file systems alike), so the speed comes from writing
+the files at the same time, which the export's order does not give by itself.
 
 So the export's thread only hands each tensor to its file's thread, with an event marking where the producing
 stream stands, and goes on: the export runs ahead of the writes, and every file's thread has its own tensors to
@@ -70,6 +70,11 @@ def _write_all(descriptor: int, data: memoryview, offset: int) -> None:
     while data:  # pwrite may write less than asked (at most ~2 GiB per call on Linux)
         written = os.pwrite(descriptor, data, offset)
         data, offset = data[written:], offset + written
+
+
+def _allocated_bytes(device: torch.device) -> int:
+    """`torch.cuda.memory_allocated` without flattening all the allocator's statistics (asked once per tensor)."""
+    return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
 @dataclass(eq=False)
@@ -169,7 +174,7 @@ class StagedWriter:
                 self._queues[index].put(_Tensor(data, offset, None))
                 return
             if self._allocated_at_start is None:
-                self._allocated_at_start = torch.cuda.memory_allocated(data.device)
+                self._allocated_at_start = _allocated_bytes(data.device)
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(data.device))
             with self._released:
@@ -204,7 +209,7 @@ class StagedWriter:
         assert self._allocated_at_start is not None
         with self._released:
             while (self._error is None and self._held_bytes > self._device_budget_bytes
-                   and torch.cuda.memory_allocated(device) - self._allocated_at_start > self._device_budget_bytes):
+                   and _allocated_bytes(device) - self._allocated_at_start > self._device_budget_bytes):
                 self._released.wait()
 
     def _release(self, tensor: _Tensor) -> None:
@@ -253,6 +258,8 @@ class StagedWriter:
                         self._release(tensor)
             while staging is not None and staging.pending:
                 self._write_staged(descriptor, staging)
+        except BaseException as error:  # not expected; an export waiting for device memory must not wait on
+            self._fail(error)
         finally:
             if descriptor is not None:
                 os.close(descriptor)
