@@ -4,14 +4,15 @@ For each bridge: `build` (model creation without random init, HF weights loaded)
 checkpoint written atomically), against reading the same tensors raw with safetensors onto the device the bridge
 puts the model on, and writing them raw from there. The raw write is the fastest plain write of the same tensors
 (`bench.common.raw_write`: HF's shards written in parallel, GPU tensors through pinned staging, no export), so
-`save_vs_raw_write` is what the export costs; `export_s` times the export alone (tensors left on the device,
-nothing written) and `save_gb_per_s` is the save's bytes over its time (target >= 4 GB/s at 8B, to a RAM-backed
-folder: `TMPDIR=/dev/shm`). The load alone into the built model is timed twice: the
-package's sliced load (`load_s`, what `build` uses: each rank reads its slices on several threads) and the
-library's own loader (`library_load_s`, one run); `load_report` says how the sliced load filled the parameters
-(all from slices, `converted` 0, for the stock Qwen3 mappings). megatron-bridge loads and saves the MTP head when
-the checkpoint has one; mbridge cannot build MTP heads, so its model, and its raw baseline, leave the MTP tensors
-out. Times are medians over `--repeats` runs in one process after one warm-up (imports and first-call set-up
+`save_vs_raw_write` is what the export costs; `export_s` times the export alone (tensors left on the device, nothing
+written) and `save_gb_per_s` is the save's bytes over its time (target >= 4 GB/s at 8B, to a RAM-backed folder:
+`TMPDIR=/dev/shm`); `save_extra_device_gib` is the device memory a save holds at its peak beyond the model (the
+writer holds the tensors the export made until its file threads have copied them). The load alone into the built
+model is timed twice: the package's sliced load (`load_s`, what `build` uses: each rank reads its slices on several
+threads) and the library's own loader (`library_load_s`, one run); `load_report` says how the sliced load filled the
+parameters (all from slices, `converted` 0, for the stock Qwen3 mappings). megatron-bridge loads and saves the MTP
+head when the checkpoint has one; mbridge cannot build MTP heads, so its model, and its raw baseline, leave the MTP
+tensors out. Times are medians over `--repeats` runs in one process after one warm-up (imports and first-call set-up
 excluded); ratios are against raw (targets: load within 1.5x, save within 1.2x). `--tiny` (also the default without
 `--checkpoint`): a tiny checkpoint made locally; `--checkpoint` for a real one (the 0.6B benchmark checkpoint:
 `python -m bench.make_checkpoint`); `--qwen3-8b PATH`: the Qwen3-8B-shaped one (made on the GPU in seconds, reused
@@ -37,11 +38,15 @@ from bench.common import (
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
     ModelShape,
+    allocated_gib,
     emit,
     environment,
+    fresh_memory,
     make_checkpoint,
     make_large_checkpoint,
     median_seconds,
+    own_gib,
+    peak_memory_gib,
     raw_write,
     require_free_space,
     scratch_dir,
@@ -132,15 +137,18 @@ def measure_bridge(bridge_type: str, checkpoint: Path, workdir: Path, repeats: i
         "load_report": dataclasses.asdict(bridge.load_hf_weights(chunks)),
     }
     result.update(raw_write_s=None, save_s=None, save_vs_raw_write=None, export_s=None, save_gb_per_s=None,
-                  raw_write_gb_per_s=None)  # `--load-only`: the report says n/a
+                  raw_write_gb_per_s=None, save_extra_device_gib=None)  # `--load-only`: the report says n/a
     if save:
         export_s = median_seconds(lambda: _export_only(bridge, chunks), repeats)
+        fresh_memory()
+        at_start_gib = allocated_gib()
         try:
             save_s = median_seconds(lambda: bridge.save_hf(chunks, workdir / f"export-{bridge_type}"), repeats)
         finally:
             shutil.rmtree(workdir / f"export-{bridge_type}", ignore_errors=True)
         result.update(raw_write_s=raw_write_s, save_s=save_s, save_vs_raw_write=save_s / raw_write_s,
-                      export_s=export_s, save_gb_per_s=size / save_s / 1e9, raw_write_gb_per_s=size / raw_write_s / 1e9)
+                      export_s=export_s, save_gb_per_s=size / save_s / 1e9, raw_write_gb_per_s=size / raw_write_s / 1e9,
+                      save_extra_device_gib=own_gib(peak_memory_gib(), at_start_gib))
     return result
 
 
