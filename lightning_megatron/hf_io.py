@@ -132,8 +132,8 @@ def write_shard_files(folder: Path, files: Mapping[str, Mapping[str, torch.Tenso
     """Write `{file name: tensors}` (on the host or a GPU) into `folder`, several files at a time.
 
     The tensors go in turn from each file (one of the first file, one of the second, ...), so that every file's
-    thread has work from the start: the fastest order for the writer, which is why the benchmarks' raw reference
-    write is this function.
+    thread has work from the start even where the writer's device budget binds (GPU tensors made for the write):
+    the fastest order for the writer, which is why the benchmarks' raw reference write is this function.
     """
     specs = {file: [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in tensors.items()]
              for file, tensors in files.items()}
