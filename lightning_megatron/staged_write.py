@@ -7,22 +7,23 @@ each one can be written at its offset in any order (`os.pwrite`, which releases 
 serialised by the kernel (the inode lock, on tmpfs and local file systems alike), so the speed comes from writing
 the files at the same time, which the export's order does not give by itself.
 
-So the export's thread only hands each tensor to its file's thread, with an event marking where the producing
-stream stands, and goes on: the export runs ahead of the writes, and every file's thread has its own tensors to
-write from the start. Each file's thread copies its GPU tensors in chunks into its own two pinned buffers, on its
-own CUDA stream (waiting on the event), and writes one buffer while the next chunk is copied into the other: the
-only host copy is that staging. A tensor already on the host is written straight from its memory.
+So the export's thread only hands each tensor to its file's writing thread, with an event marking where the
+producing stream stands, and goes on: the export runs ahead of the writes, and every file's thread has its own
+tensors to write from the start. There is one thread per file, up to `threads` (a thread with several files takes
+their tensors in arrival order). Each copies its GPU tensors in chunks into its own two pinned buffers, on its own
+CUDA stream (waiting on the event), and writes one buffer while the next chunk is copied into the other: the only
+host copy is that staging. A tensor already on the host is written straight from its memory.
 
-The price is device memory: a GPU tensor stays referenced until its file's thread has copied it. A view of the
+The price is device memory: a GPU tensor stays referenced until its thread has copied it. A view of the
 parameters (most of an export at TP=1) costs nothing; tensors the export made (gathers, casts, splits) do, so the
 export waits while the device memory allocated since the first tensor exceeds `device_budget_bytes` (4 GiB by
 default; a gathering export at TP>1 then runs at most that far ahead of the writes). A tensor handed to `write`
 must stay unchanged until `close`: true of an export's tensors, and of the parameters while the training waits for
 the save.
 
-Pinned buffers: two of `chunk_bytes` (32 MiB) per file that has GPU tensors, taken at its first GPU tensor and
-freed at `close` into torch's pinned-memory cache, where the next writer finds them (a `WeightSync` in disk mode
-saves many times and allocates pinned memory once).
+Pinned buffers: two of `chunk_bytes` (32 MiB) per thread that has GPU tensors (at most 512 MiB), taken at its
+first GPU tensor and freed at `close` into torch's pinned-memory cache, where the next writer finds them (a
+`WeightSync` in disk mode saves many times and allocates pinned memory once).
 
 Nothing here raises before `close`: every rank of an export must keep iterating it in lockstep (its collectives),
 so a failed write is remembered, later writes are skipped, and `close` raises the first failure.
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 CHUNK_BYTES = 32 * 1024**2
-PINNED_BUFFERS_PER_FILE = 2
+PINNED_BUFFERS_PER_THREAD = 2
 DEVICE_BUDGET_BYTES = 4 * 1024**3
 WRITER_THREADS = 8
 
@@ -80,24 +81,32 @@ def _allocated_bytes(device: torch.device) -> int:
 @dataclass(eq=False)
 class _Tensor:
     data: torch.Tensor  # flat uint8 view of a contiguous tensor, on the host or a GPU
+    file: int
     offset: int
     produced: torch.cuda.Event | None  # a GPU tensor's producing stream has made it once this has happened
     held: bool = False  # a GPU tensor the export waits on (counted in the writer's device budget)
 
 
-class _FileStaging:
-    """One file thread's way off the GPU: its own stream and pinned buffers, used in turn; the copy of a chunk into
-    one buffer overlaps the write of the chunk before from another."""
+@dataclass
+class _Chunk:
+    staged: torch.Tensor  # its bytes in a pinned buffer, once `copied` has happened
+    file: int
+    offset: int
+    copied: torch.cuda.Event
+    last_of: _Tensor | None  # the tensor, when this is its last chunk: done with once copied
+
+
+class _Staging:
+    """One writing thread's way off the GPU: its own stream and pinned buffers, used in turn; the copy of a chunk
+    into one buffer overlaps the write of the chunk before from another."""
 
     def __init__(self, device: torch.device, chunk_bytes: int) -> None:
         torch.cuda.set_device(device)  # a new thread's current device is cuda:0, whatever this rank's is
         self.stream = torch.cuda.Stream(device)
         self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
-                        for _ in range(PINNED_BUFFERS_PER_FILE)]
+                        for _ in range(PINNED_BUFFERS_PER_THREAD)]
         self.turn = 0
-        # chunks being copied, oldest first: (its buffer's bytes, file offset, copy done, the tensor if its last)
-        self.pending: collections.deque[tuple[torch.Tensor, int, torch.cuda.Event, _Tensor | None]] = (
-            collections.deque())
+        self.pending: collections.deque[_Chunk] = collections.deque()  # oldest first
 
     def full(self) -> bool:
         return len(self.pending) == len(self.buffers)
@@ -112,20 +121,15 @@ class _FileStaging:
             staged.copy_(tensor.data[start:stop], non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(self.stream)
-        self.pending.append((staged, tensor.offset + start, copied, tensor if stop == tensor.data.numel() else None))
-
-    def next_copied(self) -> tuple[torch.Tensor, int, _Tensor | None]:
-        """The oldest chunk, waited for: its bytes, offset, and its tensor when it was the last chunk of it."""
-        staged, offset, copied, last_of = self.pending.popleft()
-        copied.synchronize()
-        return staged, offset, last_of
+        last_of = tensor if stop == tensor.data.numel() else None
+        self.pending.append(_Chunk(staged, tensor.file, tensor.offset + start, copied, last_of))
 
 
 class StagedWriter:
     """Writes named tensors into the files of `layouts` (path -> layout); use as a context manager, or `close`.
 
     `threads`: how many files are written at the same time; `device_budget_bytes`: how much device memory the
-    tensors waiting for their files' threads may hold (views of existing tensors cost nothing).
+    tensors waiting for their threads may hold (views of existing tensors cost nothing).
     """
 
     def __init__(self, layouts: Mapping[Path, FileLayout], *, threads: int = WRITER_THREADS,
@@ -133,22 +137,22 @@ class StagedWriter:
         self._chunk_bytes = chunk_bytes
         self._device_budget_bytes = device_budget_bytes
         self._allocated_at_start: int | None = None
-        self._active = threading.Semaphore(max(1, threads))
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._released = threading.Condition()
         self._held_bytes = 0  # of the GPU tensors handed over and not yet copied (views of other tensors too)
         self._targets: dict[str, tuple[int, int, int]] = {}  # name -> (file index, offset, byte count)
-        self._queues: list[queue.SimpleQueue[_Tensor | None]] = []
-        self._threads: list[threading.Thread] = []
-        for index, (path, layout) in enumerate(layouts.items()):
+        files = [(Path(path), layout) for path, layout in layouts.items()]
+        self._descriptors: list[int | None] = [None] * len(files)
+        thread_count = max(1, min(threads, len(files)))
+        self._queues: list[queue.SimpleQueue[_Tensor | None]] = [queue.SimpleQueue() for _ in range(thread_count)]
+        for index, (_, layout) in enumerate(files):
             for name, (offset, nbytes) in layout.regions.items():
                 self._targets[name] = (index, offset, nbytes)
-            self._queues.append(queue.SimpleQueue())
-            thread = threading.Thread(target=self._write_file, args=(index, Path(path), layout),
-                                      name=f"hf-write-{index}", daemon=True)
+        self._threads = [threading.Thread(target=self._write_files, args=(worker, files), name=f"hf-write-{worker}",
+                                          daemon=True) for worker in range(thread_count)]
+        for thread in self._threads:
             thread.start()
-            self._threads.append(thread)
 
     def __enter__(self) -> StagedWriter:
         return self
@@ -164,14 +168,15 @@ class StagedWriter:
         if name not in self._targets:
             self._fail(KeyError(f"{name} is in no file's layout, or was written already"))
             return
-        index, offset, nbytes = self._targets.pop(name)
+        file, offset, nbytes = self._targets.pop(name)
         if tensor.nbytes != nbytes:
             self._fail(ValueError(f"{name} has {tensor.nbytes} bytes, its place in the file {nbytes}"))
             return
+        tensors = self._queues[file % len(self._queues)]
         try:
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             if not data.is_cuda:
-                self._queues[index].put(_Tensor(data, offset, None))
+                tensors.put(_Tensor(data, file, offset, None))
                 return
             if self._allocated_at_start is None:
                 self._allocated_at_start = _allocated_bytes(data.device)
@@ -179,7 +184,7 @@ class StagedWriter:
             produced.record(torch.cuda.current_stream(data.device))
             with self._released:
                 self._held_bytes += nbytes
-            self._queues[index].put(_Tensor(data, offset, produced, held=True))
+            tensors.put(_Tensor(data, file, offset, produced, held=True))
             self._wait_for_device_budget(data.device)
         except BaseException as error:  # e.g. out of device memory for a contiguous copy: raised by `close`
             self._fail(error)
@@ -221,74 +226,78 @@ class StagedWriter:
                 tensor.data = torch.empty(0, dtype=torch.uint8)
                 self._released.notify_all()
 
-    def _write_file(self, index: int, path: Path, layout: FileLayout) -> None:
-        """One file's thread: create the file (truncating an old one, in parallel with the other files), then write
-        its tensors in arrival order, the next GPU chunk copied while the one before is written."""
-        descriptor: int | None = None
+    def _write_files(self, worker: int, files: list[tuple[Path, FileLayout]]) -> None:
+        """One writing thread: create its files (truncating old ones runs in parallel too), then write their
+        tensors in arrival order, the next GPU chunk copied while the one before is written."""
+        mine = range(worker, len(files), len(self._queues))
+        staging: _Staging | None = None
         try:
-            descriptor = create_file(path, layout)
-        except BaseException as error:  # raised by `close`, after the export went on in lockstep
-            self._fail(error)
-        staging: _FileStaging | None = None
-        tensors = self._queues[index]
-        try:
+            for file in mine:
+                try:
+                    self._descriptors[file] = create_file(*files[file])
+                except BaseException as error:  # raised by `close`, after the export went on in lockstep
+                    self._fail(error)
+            tensors = self._queues[worker]
             while True:
                 if staging is not None and staging.pending:
                     try:
                         tensor = tensors.get_nowait()
                     except queue.Empty:  # nothing new yet: write what is copied meanwhile
-                        self._write_staged(descriptor, staging)
+                        self._write_staged(staging)
                         continue
                 else:
                     tensor = tensors.get()
                 if tensor is None:
                     break
                 try:
+                    descriptor = self._descriptors[tensor.file]
                     if self._error is None and descriptor is not None:
                         if tensor.produced is None:
-                            with self._active:
-                                _write_all(descriptor, memoryview(tensor.data.numpy()), tensor.offset)
+                            _write_all(descriptor, memoryview(tensor.data.numpy()), tensor.offset)
                         else:
-                            staging = staging or _FileStaging(tensor.data.device, self._chunk_bytes)
-                            self._stage(tensor, descriptor, staging)
+                            staging = staging or _Staging(tensor.data.device, self._chunk_bytes)
+                            self._stage(tensor, staging)
                 except BaseException as error:
                     self._fail(error)
                 finally:
                     if tensor.data.numel() == 0 or self._error is not None:  # nothing (more) to copy
                         self._release(tensor)
             while staging is not None and staging.pending:
-                self._write_staged(descriptor, staging)
+                self._write_staged(staging)
         except BaseException as error:  # not expected; an export waiting for device memory must not wait on
             self._fail(error)
         finally:
-            if descriptor is not None:
-                os.close(descriptor)
+            for file in mine:
+                descriptor = self._descriptors[file]
+                if descriptor is not None:
+                    os.close(descriptor)
 
-    def _stage(self, tensor: _Tensor, descriptor: int, staging: _FileStaging) -> None:
+    def _stage(self, tensor: _Tensor, staging: _Staging) -> None:
         """Queue the copies of a GPU tensor's chunks, writing the oldest copied chunk whenever no buffer is free."""
         size = tensor.data.numel()
         for start in range(0, size, self._chunk_bytes):
             while staging.full():
-                self._write_staged(descriptor, staging)
+                self._write_staged(staging)
             staging.copy(tensor, start, min(size, start + self._chunk_bytes))
 
-    def _write_staged(self, descriptor: int | None, staging: _FileStaging) -> None:
+    def _write_staged(self, staging: _Staging) -> None:
         """Write the oldest copied chunk (skipped after a failure); its tensor is released after its last chunk."""
+        chunk = staging.pending.popleft()
         try:
-            staged, offset, last_of = staging.next_copied()
+            chunk.copied.synchronize()
         except BaseException as error:  # the copy failed: nothing pending is written
             self._fail(error)
-            for *_, tensor in staging.pending:
-                if tensor is not None:
-                    self._release(tensor)
+            for pending in (chunk, *staging.pending):
+                if pending.last_of is not None:
+                    self._release(pending.last_of)
             staging.pending.clear()
             return
-        if last_of is not None:
-            self._release(last_of)
+        if chunk.last_of is not None:
+            self._release(chunk.last_of)
+        descriptor = self._descriptors[chunk.file]
         if self._error is None and descriptor is not None:
             try:
-                with self._active:
-                    _write_all(descriptor, memoryview(staged.numpy()), offset)
+                _write_all(descriptor, memoryview(chunk.staged.numpy()), chunk.offset)
             except BaseException as error:
                 self._fail(error)
 
