@@ -16,11 +16,26 @@ At most one save is in flight: the next waits for it. Removing an older checkpoi
 top-k) while a save is in flight is deferred until that save is published, so a failed save never costs the
 checkpoint it was to replace. A failure raises `CheckpointError` naming the checkpoint on every rank, at the next
 step or at the end of training, and leaves nothing at its path.
+
+Staging (`HostStaging`): every shard is copied into one host buffer that the first save allocates and every later
+save reuses, page-locked when CUDA is there, with asynchronous copies and one synchronisation at the end; the forked
+writer reads that buffer and calls nothing of CUDA. Megatron-Core's own staging (`FileSystemWriterAsync.preload_tensors`,
+`megatron/core/dist_checkpointing/strategies/filesystem_async.py:227-250`) copies each shard with
+`.to("cpu", non_blocking=True)`, for which torch allocates fresh page-locked memory per tensor through its pinned-memory
+cache, each rounded up to a power of two: an 8B checkpoint's first save page-locks more than its own size, shard by
+shard, while the step waits. Megatron-Core lets the caller choose the staging: it is the request's `preload_fn`
+(`async_utils.py:120`, called by `TemporalAsyncCaller.schedule_async_call` before it forks, `:266-277`), replaced here, so
+nothing of Megatron-Core is patched.
 """
 
 from __future__ import annotations
 
+import mmap
 import shutil
+import time
+import warnings
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +55,7 @@ class BackgroundSaves:
         self._queue: Any = None
         self._in_flight: Path | None = None
         self._deferred_removals: list[Path] = []
+        self.staging = HostStaging()
 
     @property
     def in_flight(self) -> Path | None:
@@ -57,6 +73,7 @@ class BackgroundSaves:
 
         request = megatron_checkpoint.save(path, model_chunks, optimizer, checkpoint,
                                            optimizer_sharding=optimizer_sharding, background=True)
+        request = staged_by(self.staging, request)  # the wait above: no writer reads the staging memory now
         if self._queue is None:
             self._queue = AsyncCallsQueue(persistent=False)  # a forked writer per save: a copy-on-write snapshot
         self._queue.schedule_async_request(request)
@@ -66,9 +83,13 @@ class BackgroundSaves:
         self._training = True
 
     def end_training(self) -> None:
-        """The end of training: wait for the save in flight; later saves (after fit) are synchronous."""
-        self.wait()
-        self._training = False
+        """The end of training: wait for the save in flight and give the staging memory back; later saves (after
+        fit) are synchronous."""
+        try:
+            self.wait()
+        finally:
+            self._training = False
+            self.staging.release()
 
     def poll(self) -> None:
         """Publish the save in flight if every rank's writer finished (one small all-reduce while one is in flight)."""
@@ -91,6 +112,7 @@ class BackgroundSaves:
         if self._queue is not None:
             self._queue.close(abort=True)
         self._queue, self._in_flight, self._deferred_removals, self._training = None, None, [], False
+        self.staging.release()
 
     def _finalize(self, *, blocking: bool) -> None:
         if self._in_flight is None:
@@ -114,3 +136,114 @@ class BackgroundSaves:
             removals, self._deferred_removals = self._deferred_removals, []
             for removed in removals:
                 megatron_checkpoint.remove(removed)
+
+
+_ALIGNMENT = 4096  # each staged tensor starts on a page of its own
+
+
+class HostStaging:
+    """The host memory background saves stage their shards into: allocated by the first save, reused by every later
+    one, grown (by a segment, the earlier ones kept) when a save needs more; page-locked when CUDA is available.
+
+    Each segment is a shared anonymous mapping (`mmap(-1, n)`), page-locked with `cudaHostRegister`. Shared, not the
+    private memory torch allocates: the writer is forked while the buffer is in use, and the kernel copies the
+    page-locked pages of a private mapping into the child at fork time (early copy-on-write of pinned pages, Linux
+    >= 5.9), while a shared mapping is only mapped into the child; the parent's later writes fault nothing either.
+    Without CUDA the segments are the same mappings, not page-locked: the copies and the reuse are the same code.
+
+    A staged tensor has a storage of exactly its own bytes (`torch.frombuffer` at its offset) and the strides
+    `.to("cpu")` gives it, so `torch.save` in the writer writes the bytes it writes for Megatron-Core's own copies.
+    """
+
+    def __init__(self, *, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._segments: list[mmap.mmap] = []
+        self._registered: list[int] = []  # data pointers page-locked with cudaHostRegister
+        self.last_stage: dict[str, Any] = {}  # what the last `stage` did: bytes, segments grown, seconds
+
+    @property
+    def capacity(self) -> int:
+        return sum(len(segment) for segment in self._segments)
+
+    def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors` (same values, shapes, dtypes and strides), in this object's memory; valid until
+        the next `stage` or `release`. GPU copies are asynchronous, then one synchronisation."""
+        started = time.perf_counter()
+        placements = self._placements(tensors)
+        grown = time.perf_counter()
+        staged = []
+        for tensor, (segment, offset) in zip(tensors, placements):
+            host = self._place(tensor, segment, offset)
+            host.copy_(tensor.detach(), non_blocking=self.pin and tensor.is_cuda)
+            staged.append(host)
+        if any(tensor.is_cuda for tensor in tensors):
+            torch.cuda.synchronize()
+        self.last_stage = {"bytes": sum(tensor.nbytes for tensor in tensors), "capacity": self.capacity,
+                           "grow_s": grown - started, "copy_s": time.perf_counter() - grown}
+        return staged
+
+    def stage_write_buckets(self, write_buckets: list[Any]) -> list[Any]:
+        """`FileSystemWriterAsync.preload_tensors` for the background writer: the same buckets, each tensor staged
+        here (Megatron-Core's `WriteBucket`: (file path, file name, (bytes items, [(item, tensor), ...])))."""
+        tensors = [tensor for _, _, (_, tensor_items) in write_buckets for _, tensor in tensor_items]
+        staged = iter(self.stage(tensors))
+        return [(path, name, (byte_items, [(item, next(staged)) for item, _ in tensor_items]))
+                for path, name, (byte_items, tensor_items) in write_buckets]
+
+    def release(self) -> None:
+        """Give the memory back (tensors staged earlier keep their segment mapped until they are freed)."""
+        for pointer in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(pointer)
+        self._segments, self._registered = [], []
+
+    def _placements(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+        """(segment index, offset) of each tensor, first in the segments there are, then in one new segment."""
+        placements, segment, offset, extra = [], 0, 0, 0
+        for tensor in tensors:
+            size = -(-tensor.nbytes // _ALIGNMENT) * _ALIGNMENT
+            while segment < len(self._segments) and offset + size > len(self._segments[segment]):
+                segment, offset = segment + 1, 0
+            if segment == len(self._segments):
+                placements.append((segment, extra))
+                extra += size
+            else:
+                placements.append((segment, offset))
+                offset += size
+        if extra:
+            self._grow(extra)
+        return placements
+
+    def _grow(self, nbytes: int) -> None:
+        segment = mmap.mmap(-1, nbytes)  # MAP_SHARED | MAP_ANONYMOUS: zero pages, mapped (not copied) by fork
+        if self.pin:
+            memory = torch.frombuffer(segment, dtype=torch.uint8)
+            memory.zero_()  # fault the pages in with every intra-op thread: cudaHostRegister then only locks them
+            pointer = memory.data_ptr()
+            error = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0)
+            if error == 0:
+                self._registered.append(pointer)
+            else:
+                warnings.warn(f"background saves stage into pageable memory: cudaHostRegister of {nbytes} bytes "
+                              f"failed (CUDA error {int(error)}); staging is slower, the checkpoint the same",
+                              stacklevel=2)
+        self._segments.append(segment)
+
+    def _place(self, tensor: torch.Tensor, segment: int, offset: int) -> torch.Tensor:
+        if tensor.numel() == 0:
+            return torch.empty_like(tensor, device="cpu")
+        flat = torch.frombuffer(self._segments[segment], dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+        return flat.as_strided(tensor.shape, torch.empty_like(tensor, device="meta").stride())
+
+
+def staged_by(staging: HostStaging, request: Any) -> Any:
+    """`request` (Megatron-Core's `AsyncRequest`) staging its shards into `staging` instead of fresh memory.
+
+    The request's `preload_fn` is `partial(FileSystemWriterAsync.preload_tensors, write_buckets, True)`
+    (`strategies/filesystem_async.py:222`); its result replaces the writer's second argument
+    (`async_utils.py:268`). A request of another shape is left as it is."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    preload = request.preload_fn
+    if not (isinstance(preload, partial) and preload.func is FileSystemWriterAsync.preload_tensors and preload.args):
+        return request
+    return request._replace(preload_fn=partial(staging.stage_write_buckets, preload.args[0]))

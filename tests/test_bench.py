@@ -66,6 +66,7 @@ TINY_RUNS = {
     "moe": _tiny("test_moe_benchmark_runs_tiny", "bench.moe", "--tiny"),
     "megatron_loop": _tiny("test_plain_megatron_loop_runs_tiny", "bench.megatron_loop", "--steps", "2", out=False),
     "async_save": _tiny("test_async_save_benchmark_runs_tiny", "bench.async_save", "--tiny"),
+    "staging_probe": _tiny("test_staging_probe_runs_tiny", "bench.staging_probe", "--tiny", "--skip-gc"),
     "packing": _tiny("test_packing_benchmark_runs_tiny", "bench.packing", "--tiny"),
     "vl": _tiny("test_vl_benchmark_runs_tiny", "bench.vl", "--tiny"),
     "tree": _tiny("test_tree_benchmark_runs_tiny", "bench.tree", "--tiny"),
@@ -266,6 +267,16 @@ def test_async_save_benchmark_runs_tiny(tiny_runs):
     assert set(result["met"]) == set(result["targets"]) == set(result["figures"])
     table = "\n".join(report.targets_table([("async_save.json", result)], {"async_save.json": 1}))
     assert "async save: time a step is blocked" in table and "slowest step outside staging" in table
+
+
+def test_staging_probe_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "staging_probe")
+    assert result["bytes"] > 0 and result["device"] == "cpu"
+    for variant in ("megatron", "host_staging"):  # a forked child read every staged tensor and wrote it right
+        assert result[variant]["exitcode"] == 0 and result[variant]["child_wrote_the_gpu_bytes"] is True
+    staging = result["host_staging"]
+    assert staging["pinned"] is False and staging["first"]["capacity"] >= result["bytes"]
+    assert staging["parent_heap_write_after_fork_s"] > 0 and "gc" not in result
 
 
 @pytest.mark.slow
