@@ -79,8 +79,12 @@ class BackgroundSaves:
         self._queue.schedule_async_request(request)
         self._in_flight = path
 
-    def begin_training(self) -> None:
+    def begin_training(self, model_chunks: list[torch.nn.Module]) -> None:
+        """Background saves from now on; the staging memory for the model's shards is reserved now, not in the
+        first save's step (the optimizer's shards are added by the first save)."""
         self._training = True
+        if self.enabled:
+            self.staging.reserve(megatron_checkpoint.model_bytes_written(model_chunks))
 
     def end_training(self) -> None:
         """The end of training: wait for the save in flight and give the staging memory back; later saves (after
@@ -196,19 +200,25 @@ class HostStaging:
             torch.cuda.cudart().cudaHostUnregister(pointer)
         self._segments, self._registered = [], []
 
+    def reserve(self, nbytes: int) -> None:
+        """Grow to at least `nbytes` now (page-locking takes seconds per 10 GB: better before training than in
+        the first save's step)."""
+        if nbytes > self.capacity:
+            self._grow(-(-(nbytes - self.capacity) // _ALIGNMENT) * _ALIGNMENT)
+
     def _placements(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-        """(segment index, offset) of each tensor, first in the segments there are, then in one new segment."""
-        placements, segment, offset, extra = [], 0, 0, 0
+        """(segment index, offset) of each tensor: in the first segment with room left, else in one new segment."""
+        placements, filled, extra = [], [0] * len(self._segments), 0
         for tensor in tensors:
             size = -(-tensor.nbytes // _ALIGNMENT) * _ALIGNMENT
-            while segment < len(self._segments) and offset + size > len(self._segments[segment]):
-                segment, offset = segment + 1, 0
-            if segment == len(self._segments):
-                placements.append((segment, extra))
+            segment = next((index for index, used in enumerate(filled)
+                            if used + size <= len(self._segments[index])), None)
+            if segment is None:
+                placements.append((len(self._segments), extra))
                 extra += size
             else:
-                placements.append((segment, offset))
-                offset += size
+                placements.append((segment, filled[segment]))
+                filled[segment] += size
         if extra:
             self._grow(extra)
         return placements
@@ -220,7 +230,7 @@ class HostStaging:
             memory.zero_()  # fault the pages in with every intra-op thread: cudaHostRegister then only locks them
             pointer = memory.data_ptr()
             error = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0)
-            if error == 0:
+            if int(error) == 0:
                 self._registered.append(pointer)
             else:
                 warnings.warn(f"background saves stage into pageable memory: cudaHostRegister of {nbytes} bytes "
