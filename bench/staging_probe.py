@@ -14,9 +14,10 @@ Megatron's fused layout), random, on the GPU. Measured, each on its own and its 
 - `fork_s`, `child_*`: with each staged copy alive, the seconds `fork` takes (`multiprocessing`'s fork context, as
   Megatron's writer), the forked child writing the staged bytes to a file under `--shm` (whole tensors up to
   `--child-write-gib`, then 4 MiB of each other one: it reads every tensor's memory) and GB/s, and whether what
-  it wrote equals the GPU tensors (sampled). `private_registered` page-locks a private 4 GiB buffer instead, to show what
-  fork does with one (the kernel copies page-locked private pages into the child at fork). `parent_heap_write_s`: the
-  parent writing 2 GiB of its own heap (tiny: 16 MiB), once without a child and once right after a fork (copy-on-write faults).
+  it wrote equals the GPU tensors (sampled). `private_registered` page-locks a private 4 GiB buffer instead, to
+  show what fork does with one (the kernel copies page-locked private pages into the child at fork).
+  `parent_heap_write_s`: the parent writing 2 GiB of its own heap (tiny: 16 MiB), once without a child and once
+  right after a fork (copy-on-write faults).
 - `gc`: after importing what a training process imports (Lightning, Megatron-Core, megatron-bridge), the objects
   the collector tracks and the seconds of a full `gc.collect()`, and of one after `gc.freeze()`.
 
@@ -179,13 +180,24 @@ def garbage_collection() -> dict[str, Any]:
             "thresholds": gc.get_threshold()}
 
 
+def _transparent_hugepages() -> dict[str, str]:
+    """The kernel's huge-page settings for private and shared memory (page-locking and faulting cost follow them)."""
+    folder = Path("/sys/kernel/mm/transparent_hugepage")
+    return {name: (folder / file).read_text().strip() for name, file in (("private", "enabled"),
+                                                                          ("shared", "shmem_enabled"))
+            if (folder / file).is_file()}
+
+
 def section(results: dict[str, Any], name: str, action: Callable[[], Any]) -> None:
-    """Run one measurement; a failure is recorded, not fatal (the others still tell)."""
+    """Run one measurement; a failure is recorded, not fatal (the others still tell). Each section's result also
+    goes to stderr as it ends, so that a run stopped by a time limit still tells what it measured."""
+    started = time.perf_counter()
     try:
         results[name] = action()
     except Exception as error:  # a probe reports what broke and goes on
         results[name] = {"error": f"{type(error).__name__}: {error}"}
     gc.collect()
+    print(f"{name} ({time.perf_counter() - started:.1f} s): {json.dumps(results[name])}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -199,6 +211,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     args.child_write_bytes = int(args.child_write_gib * 2**30)
+    started = time.perf_counter()
     shape = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=512) if args.tiny \
         else QWEN3_8B
     layers = 2 if args.tiny else args.layers
@@ -207,7 +220,8 @@ def main() -> None:
     sources = [torch.randn(size, generator=generator, device=device).to(torch.bfloat16)
                for size in checkpoint_shapes(shape, layers)]
     nbytes = sum(tensor.nbytes for tensor in sources)
-    results: dict[str, Any] = {"bytes": nbytes, "tensors": len(sources), "device": device}
+    results: dict[str, Any] = {"bytes": nbytes, "tensors": len(sources), "device": device,
+                               "transparent_hugepages": _transparent_hugepages()}
     folder = Path(tempfile.mkdtemp(prefix="staging_probe_", dir=args.shm if args.shm.is_dir() else None))
     try:
         def pageable() -> dict[str, float]:
@@ -226,7 +240,8 @@ def main() -> None:
             if device == "cuda":
                 torch._C._host_emptyCache()
             return {"first_s": first_s, "again_s": again_s, "first_gb_per_s": nbytes / 1e9 / first_s,
-                    "again_gb_per_s": nbytes / 1e9 / again_s, "pinned_allocated_bytes": stats.get("allocated_bytes.current"),
+                    "again_gb_per_s": nbytes / 1e9 / again_s,
+                    "pinned_allocated_bytes": stats.get("allocated_bytes.current"),
                     "cuda_host_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6, **forked}
 
         section(results, "megatron", megatron)
@@ -254,12 +269,12 @@ def main() -> None:
         for leftover in folder.glob("*"):
             leftover.unlink()
         folder.rmdir()
+    results["elapsed_s"] = time.perf_counter() - started
     line = json.dumps({"benchmark": "staging_probe", **environment(), **results})
     print(line, flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(line + "\n")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
