@@ -17,15 +17,22 @@ top-k) while a save is in flight is deferred until that save is published, so a 
 checkpoint it was to replace. A failure raises `CheckpointError` naming the checkpoint on every rank, at the next
 step or at the end of training, and leaves nothing at its path.
 
-Staging (`HostStaging`): every shard is copied into one host buffer that the first save allocates and every later
-save reuses, page-locked when CUDA is there, with asynchronous copies and one synchronisation at the end; the forked
-writer reads that buffer and calls nothing of CUDA. Megatron-Core's own staging (`FileSystemWriterAsync.preload_tensors`,
+Staging (`HostStaging`): every shard is copied into host memory reserved at the start of training (this rank's model
+shards; the first save adds the optimizer's) and reused by every save, page-locked when CUDA is there, with
+asynchronous copies and one synchronisation at the end; the forked writer reads it and calls nothing of CUDA.
+Megatron-Core's own staging (`FileSystemWriterAsync.preload_tensors`,
 `megatron/core/dist_checkpointing/strategies/filesystem_async.py:227-250`) copies each shard with
-`.to("cpu", non_blocking=True)`, for which torch allocates fresh page-locked memory per tensor through its pinned-memory
-cache, each rounded up to a power of two: an 8B checkpoint's first save page-locks more than its own size, shard by
-shard, while the step waits. Megatron-Core lets the caller choose the staging: it is the request's `preload_fn`
-(`async_utils.py:120`, called by `TemporalAsyncCaller.schedule_async_call` before it forks, `:266-277`), replaced here, so
-nothing of Megatron-Core is patched.
+`.to("cpu", non_blocking=True)`, for which torch allocates fresh page-locked memory per tensor through its
+pinned-memory cache, each rounded up to a power of two: an 8B checkpoint's first save page-locks more than its own
+size, shard by shard, while the step waits. Megatron-Core lets the caller choose the staging: it is the request's
+`preload_fn` (`async_utils.py:120`, called by `TemporalAsyncCaller.schedule_async_call` before it forks,
+`:266-277`), replaced here, so nothing of Megatron-Core is patched.
+
+A writer forked per save, not Megatron-Core's persistent worker (`AsyncCallsQueue(persistent=True)`): that worker is
+spawned, gets each request through a queue (the GPU tensors as CUDA IPC handles) and stages them itself, in the child
+(`async_utils.py:565,582`: `torch.cuda.set_device`, then `preload_fn()`), so the child needs CUDA (without CUDA it
+fails at `set_device`), and staged host memory would reach it only by a copy into shared memory. The fork costs
+little here: the staging memory is a shared mapping, so the kernel copies no page of it, neither at fork nor after.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ class BackgroundSaves:
                                            optimizer_sharding=optimizer_sharding, background=True)
         request = staged_by(self.staging, request)  # the wait above: no writer reads the staging memory now
         if self._queue is None:
-            self._queue = AsyncCallsQueue(persistent=False)  # a forked writer per save: a copy-on-write snapshot
+            self._queue = AsyncCallsQueue(persistent=False)  # a forked writer per save, see the module docstring
         self._queue.schedule_async_request(request)
         self._in_flight = path
 
@@ -163,6 +170,8 @@ class HostStaging:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._segments: list[mmap.mmap] = []
         self._registered: list[int] = []  # data pointers page-locked with cudaHostRegister
+        self.segments_made = 0  # how many times memory was allocated (stays put while saves reuse it)
+        self.allocation_s = 0.0  # seconds spent allocating and page-locking, in all
         self.last_stage: dict[str, Any] = {}  # what the last `stage` did: bytes, segments grown, seconds
 
     @property
@@ -224,6 +233,7 @@ class HostStaging:
         return placements
 
     def _grow(self, nbytes: int) -> None:
+        started = time.perf_counter()
         segment = mmap.mmap(-1, nbytes)  # MAP_SHARED | MAP_ANONYMOUS: zero pages, mapped (not copied) by fork
         if self.pin:
             memory = torch.frombuffer(segment, dtype=torch.uint8)
@@ -237,6 +247,8 @@ class HostStaging:
                               f"failed (CUDA error {int(error)}); staging is slower, the checkpoint the same",
                               stacklevel=2)
         self._segments.append(segment)
+        self.segments_made += 1
+        self.allocation_s += time.perf_counter() - started
 
     def _place(self, tensor: torch.Tensor, segment: int, offset: int) -> torch.Tensor:
         if tensor.numel() == 0:

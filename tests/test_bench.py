@@ -265,8 +265,16 @@ def test_async_save_benchmark_runs_tiny(tiny_runs):
     assert len(background["step_times_s"]) == len(sync["step_times_s"]) == 1 + 4 + 2  # warm-up, steps, save's
     assert result["figures"]["async_over_sync_blocked"] == background["blocked_s"] / sync["blocked_s"]
     assert set(result["met"]) == set(result["targets"]) == set(result["figures"])
+    # async staged into memory reserved at the start of training (and grown by the optimizer's shards at most once)
+    staging = background["staging"]
+    assert staging["reserved_bytes"] > 0 and staging["bytes"] > 0 and staging["segments_made"] <= 2
+    assert staging["copy_s"] > 0 and staging["allocation_s"] >= staging["reserve_s"]
+    assert sync["staging"] == {"reserved_bytes": 0, "reserve_s": 0.0, "allocation_s": 0.0, "segments_made": 0}
+    assert result["settings"]["gc_every"] == 2
+    assert result["noise_reference"]["sync_max_step_over_median"] == sync["max_step_over_median"]
     table = "\n".join(report.targets_table([("async_save.json", result)], {"async_save.json": 1}))
     assert "async save: time a step is blocked" in table and "slowest step outside staging" in table
+    assert "(noise) sync run, no save in flight" in table
 
 
 def test_staging_probe_runs_tiny(tiny_runs):

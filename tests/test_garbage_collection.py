@@ -1,6 +1,7 @@
 """`ManualGarbageCollection`: while training, Python's automatic collector is off and full collections run after the
-chosen optimizer steps only; afterwards the collector is on again and nothing is frozen. The collections are observed through
-`gc.callbacks` (the interpreter's own report of each one) on a real Lightning fit whose steps make cyclic garbage."""
+chosen optimizer steps only; afterwards the collector is on again and nothing is frozen. The collections are
+observed through `gc.callbacks` (the interpreter's own report of each one) on a real Lightning fit whose steps make
+cyclic garbage."""
 
 import gc
 
