@@ -150,17 +150,22 @@ class BackgroundSaves:
 
 
 _ALIGNMENT = 4096  # each staged tensor starts on a page of its own
+_CUDA_HOST_REGISTER_PORTABLE = 1  # page-locked for every CUDA context, as torch's own stager registers its memory
 
 
 class HostStaging:
-    """The host memory background saves stage their shards into: allocated by the first save, reused by every later
-    one, grown (by a segment, the earlier ones kept) when a save needs more; page-locked when CUDA is available.
+    """The host memory background saves stage their shards into: allocated by `reserve` or by the first save, reused
+    by every later one, grown (by a segment, the earlier ones kept) when a save needs more; page-locked when CUDA is
+    available.
 
     Each segment is a shared anonymous mapping (`mmap(-1, n)`), page-locked with `cudaHostRegister`. Shared, not the
     private memory torch allocates: the writer is forked while the buffer is in use, and the kernel copies the
     page-locked pages of a private mapping into the child at fork time (early copy-on-write of pinned pages, Linux
-    >= 5.9), while a shared mapping is only mapped into the child; the parent's later writes fault nothing either.
-    Without CUDA the segments are the same mappings, not page-locked: the copies and the reuse are the same code.
+    >= 5.9; `bench.staging_probe` measures it), while a shared mapping is only mapped into the child; the parent's
+    later writes fault nothing either.
+    torch's asynchronous DCP staging does the same (`torch/distributed/checkpoint/_state_dict_stager.py:161-173`:
+    shared memory, then `cudaHostRegister`), per storage. Without CUDA the segments are the same mappings, not
+    page-locked: the copies and the reuse are the same code.
 
     A staged tensor has a storage of exactly its own bytes (`torch.frombuffer` at its offset) and the strides
     `.to("cpu")` gives it, so `torch.save` in the writer writes the bytes it writes for Megatron-Core's own copies.
@@ -239,7 +244,7 @@ class HostStaging:
             memory = torch.frombuffer(segment, dtype=torch.uint8)
             memory.zero_()  # fault the pages in with every intra-op thread: cudaHostRegister then only locks them
             pointer = memory.data_ptr()
-            error = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0)
+            error = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
             if int(error) == 0:
                 self._registered.append(pointer)
             else:
