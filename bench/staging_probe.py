@@ -1,7 +1,7 @@
 """What staging a checkpoint off the GPU costs on this machine, and what a forked writer and the garbage collector
 cost around it: the short probe that chooses how background saves stage (issue 31), one JSON line.
 
-The tensors are the Qwen3-8B checkpoint's (`bench.common.QWEN3_8B`, bf16, untied, one MTP layer: ~16.4 GB, in
+The tensors are the Qwen3-8B checkpoint's (`bench.common.QWEN3_8B`, bf16, untied, one MTP layer: 16.8 GB, in
 Megatron's fused layout), random, on the GPU. Measured, each on its own and its memory freed before the next:
 
 - `pageable`: `.to("cpu")` of every tensor, into fresh pageable memory.
@@ -203,7 +203,7 @@ def section(results: dict[str, Any], name: str, action: Callable[[], Any]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a few small tensors on the CPU")
-    parser.add_argument("--layers", type=int, default=QWEN3_8B["num_layers"], help="decoder layers (36: ~16.4 GB)")
+    parser.add_argument("--layers", type=int, default=QWEN3_8B["num_layers"], help="decoder layers (36: 16.8 GB)")
     parser.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="where the forked child writes")
     parser.add_argument("--child-write-gib", type=float, default=4.0,
                         help="whole tensors the forked child writes (then 4 MiB of each other tensor)")
