@@ -140,7 +140,7 @@ def run(variant: str, settings: Settings, vocab: int, folder: Path, gc_every: in
     return {"blocked_s": saver.blocked_s, "published_after_s": saver.published_after_s,
             "published_during_training": saver.published_during_training, "staging": saver.staging,
             "step_times_s": timer.step_times_s, "staging_step_s": timer.step_times_s[staging],
-            "median_step_s": median, "max_step_over_median": max(outside) / median}
+            "steps_outside_staging_s": outside, "median_step_s": median, "max_step_over_median": max(outside) / median}
 
 
 def main() -> None:
@@ -170,7 +170,8 @@ def main() -> None:
             runs = {variant: run(variant, settings, shape.vocab, folder, args.gc_every) for variant in VARIANTS}
     figures = {"async_over_sync_blocked": runs["async"]["blocked_s"] / runs["sync"]["blocked_s"],
                "async_max_step_over_median": runs["async"]["max_step_over_median"]}
-    noise = {"sync_max_step_over_median": runs["sync"]["max_step_over_median"],
+    noise = {"sync_steps_with_no_save_in_flight_s": runs["sync"]["steps_outside_staging_s"],
+             "sync_max_step_over_median": runs["sync"]["max_step_over_median"],
              "sync_median_step_s": runs["sync"]["median_step_s"]}
     emit({"benchmark": "async_save", **environment(), "shape": vars(shape),
           "settings": {**vars(settings), "save_after_step": args.warmup + 1, "gc_every": args.gc_every},

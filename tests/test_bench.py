@@ -271,7 +271,9 @@ def test_async_save_benchmark_runs_tiny(tiny_runs):
     assert staging["copy_s"] > 0 and staging["allocation_s"] >= staging["reserve_s"]
     assert sync["staging"] == {"reserved_bytes": 0, "reserve_s": 0.0, "allocation_s": 0.0, "segments_made": 0}
     assert result["settings"]["gc_every"] == 2
-    assert result["noise_reference"]["sync_max_step_over_median"] == sync["max_step_over_median"]
+    noise = result["noise_reference"]
+    assert noise["sync_max_step_over_median"] == sync["max_step_over_median"]
+    assert noise["sync_steps_with_no_save_in_flight_s"] == sync["step_times_s"][1:2] + sync["step_times_s"][3:]
     table = "\n".join(report.targets_table([("async_save.json", result)], {"async_save.json": 1}))
     assert "async save: time a step is blocked" in table and "slowest step outside staging" in table
     assert "(noise) sync run, no save in flight" in table
