@@ -115,6 +115,8 @@ def run(variant: str, settings: Settings, vocab: int, folder: Path, gc_every: in
     from lightning_megatron import MegatronStrategy, MTPOnlyCallback
 
     fresh_memory()
+    if torch.cuda.is_available():  # the synchronous save's page-locked copies (~21 GiB), cached by torch: freed
+        torch._C._host_emptyCache()
     timer, saver = StepTimer(), SaveOnce(folder / f"{variant}.ckpt", step=settings.warmup + 1)
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
