@@ -23,8 +23,9 @@ flight: what the machine alone does to the step times.
 
 Both variants train with `ManualGarbageCollection(every_n_steps=--gc-every)` (the automatic collector off, what
 setup made frozen, a collection every 10 steps): with Python's automatic collector, full collections of the ~0.8
-million objects Lightning, Megatron-Core and the bridges hold land on steps no one chose and stretched a few of
-them by ~0.3 s in both variants, so the step-time figure would measure the collector, not the writer.
+million objects Lightning, Megatron-Core and the bridges hold land on steps no one chose (~0.4 s each on a CPU of
+the test machine; the likely cause of the few steps ~0.3 s longer in both variants of the first H200 run), so the
+step-time figure would measure the collector, not the writer (`bench.staging_probe` times such a collection).
 
 Checkpoints go to `--dir` (default `/dev/shm/async_save_bench`: RAM-backed, so the disk is not what is timed and
 the 64 GiB disk is not filled); free space is checked first, and every folder is removed in a `finally`.
