@@ -17,9 +17,13 @@ top-k) while a save is in flight is deferred until that save is published, so a 
 checkpoint it was to replace. A failure raises `CheckpointError` naming the checkpoint on every rank, at the next
 step or at the end of training, and leaves nothing at its path.
 
-Staging (`HostStaging`): every shard is copied into host memory reserved at the start of training (this rank's model
-shards; the first save adds the optimizer's) and reused by every save, page-locked when CUDA is there, with
-asynchronous copies and one synchronisation at the end; the forked writer reads it and calls nothing of CUDA.
+Staging (`HostStaging`): every shard on the GPU is copied into host memory reserved at the start of training (for
+this rank's model shards; a save that stages more, such as optimizer shards on the GPU, grows it once) and reused by
+every save, page-locked, with asynchronous copies and one synchronisation at the end; the forked writer reads it and
+calls nothing of CUDA. Shards already on the host (the distributed optimizer's fully reshardable state, gathered for
+each save) go to the writer as they are, as with Megatron-Core's staging. Without CUDA (the tests) every shard is on
+the host and is copied the same way, into memory that is not page-locked.
+
 Megatron-Core's own staging (`FileSystemWriterAsync.preload_tensors`,
 `megatron/core/dist_checkpointing/strategies/filesystem_async.py:227-250`) copies each shard with
 `.to("cpu", non_blocking=True)`, for which torch allocates fresh page-locked memory per tensor through its
@@ -88,7 +92,7 @@ class BackgroundSaves:
 
     def begin_training(self, model_chunks: list[torch.nn.Module]) -> None:
         """Background saves from now on; the staging memory for the model's shards is reserved now, not in the
-        first save's step (the optimizer's shards are added by the first save)."""
+        first save's step."""
         self._training = True
         if self.enabled:
             self.staging.reserve(megatron_checkpoint.model_bytes_written(model_chunks))
@@ -171,8 +175,9 @@ class HostStaging:
     `.to("cpu")` gives it, so `torch.save` in the writer writes the bytes it writes for Megatron-Core's own copies.
     """
 
-    def __init__(self, *, pin: bool | None = None) -> None:
+    def __init__(self, *, pin: bool | None = None, copy_host_tensors: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.copy_host_tensors = not self.pin if copy_host_tensors is None else copy_host_tensors
         self._segments: list[mmap.mmap] = []
         self._registered: list[int] = []  # data pointers page-locked with cudaHostRegister
         self.segments_made = 0  # how many times memory was allocated (stays put while saves reuse it)
@@ -185,19 +190,31 @@ class HostStaging:
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host copies of `tensors` (same values, shapes, dtypes and strides), in this object's memory; valid until
-        the next `stage` or `release`. GPU copies are asynchronous, then one synchronisation."""
+        the next `stage` or `release`. GPU copies are asynchronous, then one synchronisation.
+
+        A tensor already in host memory is returned as it is unless `copy_host_tensors` (as Megatron-Core's staging
+        does: the forked writer sees its contents as they were at the fork; the distributed optimizer's fully
+        reshardable state is such a tensor, gathered for this save). `copy_host_tensors` defaults to True only
+        without CUDA, where every tensor is on the host: the CPU path then runs the placement, reuse and copies
+        that GPU tensors take."""
         started = time.perf_counter()
-        placements = self._placements(tensors)
+        copies = [self.copy_host_tensors or tensor.device.type != "cpu" for tensor in tensors]
+        copied = [tensor for tensor, copy in zip(tensors, copies) if copy]
+        placements = iter(self._placements(copied))
         grown = time.perf_counter()
         staged = []
-        for tensor, (segment, offset) in zip(tensors, placements):
-            host = self._place(tensor, segment, offset)
-            host.copy_(tensor.detach(), non_blocking=self.pin and tensor.is_cuda)
-            staged.append(host)
-        if any(tensor.is_cuda for tensor in tensors):
+        for tensor, copy in zip(tensors, copies):
+            if copy:
+                host = self._place(tensor, *next(placements))
+                host.copy_(tensor.detach(), non_blocking=self.pin and tensor.is_cuda)
+                tensor = host
+            staged.append(tensor)
+        if any(tensor.is_cuda for tensor in copied):
             torch.cuda.synchronize()
-        self.last_stage = {"bytes": sum(tensor.nbytes for tensor in tensors), "capacity": self.capacity,
-                           "grow_s": grown - started, "copy_s": time.perf_counter() - grown}
+        copied_bytes = sum(tensor.nbytes for tensor in copied)
+        self.last_stage = {"bytes": copied_bytes, "host_bytes_passed": sum(tensor.nbytes for tensor in tensors)
+                           - copied_bytes, "capacity": self.capacity, "grow_s": grown - started,
+                           "copy_s": time.perf_counter() - grown}
         return staged
 
     def stage_write_buckets(self, write_buckets: list[Any]) -> list[Any]:

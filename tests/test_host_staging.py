@@ -80,3 +80,12 @@ def test_a_forked_child_reads_the_staged_bytes():
         written.append(received[8:8 + length])
         received = received[8 + length:]
     assert written == [_saved(shard.to("cpu", copy=True)) for shard in shards]
+
+
+def test_with_cuda_tensors_already_on_the_host_go_to_the_writer_as_they_are():
+    staging = HostStaging(copy_host_tensors=False)  # the default with CUDA, as Megatron-Core's own staging
+    shards = _shards()
+    staged = staging.stage(shards)
+    assert all(copy is shard for copy, shard in zip(staged, shards))
+    assert staging.segments_made == 0 and staging.last_stage["bytes"] == 0
+    assert staging.last_stage["host_bytes_passed"] == sum(shard.nbytes for shard in shards)
