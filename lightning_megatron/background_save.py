@@ -95,7 +95,7 @@ class BackgroundSaves:
         first save's step."""
         self._training = True
         if self.enabled:
-            self.staging.reserve(megatron_checkpoint.model_bytes_written(model_chunks))
+            self.staging.reserve(megatron_checkpoint.model_shard_bytes(model_chunks))
 
     def end_training(self) -> None:
         """The end of training: wait for the save in flight and give the staging memory back; later saves (after
@@ -231,17 +231,18 @@ class HostStaging:
             torch.cuda.cudart().cudaHostUnregister(pointer)
         self._segments, self._registered = [], []
 
-    def reserve(self, nbytes: int) -> None:
-        """Grow to at least `nbytes` now (page-locking takes seconds per 10 GB: better before training than in
-        the first save's step)."""
-        if nbytes > self.capacity:
-            self._grow(-(-(nbytes - self.capacity) // _ALIGNMENT) * _ALIGNMENT)
+    def reserve(self, tensor_bytes: Sequence[int]) -> None:
+        """Grow now to hold tensors of these byte counts, each placed as `stage` places it (page-locking takes
+        seconds per 10 GB: better before training than in the first save's step)."""
+        needed = sum(_aligned(nbytes) for nbytes in tensor_bytes)
+        if needed > self.capacity:
+            self._grow(needed - self.capacity)
 
     def _placements(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
         """(segment index, offset) of each tensor: in the first segment with room left, else in one new segment."""
         placements, filled, extra = [], [0] * len(self._segments), 0
         for tensor in tensors:
-            size = -(-tensor.nbytes // _ALIGNMENT) * _ALIGNMENT
+            size = _aligned(tensor.nbytes)
             segment = next((index for index, used in enumerate(filled)
                             if used + size <= len(self._segments[index])), None)
             if segment is None:
@@ -277,6 +278,10 @@ class HostStaging:
             return torch.empty_like(tensor, device="cpu")
         flat = torch.frombuffer(self._segments[segment], dtype=tensor.dtype, count=tensor.numel(), offset=offset)
         return flat.as_strided(tensor.shape, torch.empty_like(tensor, device="meta").stride())
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
 
 
 def staged_by(staging: HostStaging, request: Any) -> Any:

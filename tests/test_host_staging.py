@@ -39,8 +39,10 @@ def test_staged_copies_are_what_megatron_core_stages_and_torch_save_writes_the_s
 
 def test_later_saves_reuse_the_memory_and_grow_it_only_by_what_they_add():
     staging = HostStaging()
-    staging.reserve(4096)
-    assert (staging.capacity, staging.segments_made) == (4096, 1)
+    staging.reserve([100, 4096])  # each placed on its own pages
+    assert (staging.capacity, staging.segments_made) == (8192, 1)
+    staging.reserve([4096, 4000])  # fits already
+    assert (staging.capacity, staging.segments_made) == (8192, 1)
     shards = _shards()
     first = staging.stage(shards)
     assert staging.segments_made == 2  # the reserved segment filled, the rest in one more
