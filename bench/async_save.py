@@ -11,9 +11,10 @@ Each run trains `--warmup` steps, saves once (`trainer.save_checkpoint` from a c
 then trains `--steps` more while an asynchronous save writes in the background. Reported per variant:
 `blocked_s`, the wall time `save_checkpoint` kept the training loop (GPU synchronised before and after: for
 `async`, staging the shards off the device into the strategy's reused host memory, and forking the writer);
-`staging`, what that memory did (async: reserved for the model's shards at the start of training, `allocation_s`
-in all; the save's `bytes`, the seconds it spent growing the memory for the optimizer's shards, `grow_s`, and
-copying, `copy_s`); `published_after_s`, from the save call until its folder appeared (async: the writer finished
+`staging`, what that memory did (async: reserved for the model's shards at the start of training, `reserve_s`; the
+save's `bytes` copied, `host_bytes_passed` (the optimizer state Megatron gathered on the host, handed over as it
+is), the seconds it spent growing the memory for what the reservation did not cover, `grow_s`, and copying,
+`copy_s`); `published_after_s`, from the save call until its folder appeared (async: the writer finished
 and every rank agreed, seen at a step end, or at the end of fit when `published_during_training` is false; sync:
 = blocked); the step times (wall time between synchronised step ends, `bench/lightning_overhead.py`'s
 `StepTimer`), their median outside the staging step, and the largest step outside it over that median. Targets:
