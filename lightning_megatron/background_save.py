@@ -45,6 +45,7 @@ import mmap
 import shutil
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -179,7 +180,6 @@ class HostStaging:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.copy_host_tensors = not self.pin if copy_host_tensors is None else copy_host_tensors
         self._segments: list[mmap.mmap] = []
-        self._registered: list[int] = []  # data pointers page-locked with cudaHostRegister
         self.segments_made = 0  # how many times memory was allocated (stays put while saves reuse it)
         self.allocation_s = 0.0  # seconds spent allocating and page-locking, in all
         self.last_stage: dict[str, Any] = {}  # what the last `stage` did: bytes, segments grown, seconds
@@ -226,10 +226,8 @@ class HostStaging:
                 for path, name, (byte_items, tensor_items) in write_buckets]
 
     def release(self) -> None:
-        """Give the memory back (tensors staged earlier keep their segment mapped until they are freed)."""
-        for pointer in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(pointer)
-        self._segments, self._registered = [], []
+        """Give the memory back: each segment is unlocked and unmapped once no staged tensor uses it any more."""
+        self._segments = []
 
     def reserve(self, tensor_bytes: Sequence[int]) -> None:
         """Grow now to hold tensors of these byte counts, each placed as `stage` places it (page-locking takes
@@ -263,8 +261,8 @@ class HostStaging:
             memory.zero_()  # fault the pages in with every intra-op thread: cudaHostRegister then only locks them
             pointer = memory.data_ptr()
             error = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-            if int(error) == 0:
-                self._registered.append(pointer)
+            if int(error) == 0:  # unlocked when the mapping goes (its last staged tensor, after `release`)
+                weakref.finalize(segment, torch.cuda.cudart().cudaHostUnregister, pointer).atexit = False
             else:
                 warnings.warn(f"background saves stage into pageable memory: cudaHostRegister of {nbytes} bytes "
                               f"failed (CUDA error {int(error)}); staging is slower, the checkpoint the same",
