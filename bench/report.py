@@ -214,6 +214,10 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             rows.append(_target_row("async save: slowest step outside staging / median",
                                     figures["async_max_step_over_median"], targets["async_max_step_over_median"],
                                     source))
+            noise = data.get("noise_reference")
+            if noise is not None:  # the synchronous run's steps, no save in flight: the machine's own spread
+                rows.append(_row(["(noise) sync run, no save in flight: slowest step / median",
+                                  _times(noise["sync_max_step_over_median"]), "reference", "-", source]))
     if not rows:
         return []
     return ["| figure | measured | target | met | source |", "|---|---|---|---|---|", *rows]

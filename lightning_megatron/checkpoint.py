@@ -117,6 +117,18 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
     return request
 
 
+def model_shard_bytes(model_chunks: list[torch.nn.Module]) -> list[int]:
+    """The byte count of every model shard this rank writes in a checkpoint: its main replicas (Megatron writes a
+    replicated shard once, from the replica whose `replica_id` is all zeros). No copies are made."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    sharded = _sharded_state_dict(model_chunks, None, SHARDED_METADATA, is_loading=False)
+    return [value.data.nbytes for value in nested_values(sharded)
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor)
+            and is_main_replica(value.replica_id)]
+
+
 def _write_then_describe(write: Any, staging: Path, rank: int, *args: Any, **kwargs: Any) -> None:
     """A background writer's work (`write`), then the size and CRC-32 of the shard files it wrote (Megatron's
     `__{rank}_*.distcp`), for `publish`."""

@@ -337,7 +337,7 @@ class MegatronStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         loader = self.lightning_module.trainer.train_dataloader
         self._train_batches = loader if isinstance(loader, schedule.GlobalBatches) else None
-        self._saves.begin_training()
+        self._saves.begin_training(self.model_chunks)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

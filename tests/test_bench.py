@@ -66,6 +66,7 @@ TINY_RUNS = {
     "moe": _tiny("test_moe_benchmark_runs_tiny", "bench.moe", "--tiny"),
     "megatron_loop": _tiny("test_plain_megatron_loop_runs_tiny", "bench.megatron_loop", "--steps", "2", out=False),
     "async_save": _tiny("test_async_save_benchmark_runs_tiny", "bench.async_save", "--tiny"),
+    "staging_probe": _tiny("test_staging_probe_runs_tiny", "bench.staging_probe", "--tiny", "--skip-gc"),
     "packing": _tiny("test_packing_benchmark_runs_tiny", "bench.packing", "--tiny"),
     "vl": _tiny("test_vl_benchmark_runs_tiny", "bench.vl", "--tiny"),
     "tree": _tiny("test_tree_benchmark_runs_tiny", "bench.tree", "--tiny"),
@@ -264,8 +265,28 @@ def test_async_save_benchmark_runs_tiny(tiny_runs):
     assert len(background["step_times_s"]) == len(sync["step_times_s"]) == 1 + 4 + 2  # warm-up, steps, save's
     assert result["figures"]["async_over_sync_blocked"] == background["blocked_s"] / sync["blocked_s"]
     assert set(result["met"]) == set(result["targets"]) == set(result["figures"])
+    # async staged into memory reserved at the start of training (and grown by the optimizer's shards at most once)
+    staging = background["staging"]
+    assert staging["reserved_bytes"] > 0 and staging["bytes"] > 0 and staging["segments_made"] <= 2
+    assert staging["copy_s"] > 0 and staging["allocation_s"] >= staging["reserve_s"]
+    assert sync["staging"] == {"reserved_bytes": 0, "reserve_s": 0.0, "allocation_s": 0.0, "segments_made": 0}
+    assert result["settings"]["gc_every"] == 2
+    noise = result["noise_reference"]
+    assert noise["sync_max_step_over_median"] == sync["max_step_over_median"]
+    assert noise["sync_steps_with_no_save_in_flight_s"] == sync["step_times_s"][1:2] + sync["step_times_s"][3:]
     table = "\n".join(report.targets_table([("async_save.json", result)], {"async_save.json": 1}))
     assert "async save: time a step is blocked" in table and "slowest step outside staging" in table
+    assert "(noise) sync run, no save in flight" in table
+
+
+def test_staging_probe_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "staging_probe")
+    assert result["bytes"] > 0 and result["device"] == "cpu"
+    for variant in ("megatron", "host_staging"):  # a forked child read every staged tensor and wrote it right
+        assert result[variant]["exitcode"] == 0 and result[variant]["child_wrote_the_gpu_bytes"] is True
+    staging = result["host_staging"]
+    assert staging["pinned"] is False and staging["first"]["capacity"] >= result["bytes"]
+    assert staging["parent_heap_write_after_fork_s"] > 0 and "gc" not in result
 
 
 @pytest.mark.slow

@@ -90,6 +90,25 @@ class FailWritesOnRank0(pl.Callback):
             resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
+class RecordStaging(pl.Callback):
+    """At the start of each step and at the end of training: (step, bytes the last background save staged, the
+    staging memory's size, how many times it was allocated)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int | None, int, int]] = []
+
+    def _note(self, trainer: pl.Trainer) -> None:
+        staging = trainer.strategy._saves.staging
+        self.seen.append((trainer.global_step, staging.last_stage.get("bytes"), staging.capacity,
+                          staging.segments_made))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._note(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._note(trainer)
+
+
 def _spawned(rank: int, world_size: int, root: str, hf_checkpoint: str, sigterm_step: int) -> dict[str, Any]:
     tmp = Path(root)
     every_2 = dict(every_n_train_steps=2, save_top_k=-1)
@@ -98,7 +117,8 @@ def _spawned(rank: int, world_size: int, root: str, hf_checkpoint: str, sigterm_
     # top 2 by step with `last`: step 2 is removed while step 6 is in flight, and `last` waits for step 6
     top_k = pl.callbacks.ModelCheckpoint(dirpath=tmp / "async_ckpts", every_n_train_steps=2, save_top_k=2,
                                          monitor="step", mode="max", save_last=True)
-    background = fit(tmp / "async", hf_checkpoint, STEPS, callbacks=(top_k,), async_save=True)
+    staging = RecordStaging()
+    background = fit(tmp / "async", hf_checkpoint, STEPS, callbacks=(top_k, staging), async_save=True)
     resumed = {
         "async_step4": fit(tmp / "r_async", hf_checkpoint, STEPS, async_save=True,
                            ckpt_path=str(tmp / "async_ckpts" / "epoch=0-step=4.ckpt")),
@@ -116,7 +136,7 @@ def _spawned(rank: int, world_size: int, root: str, hf_checkpoint: str, sigterm_
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     return {
-        "sync": sync["losses"], "async": background["losses"], "failure": failure,
+        "sync": sync["losses"], "async": background["losses"], "failure": failure, "staging": staging.seen,
         "resumed": {name: run["losses"] for name, run in resumed.items()},
         "sigterm_weights_equal": all(torch.equal(tensor, resumed["sigterm"]["weights"][name])
                                      for name, tensor in sync["weights"].items()),
@@ -168,6 +188,21 @@ def test_async_checkpoints_equal_the_synchronous_ones_and_resume_the_same(runs: 
         ours_loops = load_torch_file(ours / "lightning.pt")
         their_loops = load_torch_file(theirs / "lightning.pt")
         assert ours_loops["loops"] == their_loops["loops"] and ours_loops["global_step"] == their_loops["global_step"]
+
+
+def test_background_saves_stage_into_memory_allocated_once_and_reused(runs: dict[str, Any]) -> None:
+    writer, other = (result["staging"] for result in runs["ranks"])  # saves after steps 2, 4, 6 (and `last`)
+    assert [step for step, *_ in writer] == [step for step, *_ in other] == [0, 1, 2, 3, 4, 5, 6]
+    # rank 0 writes every shard here (DP replicas are written once); rank 1 stages and reserves nothing
+    assert other == [(step, None, 0, 0) for step in range(7)]
+    reserved = writer[0][2]
+    assert reserved > 0 and writer[:2] == [(0, None, reserved, 1), (1, None, reserved, 1)]  # the model's, at start
+    staged = {staged for _, staged, *_ in writer[2:]}
+    assert len(staged) == 1 and staged.pop() > 0  # every save staged the same shards
+    after_first_save = {(capacity, made) for _, _, capacity, made in writer[2:]}
+    assert len(after_first_save) == 1  # allocated by then, reused by every later save
+    capacity, made = after_first_save.pop()
+    assert capacity >= max(reserved, writer[-1][1]) and made <= 2  # the reservation, plus the optimizer's shards
 
 
 def test_a_rank_killed_during_a_background_save_leaves_only_the_previous_checkpoint(runs: dict[str, Any]) -> None:
