@@ -63,10 +63,11 @@ class GraphedForward:
                  max_graphs: int = 4, warmup_calls: int = 1, name: str = "forward") -> None:
         if max_graphs < 1 or warmup_calls < 1:  # the eager warm-up is what shows the forward records no autograd
             raise ValueError(f"max_graphs: {max_graphs} and warmup_calls: {warmup_calls} must be at least 1")
-        self.module, self.name = module, name
+        self.module: torch.nn.Module | None = module
+        self.name = name
         self.refuse = refuse
         self.max_graphs, self.warmup_calls = max_graphs, warmup_calls
-        self.eager_forward = module.forward
+        self.eager_forward: Any = module.forward
         self._signature = inspect.signature(self.eager_forward)
         self._parameters = list(module.parameters())
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
@@ -84,11 +85,14 @@ class GraphedForward:
                 "eager": dict(self.eager_calls)}
 
     def remove(self) -> None:
-        """Give the module its eager forward back and free the graphs."""
-        if vars(self.module).get("forward") is self:
+        """Give the module its eager forward back, free the graphs and let go of the module (the counts stay)."""
+        if self.module is not None and vars(self.module).get("forward") is self:
             del self.module.forward
         self.graphs.clear()
-        self._pool = None
+        self._seen.clear()
+        self._refused.clear()
+        self._parameters = []
+        self._pool = self.module = self.eager_forward = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
