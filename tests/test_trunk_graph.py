@@ -10,6 +10,7 @@ On the CPU: auto leaves the run eager (tests/test_trunk_cache.py), an explicit t
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,9 @@ def _on_host(value: Any) -> Any:
 def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
     """In a fresh process (NCCL, as a real single-GPU run; the test session's group is gloo): eager and graphed
     fits, each without and with the trunk cache."""
-    from lightning_megatron.distributed import init_single_process
+    from lightning_megatron.distributed import free_port, init_single_process
 
+    os.environ["MASTER_PORT"] = str(free_port())  # not the test session's own gloo group's, inherited
     init_single_process()
     results, sync_check = {}, NoHostSyncInReplays()
     try:
