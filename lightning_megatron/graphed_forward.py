@@ -2,13 +2,13 @@
 
 A forward that records no autograd (frozen parameters, inputs that need no grad) is the same sequence of kernels
 for every call of the same shapes; on the GPU its cost at small shapes is the host's: a Qwen3-0.6B trunk forward is
-~1,300 kernel launches for ~30 ms of GPU work. `GraphedForward` replaces `module.forward` (its hooks still run
-around it) with: the first `warmup_calls` calls of a new signature (tensor shapes, dtypes, strides and devices,
-the other arguments' values, which optional inputs are None, `module.training`) run eagerly; the next one copies
-its tensors into static buffers of its own, warms up once more on the capture stream, captures the forward under
-`no_grad` into a CUDA graph, and replays it; later calls of that signature copy their tensors into the static
-buffers, replay, and get a copy of the static output (the next replay overwrites it, and a caller's backward may
-keep the tensor it was given).
+over a thousand kernel launches (28 layers) for a few ms of GPU work. `GraphedForward` replaces `module.forward`
+(its hooks still run around it) with: the first `warmup_calls` calls of a new signature (tensor shapes, dtypes,
+strides and devices, the other arguments' values, which optional inputs are None, `module.training`, inference
+mode) run eagerly; the next one copies its tensors into static buffers of its own, warms up once more on the
+capture stream, captures the forward under `no_grad` into a CUDA graph, and replays it; later calls of that
+signature copy their tensors into the static buffers, replay, and get a copy of the static output (the next replay
+overwrites it, and a caller's backward may keep the tensor it was given).
 
 Why a hand-rolled `torch.cuda.CUDAGraph` and not Megatron-Core 0.19.2's own graphs (`cuda_graph_impl="local"`,
 `megatron/core/transformer/cuda_graphs.py`): those are made per `TransformerLayer` for training (forward and
@@ -124,7 +124,7 @@ class GraphedForward:
         if any(parameter.requires_grad for parameter in self._parameters):
             return (), "trainable parameters"
         device = self._parameters[0].device if self._parameters else None
-        key: list[Any] = [self.module.training]
+        key: list[Any] = [self.module.training, torch.is_inference_mode_enabled()]
         for name, value in arguments.items():
             if isinstance(value, torch.Tensor):
                 if value.requires_grad:
