@@ -171,7 +171,10 @@ class GraphedForward:
         try:
             graph, output = self._record(static)
         except Exception as error:  # noqa: BLE001 - that signature stays eager, with the reason logged
-            self._refuse(key, f"capture failed: {type(error).__name__}: {str(error)[:300]}")
+            logger.warning("%s: capturing a CUDA graph failed", self.name, exc_info=True)
+            cause = error.__context__  # what failed inside the capture, when ending the capture failed too
+            self._refuse(key, f"capture failed: {type(error).__name__}: {str(error)[:300]}" + (
+                f" (after {type(cause).__name__}: {str(cause)[:300]})" if cause is not None else ""))
             return self._eager(self._refused[key], bound.args, bound.kwargs)
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
@@ -182,8 +185,8 @@ class GraphedForward:
         return entry.output.clone()
 
     def _record(self, static: inspect.BoundArguments) -> tuple[Any, torch.Tensor]:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        if self._stream is None:  # one stream for warm-up and capture: per-stream library state is made once
+            self._stream = torch.cuda.Stream(device=self._parameters[0].device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():  # lazy per-stream state (cuBLAS workspaces) made here
