@@ -4,7 +4,8 @@ In `setup` (the model exists: the strategy built it in `setup_environment`; Mega
 so they only ever see the MTP parameters) every non-MTP parameter is frozen, shared embeddings and output
 projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
 backward hangs off it; by default its values are computed only on the steps that log them and its own backward is
-skipped (`mtp.skip_main_head`). At the end of fit an audit compares a checksum of every frozen tensor with its
+skipped (`mtp.skip_main_head`); on a GPU the frozen trunk's forward is replayed from CUDA graphs
+(`mtp.trunk_graph`). At the end of fit an audit compares a checksum of every frozen tensor with its
 value when training started (after the wrap and any checkpoint restore, before the first step; no copy of the
 weights is kept) and writes the result as JSON; a frozen tensor that changed fails the run.
 """
@@ -59,8 +60,8 @@ class MTPOnlyCallback(pl.Callback):
     training data differ from the cache's. For multi-epoch training on fixed data; leave it null while the trunk
     changes (e.g. during RL).
     `cuda_graph_trunk`: replay the frozen trunk's forward (every decoder layer and the final norm) from CUDA graphs,
-    one per input shape, instead of launching its ~1,300 kernels per microbatch from the host (`mtp.trunk_graph`;
-    the same values). Null (auto): on where it applies: the model on a CUDA device, full or padded rows, no tensor,
+    one per input shape, instead of launching its kernels (over a thousand per microbatch at 28 layers) one by one
+    from the host (`mtp.trunk_graph`; the same values). Null (auto): on where it applies: the model on a CUDA device, full or padded rows, no tensor,
     context or sequence parallelism, the first pipeline stage (its `mtp.trunk_graph` docstring lists the rest);
     elsewhere, and for inputs it does not cover (packed or tree rows), the trunk runs eagerly, logged once. True:
     the same, but a CPU run is refused and chunks left eager are warned about; false: always eager.
