@@ -89,6 +89,7 @@ class Settings:
     mtp_loss_type: str = "labels"
     log_lm_loss_every_n_steps: int | None = 1  # MTPOnlyCallback's; None: on demand (its default)
     log_every_n_steps: int = 50  # the Trainer's (Lightning's default)
+    cuda_graph_trunk: bool | None = None  # MTPOnlyCallback's; None: auto (the frozen trunk from CUDA graphs on a GPU)
 
     @property
     def global_batch(self) -> int:
@@ -183,7 +184,8 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
     if mtp_only:
         callbacks += (MTPOnlyCallback(audit_path=str(workdir / "mtp_only_audit.json"),
                                       loss_chunk_tokens=settings.loss_chunk_tokens,
-                                      log_lm_loss_every_n_steps=settings.log_lm_loss_every_n_steps),)
+                                      log_lm_loss_every_n_steps=settings.log_lm_loss_every_n_steps,
+                                      cuda_graph_trunk=settings.cuda_graph_trunk),)
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
         global_batch_size=settings.global_batch, precision=settings.precision,
@@ -203,12 +205,22 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
     result = {"step_times_s": timer.step_times_s, "losses": timer.losses, "mtp_losses": timer.mtp_losses,
               "main_head_steps": timer.main_head_steps,
               "memory_at_start_gib": at_start, "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
-              "peak_memory_gib": own_gib(peak_memory_gib(), at_start)}
+              "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
+              "trunk_graphs": trunk_graph_counts(callbacks)}
     if mtp_only:
         audit = json.loads((workdir / "mtp_only_audit.json").read_text())
         result["frozen_bit_identical"] = audit["frozen_bit_identical"]
         result["trainable_parameters"] = audit["trainable_parameters"]
     return result
+
+
+def trunk_graph_counts(callbacks: Iterable[pl.Callback]) -> list[dict[str, Any]] | None:
+    """Per graphed decoder of an `MTPOnlyCallback` among `callbacks`: warm-up, capture, replayed and eager calls
+    (`GraphedForward.counts`); [] where the trunk ran eagerly, None without the callback."""
+    for callback in callbacks:
+        if isinstance(callback, MTPOnlyCallback):
+            return [graph.counts() for graph in callback.trunk_graphs]
+    return None
 
 
 def summarize(runs: list[dict[str, Any]], settings: Settings, flops: float, peak: float | None) -> dict[str, Any]:
@@ -223,6 +235,7 @@ def summarize(runs: list[dict[str, Any]], settings: Settings, flops: float, peak
         memory_at_start_gib=[run["memory_at_start_gib"] for run in runs],
         losses=[run["losses"] for run in runs],
         mtp_losses=[run["mtp_losses"] for run in runs],
+        trunk_graphs=[run.get("trunk_graphs") for run in runs],
     )
     if "frozen_bit_identical" in runs[0]:
         summary["frozen_bit_identical"] = all(run["frozen_bit_identical"] for run in runs)

@@ -6,14 +6,17 @@ megatron-bridge, one MTP layer, seq 2048, random tokens, all in this one process
 
 - Qwen3-0.6B (tied), micro-batch 2 x 4: Lightning joint (`SFTModule(enable_mtp=True)`), Lightning MTP-only
   (`MTPOnlyCallback()`, its defaults: token-chunked cross-entropies, the main head only on the steps that log
-  `lm_loss`, every `--log-every-n-steps`), the same with the main head in every step
+  `lm_loss`, every `--log-every-n-steps`, the frozen trunk replayed from CUDA graphs on a GPU), the same with the
+  trunk eager (`mtp_only_eager`: `cuda_graph_trunk=False`, what the graphs save), the same with the main head in
+  every step
   (`log_lm_loss_every_n_steps=1`: what skipping it saves), the same with the self-distillation MTP loss
   (`mtp_loss_type="self_distill"`, issue 33's memory target: <= 0.25x joint), the same with whole-logits
   cross-entropy (`MTPOnlyCallback(loss_chunk_tokens=None)`, the previous implementation, the main head in every
   step), and the plain Megatron-Core MTP-only loop (`bench/megatron_loop.py`: every non-MTP parameter
   `requires_grad=False`, nothing else). Targets: MTP-only / joint peak memory <= 0.25, step time <= 0.42.
-- Qwen3-8B (hidden 4096, 36 layers, 32/8 heads, FFN 12288, untied), micro-batch 1 x 4: the same but joint and the
-  main head in every step. Targets: peak <= 23.6 GiB (the plain loop's figure in issue 21), step <= 0.348 s.
+- Qwen3-8B (hidden 4096, 36 layers, 32/8 heads, FFN 12288, untied), micro-batch 1 x 4: the same but joint, the
+  main head in every step and self-distillation. Targets: peak <= 23.6 GiB (the plain loop's figure in issue 21),
+  step <= 0.348 s.
 
 Each run reports tokens/s and MFU on the model FLOPs it really runs (`bench/common.py`): per timed step
 `MTP_ONLY` where the main head ran and `MTP_ONLY_WITHOUT_MAIN_HEAD` where it was skipped (`main_head_steps`), plus
@@ -31,10 +34,12 @@ to find the largest live total during the training steps, and the blocks live at
 innermost stack frame in megatron-core, lightning_megatron or bench. The JSON holds the table; the markdown
 version goes to `--breakdown-md` (default: `mtp_memory_breakdown.md` beside `--out`).
 
-Profile: one more short MTP-only run per shape profiles one step with `torch.profiler`
-(`bench/packing_profile.py`'s `profile_figures`): the GPU-busy fraction of the step (the union of device activity
-over the median un-profiled step time of the `mtp_only` arm), kernels and kernel launches per step, synchronising
-calls, the top kernels and CPU operators (on the CPU, `--tiny`, only the host's figures).
+Profile: one more short run per MTP-only arm (`mtp_only`, graphed, and `mtp_only_eager`) and shape profiles one
+step with `torch.profiler` (`bench/packing_profile.py`'s `profile_figures`): the GPU-busy fraction of the step (the
+union of device activity over the median un-profiled step time of that arm), kernels, kernel launches and graph
+launches per step, synchronising calls, the top kernels and CPU operators (on the CPU, `--tiny`, only the host's
+figures; the eager arm is profiled on a GPU only). Each MTP-only arm also reports `trunk_graphs`: per run, the
+graphed decoder's warm-up, capture, replayed and eager calls (empty where the trunk ran eagerly, as on the CPU).
 
 `--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU, a few steps (what tests/test_bench.py runs; no breakdown).
 """
@@ -92,12 +97,12 @@ class ShapeRun:
 
 SHAPES = (
     ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, microbatches=4,
-             variants=("joint", "mtp_only", "mtp_only_lm_loss_every_step", "mtp_only_self_distill",
-                       "mtp_only_whole_logits", "plain_mtp_only"),
+             variants=("joint", "mtp_only", "mtp_only_eager", "mtp_only_lm_loss_every_step",
+                       "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"),
              targets={"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
                       "self_distill_over_joint_peak_memory": 0.25}),
     ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, microbatches=4,
-             variants=("mtp_only", "mtp_only_whole_logits", "plain_mtp_only"),
+             variants=("mtp_only", "mtp_only_eager", "mtp_only_whole_logits", "plain_mtp_only"),
              targets={"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}),
 )
 TINY = dict(seq=32, steps=2, warmup=1, rounds=1, precision="fp32", breakdown_steps=0, log_every_n_steps=2)
@@ -107,6 +112,8 @@ def run_variant(variant: str, settings: Settings, vocab: int, callbacks: tuple[p
                 ) -> dict[str, Any]:
     if variant == "plain_mtp_only":
         return run_plain(settings, vocab, mtp_only=True)
+    if variant == "mtp_only_eager":
+        return run_lightning(replace(settings, cuda_graph_trunk=False), vocab, mtp_only=True, callbacks=callbacks)
     if variant == "mtp_only_lm_loss_every_step":
         return run_lightning(replace(settings, log_lm_loss_every_n_steps=1), vocab, mtp_only=True,
                              callbacks=callbacks)
@@ -168,12 +175,13 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def profile_mtp_only(settings: Settings, vocab: int, step_s: float) -> dict[str, Any]:
-    """One profiled step of the MTP-only arm, after two warm-up steps (both skipping the main head unless
-    `log_every_n_steps` is 1 or 3), in a run of its own so the profiler's cost stays out of the timed runs."""
+def profile_mtp_only(settings: Settings, vocab: int, step_s: float, variant: str = "mtp_only") -> dict[str, Any]:
+    """One profiled step of an MTP-only arm, after two warm-up steps (both skipping the main head unless
+    `log_every_n_steps` is 1 or 3; the trunk's graph is captured in the first), in a run of its own so the
+    profiler's cost stays out of the timed runs."""
     fresh_memory()
     recorder = ProfileStep(step_index=2)
-    result = run_variant("mtp_only", replace(settings, steps=1, warmup=2), vocab, callbacks=(recorder,))
+    result = run_variant(variant, replace(settings, steps=1, warmup=2), vocab, callbacks=(recorder,))
     figures = profile_figures(recorder.profile, recorder.profiled_s, step_s)
     return {**figures, "main_head_ran": result["main_head_steps"][2], "step_index": 2}
 
@@ -283,6 +291,11 @@ def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[
         figures["mtp_only_over_plain_mtp_only_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
                                                                      plain["peak_memory_gib"])
         figures["mtp_only_over_plain_mtp_only_step_time"] = _ratio(mtp_only["step_s"], plain["step_s"])
+    if "mtp_only_eager" in runs:
+        figures["mtp_only_over_eager_trunk_step_time"] = _ratio(mtp_only["step_s"], runs["mtp_only_eager"]["step_s"])
+        if "joint" in runs:
+            figures["mtp_only_eager_over_joint_step_time"] = _ratio(runs["mtp_only_eager"]["step_s"],
+                                                                    runs["joint"]["step_s"])
     if "mtp_only_lm_loss_every_step" in runs:
         every_step = runs["mtp_only_lm_loss_every_step"]
         figures["mtp_only_over_lm_loss_every_step_step_time"] = _ratio(mtp_only["step_s"], every_step["step_s"])
@@ -316,7 +329,10 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tupl
     result = {"shape": asdict(shape), "tied": shape_run.tied,
               "settings": {**asdict(settings), "global_batch": settings.global_batch, "rounds": args.rounds},
               "order": order, "runs": summaries, **compare(summaries, shape_run.targets)}
-    result["mtp_only_profile"] = profile_mtp_only(settings, shape.vocab, summaries["mtp_only"]["step_s"])
+    for variant in ("mtp_only", "mtp_only_eager") if torch.cuda.is_available() else ("mtp_only",):  # same on a CPU
+        if variant in summaries:
+            result[f"{variant}_profile"] = profile_mtp_only(settings, shape.vocab, summaries[variant]["step_s"],
+                                                            variant)
     breakdown = None
     if args.breakdown_steps and torch.cuda.is_available():
         fresh_memory()

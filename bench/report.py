@@ -114,6 +114,7 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
 
 _MTP_MEMORY_VARIANTS = {"joint": "lightning_megatron, joint with MTP",
                         "mtp_only": "lightning_megatron, MTP-only (`MTPOnlyCallback`)",
+                        "mtp_only_eager": "lightning_megatron, MTP-only, trunk eager (no CUDA graph)",
                         "mtp_only_lm_loss_every_step": "lightning_megatron, MTP-only, main head in every step",
                         "plain_mtp_only": "plain Megatron-Core MTP-only loop (non-MTP frozen)",
                         "first_epoch": "MTP-only with the trunk cache, first epoch (writes it)",

@@ -4,8 +4,9 @@ Same shapes, batches and random-weight models as `bench/mtp_memory.py` (seq 2048
 megatron-bridge, one MTP layer, random tokens), all in one process:
 
 - Qwen3-0.6B (tied), micro-batch 2 x 4: the Lightning joint step, then one MTP-only fit with the cache over
-  `--epochs` epochs of `--batches` global batches: its first epoch runs the trunk and writes the cache, the later
-  ones read it. Targets: first epoch <= 0.42x the joint step, cached epochs <= 0.2x.
+  `--epochs` epochs of `--batches` global batches: its first epoch runs the trunk (from CUDA graphs on a GPU,
+  `MTPOnlyCallback`'s default; `--eager-trunk`: eagerly) and writes the cache, the later ones read it. Targets:
+  first epoch <= 0.42x the joint step, cached epochs <= 0.2x.
 - Qwen3-8B (untied), micro-batch 1 x 4: the plain Megatron-Core MTP-only loop (`bench/megatron_loop.py`), then the
   cached fit. Targets: first epoch <= 0.95x the plain loop, cached epochs <= 0.35x, peak <= the plain loop's.
 
@@ -14,7 +15,8 @@ optimizer steps); peak memory is the training steps' (`max_memory_allocated` fro
 MFU count the FLOPs each arm really runs (`bench.common.model_flops`): joint every pass; the first epoch
 `MTP_ONLY_WITHOUT_MAIN_HEAD` (its timed steps log no `lm_loss`, so the main head does not run); cached epochs the
 MTP layer (3 passes) and the MTP head's forward and input gradient (2) alone. `cache_bytes_per_token` is what the
-cache's manifest says (the hidden states) and `cache_disk_bytes` what the shards took. Everything lives in one
+cache's manifest says (the hidden states) and `cache_disk_bytes` what the shards took; `trunk_graphs` the graphed
+trunk's warm-up, capture, replayed and eager calls (empty where it ran eagerly). Everything lives in one
 `bench.common.scratch_dir` (free space checked first, removed at the end).
 
 `--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU (what tests/test_bench.py runs).
@@ -90,7 +92,7 @@ def run_cached(settings: Settings, vocab: int, epochs: int, cache_dir: Path) -> 
     peaks = EpochPeaks()
     audit = cache_dir.with_name(f"{cache_dir.name}_audit.json")
     cache = MTPOnlyCallback(audit_path=str(audit), loss_chunk_tokens=settings.loss_chunk_tokens,
-                            trunk_cache_dir=str(cache_dir))
+                            trunk_cache_dir=str(cache_dir), cuda_graph_trunk=settings.cuda_graph_trunk)
     run = run_lightning(settings, vocab, mtp_only=False, callbacks=(peaks, cache), max_epochs=epochs)
     manifest = json.loads((cache_dir / "manifest.json").read_text())
     run["frozen_bit_identical"] = json.loads(audit.read_text())["frozen_bit_identical"]
@@ -117,7 +119,8 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
     shape = ModelShape.from_hf_checkpoint(checkpoint)
     settings = Settings(checkpoint=str(checkpoint), seq=args.seq, micro_batch=shape_run.micro_batch,
                         microbatches=shape_run.microbatches, steps=args.batches - 1, warmup=1,
-                        precision=args.precision, random_weights=True)
+                        precision=args.precision, random_weights=True,
+                        cuda_graph_trunk=False if args.eager_trunk else None)
     (reference_name,) = shape_run.variants
     peak = peak_flops(args.peak_tflops)
     tokens = settings.global_batch * settings.seq
@@ -155,6 +158,7 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
                        "reference_mtp": reference_run["mtp_losses"], "cached_fit_mtp": cached_run["mtp_losses"]},
             "cache": {"reads": cached_run["cache_reads"], "writes": cached_run["cache_writes"],
                       "frozen_bit_identical": cached_run.get("frozen_bit_identical")},
+            "trunk_graphs": cached_run["trunk_graphs"],
             "figures": figures, "targets": shape_run.targets, "met": met}
 
 
@@ -166,6 +170,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the cached fit (the first writes)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES])
+    parser.add_argument("--eager-trunk", action="store_true",
+                        help="the first epoch's trunk eagerly (MTPOnlyCallback(cuda_graph_trunk=False))")
     args = parse_with_tiny(parser, TINY)
     if args.batches < 2 or args.epochs < 2:
         parser.error("--batches and --epochs must be at least 2 (a timed step per epoch, a cached epoch)")

@@ -307,3 +307,20 @@ class StagedWriter:
                 self._error = error
         with self._released:  # an export waiting for device memory goes on (skipping) at once
             self._released.notify_all()
+
+
+def write_host_tensors(path: Path, layout: FileLayout, tensors: Mapping[str, torch.Tensor]) -> None:
+    """One file of host tensors, now, each written straight from its memory at its place in `layout`: `os.pwrite`
+    releases the GIL, so a thread that launches a training step's kernels beside this one is not held up
+    (safetensors' `save_file` holds the GIL while it copies the bytes)."""
+    descriptor = create_file(path, layout)
+    try:
+        for name, tensor in tensors.items():
+            offset, size = layout.regions[name]
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            if data.device.type != "cpu" or data.numel() != size:
+                raise ValueError(f"{name}: {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} is not the "
+                                 f"{size} host bytes the layout has for it")
+            _write_all(descriptor, memoryview(data.numpy()), offset)
+    finally:
+        os.close(descriptor)

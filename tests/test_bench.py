@@ -391,9 +391,9 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
     result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny")
     assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
     small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
-    assert small["order"] == ["joint", "mtp_only", "mtp_only_lm_loss_every_step", "mtp_only_self_distill",
-                              "mtp_only_whole_logits", "plain_mtp_only"]
-    assert large["order"] == ["mtp_only", "mtp_only_whole_logits", "plain_mtp_only"]
+    assert small["order"] == ["joint", "mtp_only", "mtp_only_eager", "mtp_only_lm_loss_every_step",
+                              "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"]
+    assert large["order"] == ["mtp_only", "mtp_only_eager", "mtp_only_whole_logits", "plain_mtp_only"]
     assert (small["tied"], large["tied"]) == (True, False)
     for shape in (small, large):
         for figures in shape["runs"].values():
@@ -404,6 +404,9 @@ def test_mtp_memory_benchmark_runs_tiny(tmp_path):
         # compute the same steps, and leave the backbone (so lm_loss's model) alone; MTP-only runs the main head
         # (and has an lm_loss) only in the step Lightning logs (log_every_n_steps 2 of --tiny), the others in all
         ours, plain = shape["runs"]["mtp_only"], shape["runs"]["plain_mtp_only"]
+        eager = shape["runs"]["mtp_only_eager"]  # on the CPU both arms run the trunk eagerly: the same steps
+        assert ours["trunk_graphs"] == eager["trunk_graphs"] == [[]] and eager["mtp_losses"] == ours["mtp_losses"]
+        assert shape["figures"]["mtp_only_over_eager_trunk_step_time"] > 0 and "mtp_only_eager_profile" not in shape
         assert ours["main_head_steps"] == [False, True, False] and ours["losses"][0][::2] == [None, None]
         assert ours["losses"][0][1] == pytest.approx(plain["losses"][0][1], abs=1e-5)
         assert ours["mtp_losses"][0] == pytest.approx(plain["mtp_losses"][0], abs=1e-5)
@@ -506,6 +509,13 @@ def test_mtp_memory_breakdown_on_the_gpu(tmp_path):
     assert "| GiB | blocks | allocated at |" in (tmp_path / "mtp_memory_breakdown.md").read_text()
     runs = result["shapes"]["qwen3_8b"]["runs"]
     assert runs["mtp_only"]["peak_memory_gib"] > 0
+    # the trunk from CUDA graphs by default (3 steps x 4 microbatches: a warm-up, a capture, 10 replays), not eager
+    assert runs["mtp_only"]["trunk_graphs"] == [[{"warmups": 1, "captures": 1, "replays": 10, "eager": {}}]]
+    assert runs["mtp_only_eager"]["trunk_graphs"] == [[]]
+    assert runs["mtp_only"]["mtp_losses"] == pytest.approx(runs["mtp_only_eager"]["mtp_losses"], abs=1e-5)
+    profile = result["shapes"]["qwen3_8b"]["mtp_only_profile"]
+    assert profile["graph_launch_calls"] >= 4 and profile["kernel_launch_calls"] < result["shapes"]["qwen3_8b"][
+        "mtp_only_eager_profile"]["kernel_launch_calls"]
     assert runs["plain_mtp_only"]["memory_at_start_gib"][0] < 0.01  # the Lightning run before it was released
 
 
@@ -539,6 +549,8 @@ def test_trunk_cache_benchmark_runs_tiny(tmp_path):
             "model_tflop_per_step"]
         # the first epoch writes every sample once (the tiny shape: 64 fp32 hidden values a token)
         assert shape["cache"]["writes"] == shape["cache"]["reads"] > 0 and shape["cache"]["frozen_bit_identical"]
+        assert shape["trunk_graphs"] == ([{"warmups": 1, "captures": 1, "replays": 6, "eager": {}}]
+                                         if torch.cuda.is_available() else [])  # 2 steps x 4 microbatches
         assert shape["figures"]["cache_bytes_per_token"] == 64 * 4
         assert shape["figures"]["cache_disk_bytes_per_token"] >= 256
         # the cached fit's first step is the reference run's first step (same weights, same tokens): the same MTP

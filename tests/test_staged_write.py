@@ -17,7 +17,7 @@ from lightning_megatron import staged_write
 from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.hf_io import TensorSpec, safetensors_layout, write_safetensors
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.staged_write import FileLayout, StagedWriter
+from lightning_megatron.staged_write import FileLayout, StagedWriter, write_host_tensors
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
 
@@ -51,6 +51,15 @@ def test_a_file_written_out_of_order_in_small_chunks_is_safetensors_own_bytes(tm
     tensors = _tensors()
     _write_out_of_order(tmp_path / "model.safetensors", tensors, chunk_bytes=40, threads=2)
     assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
+
+
+def test_host_tensors_written_at_once_are_safetensors_own_bytes_and_a_wrong_tensor_is_refused(tmp_path):
+    tensors = _tensors()
+    layout = safetensors_layout(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    write_host_tensors(tmp_path / "model.safetensors", layout, tensors)
+    assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
+    with pytest.raises(ValueError, match=r"b.fp32: \(7, 8\) torch.float32 on cpu is not the 252 host bytes"):
+        write_host_tensors(tmp_path / "wrong.safetensors", layout, {**tensors, "b.fp32": torch.zeros(7, 8)})
 
 
 def test_sharded_files_are_safetensors_own_bytes(tmp_path):

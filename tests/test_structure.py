@@ -61,6 +61,7 @@ FLOORS: dict[str, int] = {
     "lightning_megatron.attention_layout": 1,
     "lightning_megatron.data": 1,
     "lightning_megatron.tree_rotary": 1,
+    "lightning_megatron.graphed_forward": 1,
     # 0: ground-floor leaves
     "lightning_megatron.microbatch": 0,
     "lightning_megatron.options": 0,

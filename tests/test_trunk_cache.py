@@ -50,19 +50,21 @@ class DecoderLayerCalls(pl.Callback):
 
 
 def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, epochs: int = 2,
-         log_every_n_steps: int = 1, **strategy_kwargs: Any) -> dict[str, Any]:
+         log_every_n_steps: int = 1, accelerator: str = "cpu", cuda_graph_trunk: bool | None = None,
+         callbacks: tuple[pl.Callback, ...] = (), **strategy_kwargs: Any) -> dict[str, Any]:
     """`log_every_n_steps` 1: every step's lm_loss is computed (from the cached hidden states in a cached step);
     larger: the main head is skipped on the steps in between (MTPOnlyCallback's on-demand main head)."""
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot, layers = Snapshot(), DecoderLayerCalls()
-    mtp_only = MTPOnlyCallback(loss_chunk_tokens=8, trunk_cache_dir=None if cache is None else str(cache))
-    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), **options), accelerator="cpu",
+    mtp_only = MTPOnlyCallback(loss_chunk_tokens=8, trunk_cache_dir=None if cache is None else str(cache),
+                               cuda_graph_trunk=cuda_graph_trunk)
+    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), **options), accelerator=accelerator,
                          devices=options.get("tensor_model_parallel_size", 1) * options.get(
                              "pipeline_model_parallel_size", 1),
                          max_epochs=epochs, log_every_n_steps=log_every_n_steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=root, callbacks=[snapshot, layers, mtp_only])
+                         default_root_dir=root, callbacks=[snapshot, layers, mtp_only, *callbacks])
     if data is None:  # shuffled: the second epoch meets the samples in another order
         data = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
                           shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
@@ -72,7 +74,8 @@ def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, 
                    {"written": mtp_only.trunk_cache.writes_done, "read": mtp_only.trunk_cache.reads})
     return {"metrics": snapshot.metrics, "steps": trainer.global_step, "layer_calls": layers.per_epoch,
             "mtp": {name: value for name, value in snapshot.after.items() if is_mtp_parameter(name)},
-            "audit": json.loads((root / "mtp_only_audit.json").read_text()), "cache": cache_state}
+            "mtp_grads": snapshot.mtp_grads, "audit": json.loads((root / "mtp_only_audit.json").read_text()),
+            "cache": cache_state, "graphs": [graph.counts() for graph in mtp_only.trunk_graphs]}
 
 
 def _assert_equal_runs(cached: dict[str, Any], plain: dict[str, Any]) -> None:
@@ -89,6 +92,7 @@ def test_two_epochs_from_the_cache_equal_two_epochs_without_it(process_group, ch
     plain = _fit(tmp_path / "plain", checkpoint, cache=None)
     cached = _fit(tmp_path / "cached", checkpoint, cache=tmp_path / "cache")
     _assert_equal_runs(cached, plain)
+    assert plain["graphs"] == cached["graphs"] == []  # cuda_graph_trunk auto: a CPU run stays eager
     layers_per_epoch = plain["layer_calls"][0]
     assert plain["layer_calls"] == [layers_per_epoch, layers_per_epoch] and layers_per_epoch > 0
     assert cached["layer_calls"] == [layers_per_epoch, 0]  # the second epoch ran no decoder layer

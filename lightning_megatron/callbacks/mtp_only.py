@@ -4,7 +4,8 @@ In `setup` (the model exists: the strategy built it in `setup_environment`; Mega
 so they only ever see the MTP parameters) every non-MTP parameter is frozen, shared embeddings and output
 projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
 backward hangs off it; by default its values are computed only on the steps that log them and its own backward is
-skipped (`mtp.skip_main_head`). At the end of fit an audit compares a checksum of every frozen tensor with its
+skipped (`mtp.skip_main_head`); on a GPU the frozen trunk's forward is replayed from CUDA graphs
+(`mtp.trunk_graph`). At the end of fit an audit compares a checksum of every frozen tensor with its
 value when training started (after the wrap and any checkpoint restore, before the first step; no copy of the
 weights is kept) and writes the result as JSON; a frozen tensor that changed fails the run.
 """
@@ -24,8 +25,10 @@ from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp.skip_main_head import MainLossOnDemand, skip_main_lm_head_backward
 from lightning_megatron.mtp.trunk_cache import TrunkCache, close_trunk_cache, open_trunk_cache
+from lightning_megatron.mtp.trunk_graph import graph_frozen_trunk
 
 if TYPE_CHECKING:
+    from lightning_megatron.graphed_forward import GraphedForward
     from lightning_megatron.strategy import MegatronStrategy
 
 
@@ -56,11 +59,17 @@ class MTPOnlyCallback(pl.Callback):
     the main head runs on them when `lm_loss` is logged); refused, naming both, when the frozen weights or the
     training data differ from the cache's. For multi-epoch training on fixed data; leave it null while the trunk
     changes (e.g. during RL).
+    `cuda_graph_trunk`: replay the frozen trunk's forward (every decoder layer and the final norm) from CUDA graphs,
+    one per input shape, instead of launching its kernels (over a thousand per microbatch at 28 layers) one by one
+    from the host (`mtp.trunk_graph`; the same values). Null (auto): on where it applies: the model on a CUDA device, full or padded rows, no tensor,
+    context or sequence parallelism, the first pipeline stage (its `mtp.trunk_graph` docstring lists the rest);
+    elsewhere, and for inputs it does not cover (packed or tree rows), the trunk runs eagerly, logged once. True:
+    the same, but a CPU run is refused and chunks left eager are warned about; false: always eager.
     """
 
     def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True,
                  loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, log_lm_loss_every_n_steps: int | None = None,
-                 trunk_cache_dir: str | None = None) -> None:
+                 trunk_cache_dir: str | None = None, cuda_graph_trunk: bool | None = None) -> None:
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens: {loss_chunk_tokens} must be at least 1 (or null for whole logits)")
         if log_lm_loss_every_n_steps is not None and log_lm_loss_every_n_steps < 1:
@@ -77,6 +86,8 @@ class MTPOnlyCallback(pl.Callback):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.trunk_cache_dir = trunk_cache_dir
         self.trunk_cache: TrunkCache | None = None
+        self.cuda_graph_trunk = cuda_graph_trunk
+        self.trunk_graphs: list[GraphedForward] = []  # kept after fit: their counts stay readable
         self.trainable: list[str] = []
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
         self._hook_handles: list[Any] = []
@@ -91,6 +102,9 @@ class MTPOnlyCallback(pl.Callback):
         if not getattr(module, "enable_mtp_training", False):
             raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
                              "(enable_mtp_training then defaults to true)")
+        if self.cuda_graph_trunk and strategy.root_device.type != "cuda":
+            raise ValueError(f"cuda_graph_trunk: true needs the model on a CUDA device (this run's is "
+                             f"{strategy.root_device}); set cuda_graph_trunk: null (on where it applies) or false")
         every, logged_every = self.log_lm_loss_every_n_steps, module.trainer.log_every_n_steps
         if every is not None and logged_every % every:
             raise ValueError(f"log_lm_loss_every_n_steps: {every} must divide the trainer's log_every_n_steps "
@@ -113,6 +127,8 @@ class MTPOnlyCallback(pl.Callback):
         if self.skip_main_head_backward:
             self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens,
                                                             on_demand=self._main_loss)
+        if self.cuda_graph_trunk is not False and next(chunks[0].parameters()).device.type == "cuda":
+            self.trunk_graphs = graph_frozen_trunk(chunks, required=bool(self.cuda_graph_trunk))
 
     @property
     def main_head_runs(self) -> bool:
@@ -149,7 +165,7 @@ class MTPOnlyCallback(pl.Callback):
         if self.trunk_cache is not None:
             self.trunk_cache.close()  # kept: its counts (`reads`, `writes_done`) stay readable
             close_trunk_cache(pl_module)
-        for handle in self._hook_handles:
+        for handle in [*self._hook_handles, *self.trunk_graphs]:
             handle.remove()
         self._hook_handles = []
 

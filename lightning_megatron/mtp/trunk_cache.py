@@ -62,8 +62,10 @@ import torch.distributed as dist
 
 from lightning_megatron.atomic import write_file_atomically, write_text_atomically
 from lightning_megatron.distributed import cpu_group
+from lightning_megatron.hf_io import TensorSpec, safetensors_layout
 from lightning_megatron.microbatch import Microbatch, model_inputs
 from lightning_megatron.mtp.skip_main_head import _ZeroGradientTie, main_loss_processor
+from lightning_megatron.staged_write import write_host_tensors
 
 FORMAT_VERSION = 2
 WRITE_QUEUE_ROWS = 16
@@ -351,14 +353,18 @@ class TrunkCache:
             return {"hidden": hidden.to("cpu").contiguous()}
 
     def _write_loop(self) -> None:
-        from safetensors.torch import save_file
-
+        """Shards written from the host copies by `os.pwrite` (`write_host_tensors`), which releases the GIL:
+        safetensors' `save_file` held it while copying each row's bytes, stalling the step's kernel launches
+        beside it (0.232 s against 0.210 s per 0.6B first-epoch step on the H200)."""
         while (item := self._write_queue.get()) is not None:
             key, hidden, ready = item
             try:
                 if self._write_error is None:  # after a failure: drain, the next step raises everywhere
                     tensors = self._to_host(hidden, ready)
-                    write_file_atomically(self._shard(key), lambda temporary: save_file(tensors, temporary))
+                    layout = safetensors_layout([TensorSpec(name, tuple(tensor.shape), tensor.dtype)
+                                                 for name, tensor in tensors.items()])
+                    write_file_atomically(self._shard(key),
+                                          lambda temporary: write_host_tensors(temporary, layout, tensors))
                     self.writes_done += 1
             except BaseException as error:  # noqa: BLE001 - reported on every rank by the next plan_step
                 self._write_error = error

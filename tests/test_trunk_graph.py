@@ -1,0 +1,110 @@
+"""The frozen trunk replayed from CUDA graphs in MTP-only training (`mtp.trunk_graph`, `graphed_forward`).
+
+On a GPU, a tiny Qwen3+MTP model in bf16, two epochs of MTP-only steps: with the graph, every logged metric
+(`mtp_loss`, `mtp_accuracy`, `lm_loss`, ...), every step's MTP gradients and the final MTP weights equal the eager
+run's bit for bit (a replay runs the kernels the eager forward ran, on the same inputs), with and without the trunk
+cache; the graph is captured once and replayed for every later microbatch, and a replayed trunk makes no host sync.
+On the CPU: auto leaves the run eager (tests/test_trunk_cache.py), an explicit true is refused naming the option.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests.test_trunk_cache import _assert_equal_runs, _fit
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("trunk_graph") / "qwen3_mtp", "qwen3", mtp=True)
+
+
+class NoHostSyncInReplays(pl.Callback):
+    """From the second step on (the first warms up and captures), `set_sync_debug_mode("error")` around every
+    decoder forward: a host sync inside a replayed trunk raises."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from megatron.core.utils import unwrap_model
+
+        self.checked = 0
+        decoder = unwrap_model(pl_module.model[0]).decoder
+        self._handles = [decoder.register_forward_pre_hook(lambda *_: self._enter(trainer)),
+                         decoder.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode(0))]
+
+    def _enter(self, trainer: pl.Trainer) -> None:
+        if trainer.global_step >= 1:
+            self.checked += 1
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _on_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_on_host(item) for item in value]
+    return value
+
+
+def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
+    """In a fresh process (NCCL, as a real single-GPU run; the test session's group is gloo): eager and graphed
+    fits, each without and with the trunk cache."""
+    from lightning_megatron.distributed import free_port, init_single_process
+
+    os.environ["MASTER_PORT"] = str(free_port())  # not the test session's own gloo group's, inherited
+    init_single_process()
+    results, sync_check = {}, NoHostSyncInReplays()
+    try:
+        for cache in (False, True):
+            for graph in (False, True):
+                name = f"{'graph' if graph else 'eager'}_{'cache' if cache else 'plain'}"
+                callbacks = (sync_check,) if graph and not cache else ()  # the cache's writer syncs on its thread
+                results[name] = _fit(Path(root) / name, Path(checkpoint), cache=Path(root) / f"{name}_cache"
+                                     if cache else None, accelerator="gpu", precision="bf16",
+                                     cuda_graph_trunk=graph, callbacks=callbacks)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results["sync_checked"] = sync_check.checked
+    torch.save(_on_host(results), out)
+
+
+@pytest.mark.gpu
+def test_the_graphed_trunk_trains_exactly_like_eager_with_and_without_the_cache(checkpoint, tmp_path):
+    out = tmp_path / "results.pt"
+    process = multiprocessing.get_context("spawn").Process(target=_gpu_fits,
+                                                           args=(str(tmp_path), str(checkpoint), str(out)))
+    process.start()
+    process.join()
+    assert process.exitcode == 0
+    results = torch.load(out, weights_only=False)
+    for setting in ("plain", "cache"):
+        eager, graph = results[f"eager_{setting}"], results[f"graph_{setting}"]
+        assert eager["graphs"] == []
+        _assert_equal_runs(graph, eager)
+        for step, (graph_grads, eager_grads) in enumerate(zip(graph["mtp_grads"], eager["mtp_grads"], strict=True)):
+            for name, value in graph_grads.items():
+                assert torch.equal(value, eager_grads[name]), (setting, step, name)
+    # 4 steps x 2 microbatches: the first call warms up, the second captures, the rest replay; in the cached run
+    # only the first epoch (2 steps) runs the trunk
+    assert results["graph_plain"]["graphs"] == [{"warmups": 1, "captures": 1, "replays": 6, "eager": {}}]
+    assert results["graph_cache"]["graphs"] == [{"warmups": 1, "captures": 1, "replays": 2, "eager": {}}]
+    assert results["graph_cache"]["cache"] == results["eager_cache"]["cache"] == {"written": 8, "read": 8}
+    assert results["sync_checked"] == 6
+
+
+def test_an_explicit_cuda_graph_trunk_on_the_cpu_is_refused(process_group, checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="cuda_graph_trunk: true needs the model on a CUDA device"):
+        _fit(tmp_path, checkpoint, cache=None, cuda_graph_trunk=True)
