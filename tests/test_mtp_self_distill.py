@@ -202,15 +202,22 @@ def _parallel_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, 
                                                                 checkpoints[family],
                                                                 SequencesDataset(packed, alignment=4, rows=4),
                                                                 **parallel)
+    for weighting, dataset in WEIGHTED.items():
+        for layout in WEIGHTED_LAYOUTS:
+            fit = _fit(Path(tmp) / f"rank{rank}" / weighting / layout, checkpoints["qwen3"],
+                       dataset(checkpoints["qwen3"]), module_kwargs={"mtp_distill_weighting": weighting},
+                       **LAYOUTS[layout][1])
+            results[weighting, layout] = (fit.gradients, fit.metrics)
     return results
 
 
 @pytest.mark.slow
 def test_self_distillation_equals_the_direct_computation_under_tp_pp_cp_and_packing(process_group, checkpoints,
                                                                                     tmp_path):
-    """One spawned pair of processes runs every layout of both families (MTP-only, the chunked path); each is
-    compared with the direct computation on the same checkpoint and batch at one process. Validation under TP and
-    CP with packing logs the same greedy and sampled acceptance as one process."""
+    """One spawned pair of processes runs every layout of both families (MTP-only, the chunked path), and the
+    serving-weighted loss (`mtp_distill_weighting`) under TP=2 and CP=2; each is compared with the direct
+    computation on the same checkpoint and batch at one process. Validation under TP and CP with packing logs the
+    same greedy and sampled acceptance as one process."""
     ranks = run_distributed(_parallel_fits, tmp_path, str(tmp_path), checkpoints)
     for family in FAMILIES:
         for layout in VALIDATED:
@@ -234,6 +241,16 @@ def test_self_distillation_equals_the_direct_computation_under_tp_pp_cp_and_pack
                     ours = Gradients()
                     ours.gradients, ours.metrics = gradients, metrics
                     _assert_equal(ours, direct)
+    for weighting, dataset in WEIGHTED.items():
+        batches = dataset(checkpoints["qwen3"])
+        direct = Direct(_batches(batches), weighting)
+        _fit(tmp_path / f"direct_{weighting}", checkpoints["qwen3"], batches, callbacks=(direct,),
+             module_kwargs={"mtp_distill_weighting": weighting})
+        for layout in WEIGHTED_LAYOUTS:
+            for results in ranks:
+                ours = Gradients()
+                ours.gradients, ours.metrics = results[weighting, layout]
+                _assert_equal(ours, direct)
 
 
 class GreedyTextDataset(Dataset):
@@ -283,6 +300,7 @@ def test_temperature_to_zero_is_the_hard_label_loss_on_the_models_own_greedy_tex
 
 WEIGHTED = {"greedy": lambda checkpoint: GreedyTextDataset(checkpoint, changed_every=3),
             "sampled": lambda checkpoint: SequencesDataset(True, alignment=4, rows=4)}  # packed
+WEIGHTED_LAYOUTS = ("tp2_sp", "cp2")
 
 
 @pytest.mark.parametrize("weighting", list(WEIGHTED))
