@@ -250,7 +250,7 @@ class MTPDepthLoss:
             if getattr(model.output_layer, "bias", None) is not None:
                 raise ValueError("MTP self-distillation needs an output layer without bias (GPT models have none)")
             scale = model._scale_logits if model.config.use_mup else None
-            if self._input_ids is not None:
+            if self.distill_weighting != "uniform":
                 self._weigh_depth(teacher, weight, scale)
             rolled, _ = roll_tensor(teacher.permute(1, 2, 0).contiguous(), shifts=-1, dims=-1,
                                     cp_group=model.pg_collection.cp, packed_seq_params=self._packed_seq_params)
@@ -267,6 +267,9 @@ class MTPDepthLoss:
         from megatron.core.transformer.multi_token_prediction import roll_tensor
 
         model = self.model
+        if self._input_ids is None:
+            raise RuntimeError("MTP self-distillation weighting: the MTP block was called without input_ids; "
+                               "megatron-core's call pattern changed, use mtp_distill_weighting: uniform")
         self._input_ids, _ = roll_tensor(self._input_ids, shifts=-1, dims=-1, cp_group=model.pg_collection.cp,
                                          packed_seq_params=self._packed_seq_params)
         step = serving_weight(chooser.transpose(0, 1), self._input_ids, weight, model.tp_group,
