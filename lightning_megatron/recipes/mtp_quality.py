@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run (a) again with MTPOnlyCallback(trunk_cache_dir=...): later epochs read the "
                         "frozen trunk's output from disk; reported beside (a): the same acceptance, the time each took")
     parser.add_argument("--distill-temperature", type=float, default=1.0,
-                        help="(a)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
+                        help="(a)'s and (a+)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
                         "head's distribution toward its argmax, which greedy acceptance rewards")
     parser.add_argument("--variants", nargs="+", choices=(*VARIANTS, LONG_VARIANT), default=list(VARIANTS),
                         help="the MTP-only fits to run, in this order (default: (a), (b), (c)); "
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.distill_steps is not None and args.distill_steps < 1:
         parser.error(f"--distill-steps: {args.distill_steps} must be at least 1")
+    if args.trunk_cache and "self_distill" not in args.variants:
+        parser.error("--trunk-cache compares with (a): add self_distill to --variants")
     out, size = args.out.resolve(), args.size
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
