@@ -18,7 +18,7 @@ import torch
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
 from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs, whole_rows
 from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance
-from lightning_megatron.mtp.self_distill import MTP_LOSS_TYPES, MTPLossType
+from lightning_megatron.mtp.self_distill import DISTILL_WEIGHTINGS, MTP_LOSS_TYPES, DistillWeighting, MTPLossType
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.options import ModelOptions
 
@@ -102,7 +102,9 @@ class SFTModule(MegatronLightningModule):
     "self_distill": the detached main head's distribution for the same token, `softmax(z_main / T)` with
     `T = mtp_distill_temperature`, by KL divergence (`mtp.self_distill`): the target's own distribution on any
     text, no generation step, and what speculative sampling accepts. T = 1 matches the target's distribution;
-    T -> 0 is hard labels on the model's own greedy text.
+    T -> 0 is hard labels on the model's own greedy text. `mtp_distill_weighting` weighs each position by how a
+    server would feed it (the MTP layer reads token t + 1, which a server takes from the main head): "uniform" (all
+    alike), "greedy" (only where token t + 1 is the main head's argmax), "sampled" (by its probability).
     Logged every step: `lm_loss` (token-weighted over the global batch; with `MTPOnlyCallback` only on the steps
     it computes it, `log_lm_loss_every_n_steps`), `mtp_loss` (the hard-label cross-entropy,
     or with self-distillation the KL), `mtp_accuracy` (argmax = data token), and on MoE
@@ -122,6 +124,7 @@ class SFTModule(MegatronLightningModule):
         mtp_detach_heads: bool = False,
         mtp_loss_type: MTPLossType = "labels",
         mtp_distill_temperature: float = 1.0,
+        mtp_distill_weighting: DistillWeighting = "uniform",
         mtp_sampling_temperature: float = 1.0,
         lr: float = 1e-5,
         min_lr_ratio: float = 0.1,
@@ -144,6 +147,9 @@ class SFTModule(MegatronLightningModule):
             raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
         if mtp_loss_type not in MTP_LOSS_TYPES:
             raise ValueError(f"mtp_loss_type: {mtp_loss_type!r} must be one of {list(MTP_LOSS_TYPES)}")
+        if mtp_distill_weighting not in DISTILL_WEIGHTINGS:
+            raise ValueError(f"mtp_distill_weighting: {mtp_distill_weighting!r} must be one of "
+                             f"{list(DISTILL_WEIGHTINGS)}")
         for name, value in (("mtp_distill_temperature", mtp_distill_temperature),
                             ("mtp_sampling_temperature", mtp_sampling_temperature)):
             if not (math.isfinite(value) and value > 0):
@@ -184,7 +190,8 @@ class SFTModule(MegatronLightningModule):
             from lightning_megatron.mtp.self_distill import use_mtp_depth_loss
 
             self._depth_loss_handles = use_mtp_depth_loss(
-                list(self.model), distill_temperature=self.hparams.mtp_distill_temperature)
+                list(self.model), distill_temperature=self.hparams.mtp_distill_temperature,
+                distill_weighting=self.hparams.mtp_distill_weighting)
 
     def teardown(self, stage: str) -> None:
         for handle in self._depth_loss_handles:

@@ -47,11 +47,22 @@ def _batches(dataset: Dataset) -> list[dict[str, torch.Tensor]]:
     return [collate([dataset[index]]) for index in indices]
 
 
-def _direct(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, torch.Tensor]]:
-    """(logged `mtp_loss`, MTP gradients) of the self-distillation loss computed directly on whole rows."""
+def _serving_weights(main_logits: torch.Tensor, input_ids: torch.Tensor, weighting: str) -> torch.Tensor:
+    """`[b, s - 1]`: at t, how the main head at t would feed token t + 1 (greedy: its argmax; sampled: its
+    probability), from full-vocabulary fp32 logits."""
+    logits, chosen = main_logits[:, :-1], input_ids[:, 1:].unsqueeze(-1)
+    if weighting == "greedy":
+        return (logits.gather(-1, chosen).squeeze(-1) >= logits.max(dim=-1).values).float()
+    return torch.softmax(logits, dim=-1).gather(-1, chosen).squeeze(-1)
+
+
+def _direct(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
+            weighting: str = "uniform") -> tuple[float, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """(logged `mtp_loss`, MTP gradients, the serving weights of the trained positions) of the self-distillation
+    loss computed directly on whole rows."""
     from lightning_megatron.microbatch import model_inputs
 
-    terms, logged, total_tokens = [], [], 0.0
+    terms, logged, total_tokens, weights = [], [], 0.0, []
     for batch in batches:
         captured = {}
         hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
@@ -72,26 +83,31 @@ def _direct(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> t
         log_q = F.log_softmax(mtp_logits[:, :-1], dim=-1)
         log_p = F.log_softmax(main_logits[:, 1:] / TEMPERATURE, dim=-1)
         kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+        if weighting != "uniform":
+            weight = _serving_weights(main_logits, batch["input_ids"], weighting)
+            kl = kl * weight
+            weights.append(weight[mtp_mask[:, :-1].bool()])
         loss_sum = (kl * mtp_mask[:, :-1]).sum()
         terms.append((loss_sum, mask.sum(), mtp_mask.sum()))
         logged.append(float(loss_sum / mtp_mask.sum()))
         total_tokens += float(mask.sum())
     objective = sum(SCALE * tokens / mtp_tokens * loss_sum for loss_sum, tokens, mtp_tokens in terms) / total_tokens
     names, parameters = zip(*[(f"0.{name}", p) for name, p in model.named_parameters() if is_mtp_parameter(name)])
-    return sum(logged) / len(logged), dict(zip(names, torch.autograd.grad(objective, parameters)))
+    return sum(logged) / len(logged), dict(zip(names, torch.autograd.grad(objective, parameters))), weights
 
 
 class Direct(pl.Callback):
     """The direct computation on the model about to be trained (1 process only), before its first step."""
 
-    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
-        self.batches = batches
+    def __init__(self, batches: list[dict[str, torch.Tensor]], weighting: str = "uniform") -> None:
+        self.batches, self.weighting = batches, weighting
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
         from megatron.core.utils import unwrap_model
 
-        self.mtp_loss, self.gradients = _direct(unwrap_model(pl_module.model[0]), self.batches)
+        self.mtp_loss, self.gradients, self.weights = _direct(unwrap_model(pl_module.model[0]), self.batches,
+                                                              self.weighting)
         MTPLossLoggingHelper.clean_metrics_in_tracker()  # that forward is not a training step's
 
 
@@ -186,15 +202,22 @@ def _parallel_fits(rank: int, world_size: int, tmp: str, checkpoints: dict[str, 
                                                                 checkpoints[family],
                                                                 SequencesDataset(packed, alignment=4, rows=4),
                                                                 **parallel)
+    for weighting, dataset in WEIGHTED.items():
+        for layout in WEIGHTED_LAYOUTS:
+            fit = _fit(Path(tmp) / f"rank{rank}" / weighting / layout, checkpoints["qwen3"],
+                       dataset(checkpoints["qwen3"]), module_kwargs={"mtp_distill_weighting": weighting},
+                       **LAYOUTS[layout][1])
+            results[weighting, layout] = (fit.gradients, fit.metrics)
     return results
 
 
 @pytest.mark.slow
 def test_self_distillation_equals_the_direct_computation_under_tp_pp_cp_and_packing(process_group, checkpoints,
                                                                                     tmp_path):
-    """One spawned pair of processes runs every layout of both families (MTP-only, the chunked path); each is
-    compared with the direct computation on the same checkpoint and batch at one process. Validation under TP and
-    CP with packing logs the same greedy and sampled acceptance as one process."""
+    """One spawned pair of processes runs every layout of both families (MTP-only, the chunked path), and the
+    serving-weighted loss (`mtp_distill_weighting`) under TP=2 and CP=2; each is compared with the direct
+    computation on the same checkpoint and batch at one process. Validation under TP and CP with packing logs the
+    same greedy and sampled acceptance as one process."""
     ranks = run_distributed(_parallel_fits, tmp_path, str(tmp_path), checkpoints)
     for family in FAMILIES:
         for layout in VALIDATED:
@@ -218,12 +241,23 @@ def test_self_distillation_equals_the_direct_computation_under_tp_pp_cp_and_pack
                     ours = Gradients()
                     ours.gradients, ours.metrics = gradients, metrics
                     _assert_equal(ours, direct)
+    for weighting, dataset in WEIGHTED.items():
+        batches = dataset(checkpoints["qwen3"])
+        direct = Direct(_batches(batches), weighting)
+        _fit(tmp_path / f"direct_{weighting}", checkpoints["qwen3"], batches, callbacks=(direct,),
+             module_kwargs={"mtp_distill_weighting": weighting})
+        for layout in WEIGHTED_LAYOUTS:
+            for results in ranks:
+                ours = Gradients()
+                ours.gradients, ours.metrics = results[weighting, layout]
+                _assert_equal(ours, direct)
 
 
 class GreedyTextDataset(Dataset):
-    """The model's own greedy continuations (24 tokens) of random 8-token prompts, the loss on the continuation."""
+    """The model's own greedy continuations (24 tokens) of random 8-token prompts, the loss on the continuation;
+    with `changed_every`, every that many continuation tokens one is replaced (not the model's choice there)."""
 
-    def __init__(self, hf_checkpoint: str, rows: int = 4) -> None:
+    def __init__(self, hf_checkpoint: str, rows: int = 4, changed_every: int = 0) -> None:
         from lightning_megatron.speculative import greedy_decode, load_target
 
         target = load_target(hf_checkpoint)
@@ -232,6 +266,8 @@ class GreedyTextDataset(Dataset):
         for _ in range(rows):
             prompt = torch.randint(0, 384, (8,), generator=generator).tolist()
             sequence = torch.tensor(prompt + greedy_decode(target, prompt, 25, set()).tokens)
+            if changed_every:
+                sequence[8::changed_every] = (sequence[8::changed_every] + 1) % 384
             loss_mask = torch.zeros(32)
             loss_mask[7:] = 1  # labels 7.. are the continuation's tokens
             self.rows.append({"input_ids": sequence[:-1], "labels": sequence[1:], "loss_mask": loss_mask,
@@ -260,6 +296,28 @@ def test_temperature_to_zero_is_the_hard_label_loss_on_the_models_own_greedy_tex
     for name, gradient in labels.gradients.items():
         torch.testing.assert_close(cold.gradients[name], gradient, rtol=0, atol=1e-6, msg=name)
     assert max(float((warm.gradients[name] - gradient).abs().max()) for name, gradient in labels.gradients.items()) > 1e-3
+
+
+WEIGHTED = {"greedy": lambda checkpoint: GreedyTextDataset(checkpoint, changed_every=3),
+            "sampled": lambda checkpoint: SequencesDataset(True, alignment=4, rows=4)}  # packed
+WEIGHTED_LAYOUTS = ("tp2_sp", "cp2")
+
+
+@pytest.mark.parametrize("weighting", list(WEIGHTED))
+def test_serving_weighted_self_distillation_equals_the_direct_computation(process_group, checkpoints, tmp_path,
+                                                                          weighting):
+    """`mtp_distill_weighting`: each position's KL times how a server feeds it token t + 1 (greedy: 1 where it is
+    the main head's argmax at t, on greedy text with every third token changed so that both occur; sampled: its
+    probability, on packed rows), loss and gradients as the direct computation's."""
+    dataset = WEIGHTED[weighting](checkpoints["qwen3"])
+    direct = Direct(_batches(dataset), weighting)
+    ours = _fit(tmp_path, checkpoints["qwen3"], dataset, callbacks=(direct,),
+                module_kwargs={"mtp_distill_weighting": weighting})
+    _assert_equal(ours, direct)
+    weights = torch.cat(direct.weights)
+    assert 0.1 < float(weights.mean()) < 0.9 if weighting == "greedy" else 0 < float(weights.min())
+    uniform = _fit(tmp_path / "uniform", checkpoints["qwen3"], dataset)
+    assert abs(uniform.metrics["mtp_loss"] - ours.metrics["mtp_loss"]) > 1e-3
 
 
 def _direct_sampled_acceptance(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:

@@ -41,3 +41,21 @@ def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(early_runs)
                                        "self_distill_sampled_beats_continuations", "self_distill_greedy_over_joint"}
     assert summary["greedy_identical_throughout"] and summary["frozen_bit_identical"]
     assert (out / "mtp_quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_targets_compare_each_self_distilled_head_that_ran_with_the_heads_that_ran() -> None:
+    """`--variants` runs a subset: (a+) is held to (c)'s targets when (c) ran, and to the joint head's always."""
+    from lightning_megatron.recipes.mtp_quality import LONG_VARIANT, _targets
+
+    def head(greedy: float, sampled: float) -> dict[str, float]:
+        return {"greedy_acceptance": greedy, "sampled_acceptance": sampled}
+
+    joint, c = head(0.7, 0.6), head(0.85, 0.48)
+    assert _targets({"joint": joint, LONG_VARIANT: head(0.86, 0.7), "labels_continuations": c}) == {
+        f"{LONG_VARIANT}_greedy_at_least_continuations": True, f"{LONG_VARIANT}_sampled_beats_continuations": True,
+        f"{LONG_VARIANT}_greedy_over_joint": pytest.approx(0.86 / 0.7)}
+    assert _targets({"joint": joint, LONG_VARIANT: head(0.8, 0.4)}) == {
+        f"{LONG_VARIANT}_greedy_over_joint": pytest.approx(0.8 / 0.7)}
+    assert _targets({"joint": joint, "self_distill": head(0.8, 0.4), "labels_continuations": c}) == {
+        "self_distill_greedy_at_least_continuations": False, "self_distill_sampled_beats_continuations": False,
+        "self_distill_greedy_over_joint": pytest.approx(0.8 / 0.7)}

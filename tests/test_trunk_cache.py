@@ -51,7 +51,8 @@ class DecoderLayerCalls(pl.Callback):
 
 def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, epochs: int = 2,
          log_every_n_steps: int = 1, accelerator: str = "cpu", cuda_graph_trunk: bool | None = None,
-         callbacks: tuple[pl.Callback, ...] = (), **strategy_kwargs: Any) -> dict[str, Any]:
+         callbacks: tuple[pl.Callback, ...] = (), module_kwargs: dict[str, Any] | None = None,
+         **strategy_kwargs: Any) -> dict[str, Any]:
     """`log_every_n_steps` 1: every step's lm_loss is computed (from the cached hidden states in a cached step);
     larger: the main head is skipped on the steps in between (MTPOnlyCallback's on-demand main head)."""
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
@@ -68,7 +69,7 @@ def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, 
     if data is None:  # shuffled: the second epoch meets the samples in another order
         data = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
                           shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
-    trainer.fit(SFTModule(enable_mtp=True, lr=1e-2, mtp_detach_heads=True), data)
+    trainer.fit(SFTModule(**dict(enable_mtp=True, lr=1e-2, mtp_detach_heads=True) | (module_kwargs or {})), data)
     torch.distributed.barrier()  # global rank 0 writes the audit at the end of fit
     cache_state = (None if mtp_only.trunk_cache is None else
                    {"written": mtp_only.trunk_cache.writes_done, "read": mtp_only.trunk_cache.reads})
@@ -109,6 +110,17 @@ def test_two_epochs_from_the_cache_equal_two_epochs_without_it(process_group, ch
         with pytest.raises(TrunkCacheMismatch, match=changed) as refusal:
             _fit(tmp_path / "refused", cache=tmp_path / "cache", **run)
         assert manifest["frozen_weights"] in str(refusal.value) and manifest["data"] in str(refusal.value)
+
+
+def test_serving_weighted_self_distillation_from_the_cache_equals_it_without_the_cache(process_group, checkpoint,
+                                                                                       tmp_path):
+    """The self-distillation teacher (the MTP block's main hidden states) and the weighting's input ids are what a
+    cached step hands the MTP block: the recipe's (a+) trains this way."""
+    distill = {"mtp_loss_type": "self_distill", "mtp_distill_weighting": "sampled"}
+    plain = _fit(tmp_path / "plain", checkpoint, cache=None, module_kwargs=distill)
+    cached = _fit(tmp_path / "cached", checkpoint, cache=tmp_path / "cache", module_kwargs=distill)
+    _assert_equal_runs(cached, plain)
+    assert cached["layer_calls"][1] == 0 and cached["cache"]["read"] > 0
 
 
 def test_a_full_disk_stops_the_run_and_leaves_no_shard(process_group, checkpoint, tmp_path):

@@ -13,6 +13,16 @@ for drafts used in RL rollouts).
 temperature needs (a serving engine divides both models' logits by the same sampling temperature); T -> 0 is the
 hard-label loss on the model's own greedy continuation.
 
+`mtp_distill_weighting` matches the positions to serving. The MTP layer at position t reads token t + 1; on the
+corpus that is the corpus token, when serving it is the main head's own choice there (greedy: its argmax; sampled:
+a draw from it). "uniform" (the default) weighs every position alike; "greedy" keeps only the positions whose
+token t + 1 is the main head's argmax at t (`z_t[x] >= max z_t`), those a greedy server feeds the head;
+"sampled" weighs each by the probability the main head gives that token, `softmax(z_t)[x_{t+1}]` (temperature 1),
+how often a sampling server feeds it. Depth k reads tokens t + 1 .. t + k and weighs by the product of their k
+weights. The weights come from the detached main head (the same chunked, vocabulary-parallel logits as the
+teacher's, one position earlier) and the MTP block's own rolled input ids; they multiply the per-token loss
+(Adam's step does not depend on the loss's overall scale, so only their relative size matters).
+
 How it is wired: nothing of Megatron-Core's MTP path is replaced. `process_mtp_loss` still rolls labels and mask
 (per packed sequence, across CP chunks), masks, scales and attaches the loss through `MTPLossAutoScaler`; what
 changes is the per-token loss it asks the model for (`GPTModel.compute_language_model_loss`, an instance override
@@ -37,6 +47,8 @@ from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, c
 
 MTPLossType = Literal["labels", "self_distill"]
 MTP_LOSS_TYPES: tuple[MTPLossType, ...] = ("labels", "self_distill")
+DistillWeighting = Literal["uniform", "greedy", "sampled"]
+DISTILL_WEIGHTINGS: tuple[DistillWeighting, ...] = ("uniform", "greedy", "sampled")
 # a chunk holds two fp32 distributions over the vocabulary (student and teacher) where the hard-label loss holds
 # one: half the tokens keeps the chunk's transient memory that of the hard-label loss
 DISTILL_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS // 2
@@ -116,6 +128,44 @@ def self_distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.T
     return loss.view(leading)
 
 
+def serving_weight(hidden: torch.Tensor, next_tokens: torch.Tensor, weight: torch.Tensor, tp_group: Any,
+                   weighting: DistillWeighting, chunk_tokens: int = DISTILL_CHUNK_TOKENS,
+                   scale_logits: Any = None) -> torch.Tensor:
+    """Per position, how a server feeds the main head's choice `next_tokens` (token t + 1) to the MTP layer: "greedy"
+    1.0 where it is the argmax of the main logits `hidden @ weight.T` (`z[x] >= max z`), else 0.0; "sampled" its
+    probability `softmax(z)[x]`. `hidden`: `[..., hidden]` (detached), `next_tokens`: the same leading shape,
+    `weight`: this rank's `[vocab / TP, hidden]` output weight (the vocabulary split as Megatron-Core splits it).
+    fp32, no gradient."""
+    if weighting not in ("greedy", "sampled"):
+        raise ValueError(f"mtp_distill_weighting: {weighting!r} must be one of {list(DISTILL_WEIGHTINGS)}")
+    if next_tokens.shape != hidden.shape[:-1]:
+        raise ValueError(f"next_tokens {list(next_tokens.shape)} must have the hidden states' leading shape "
+                         f"{list(hidden.shape[:-1])}")
+    shard = weight.size(0)
+    first = dist.get_rank(tp_group) * shard
+    rows = hidden.reshape(-1, hidden.size(-1))
+    local = next_tokens.reshape(-1).long() - first
+    here = (local >= 0) & (local < shard)
+    local = local.clamp(0, shard - 1).unsqueeze(-1)
+    result = torch.empty(rows.size(0), dtype=torch.float32, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, rows.size(0), chunk_tokens):
+            end = min(rows.size(0), start + chunk_tokens)
+            logits = F.linear(rows[start:end], weight)
+            logits = (logits if scale_logits is None else scale_logits(logits)).float()
+            if weighting == "greedy":
+                chunk_max = logits.max(dim=-1)[0]
+                dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
+                chosen = logits.gather(-1, local[start:end]).squeeze(-1) >= chunk_max
+            else:
+                chosen = _log_softmax_chunk(logits, tp_group).gather(-1, local[start:end]).squeeze(-1).exp()
+            value = (chosen & here[start:end]) if weighting == "greedy" else chosen * here[start:end]
+            value = value.float()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=tp_group)  # one rank holds the token
+            result[start:end] = value
+    return result.view(next_tokens.shape)
+
+
 class MTPDepthLoss:
     """The per-token loss `process_mtp_loss` asks each MTP depth for, installed as the model's
     `compute_language_model_loss` while a fit uses it; the main head's own loss calls go to the class's method.
@@ -137,10 +187,13 @@ class MTPDepthLoss:
         self.label_chunk_tokens: int | None = None
         self.distill_temperature: float | None = None
         self.distill_chunk_tokens = DISTILL_CHUNK_TOKENS
+        self.distill_weighting: DistillWeighting = "uniform"
         self._depths = model.config.mtp_num_layers
         self._pending = 0
         self._teacher: torch.Tensor | None = None
         self._packed_seq_params: Any = None
+        self._input_ids: torch.Tensor | None = None  # weighting: the token ids the next depth reads, [b, s]
+        self._depth_weight: torch.Tensor | None = None  # weighting: the product over the depths so far, [b, s]
         self._hook = model.mtp.register_forward_hook(self._capture, with_kwargs=True)
         setattr(model, self.ATTRIBUTE, self)
 
@@ -162,6 +215,8 @@ class MTPDepthLoss:
         self._packed_seq_params = kwargs.get("packed_seq_params")
         # what `process_mtp_loss` splits off as the main hidden states: the first of 1 + mtp_num_layers chunks
         self._teacher = output.chunk(1 + self._depths, dim=0)[0].detach() if self.distill_temperature else None
+        self._input_ids = kwargs.get("input_ids") if self.distill_weighting != "uniform" else None
+        self._depth_weight = None
 
     def __call__(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self._pending == 0:
@@ -174,7 +229,7 @@ class MTPDepthLoss:
         else:
             loss = self.class_loss(labels, logits)
         if self._pending == 0:
-            self._teacher = self._packed_seq_params = None
+            self._teacher = self._packed_seq_params = self._input_ids = self._depth_weight = None
         return loss
 
     def _self_distillation(self, logits: torch.Tensor) -> torch.Tensor:
@@ -190,17 +245,36 @@ class MTPDepthLoss:
             teacher = self._teacher
             if model.output_layer.sequence_parallel:
                 teacher = gather_from_sequence_parallel_region(teacher, group=model.tp_group)
+            weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                      else model.output_layer.weight)
+            if getattr(model.output_layer, "bias", None) is not None:
+                raise ValueError("MTP self-distillation needs an output layer without bias (GPT models have none)")
+            scale = model._scale_logits if model.config.use_mup else None
+            if self.distill_weighting != "uniform":
+                self._weigh_depth(teacher, weight, scale)
             rolled, _ = roll_tensor(teacher.permute(1, 2, 0).contiguous(), shifts=-1, dims=-1,
                                     cp_group=model.pg_collection.cp, packed_seq_params=self._packed_seq_params)
             self._teacher = rolled.permute(2, 0, 1)  # [s, b, h] again, rolled once per depth as the labels are
-        weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
-                  else model.output_layer.weight)
-        if getattr(model.output_layer, "bias", None) is not None:
-            raise ValueError("MTP self-distillation needs an output layer without bias (GPT models have none)")
-        scale = model._scale_logits if model.config.use_mup else None
         loss = self_distillation_loss(logits, self._teacher, weight, model.tp_group, self.distill_temperature,
                                       self.distill_chunk_tokens, scale)
-        return loss.transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss returns
+        loss = loss.transpose(0, 1)  # [b, s], as compute_language_model_loss returns
+        return (loss if self._depth_weight is None else loss * self._depth_weight).contiguous()
+
+    def _weigh_depth(self, chooser: torch.Tensor, weight: torch.Tensor, scale: Any) -> None:
+        """This depth's serving weight: its last input token (the MTP block's ids rolled once more, as the MTP layer
+        rolls them) against the main head one position earlier (`chooser`: the teacher before this depth's roll),
+        times the earlier depths' weights."""
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+        model = self.model
+        if self._input_ids is None:
+            raise RuntimeError("MTP self-distillation weighting: the MTP block was called without input_ids; "
+                               "megatron-core's call pattern changed, use mtp_distill_weighting: uniform")
+        self._input_ids, _ = roll_tensor(self._input_ids, shifts=-1, dims=-1, cp_group=model.pg_collection.cp,
+                                         packed_seq_params=self._packed_seq_params)
+        step = serving_weight(chooser.transpose(0, 1), self._input_ids, weight, model.tp_group,
+                              self.distill_weighting, self.distill_chunk_tokens, scale)
+        self._depth_weight = step if self._depth_weight is None else self._depth_weight * step
 
 
 class DepthLossHandle:
@@ -215,13 +289,17 @@ class DepthLossHandle:
 
 def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int | None = None,
                        distill_temperature: float | None = None,
-                       distill_chunk_tokens: int = DISTILL_CHUNK_TOKENS) -> list[DepthLossHandle]:
+                       distill_chunk_tokens: int = DISTILL_CHUNK_TOKENS,
+                       distill_weighting: DistillWeighting = "uniform") -> list[DepthLossHandle]:
     """Set the MTP depths' loss of every last-stage chunk with an MTP block (unwrapped GPTModels): hard labels in
-    chunks of `label_chunk_tokens`, or self-distillation at `distill_temperature` (one of the two)."""
+    chunks of `label_chunk_tokens`, or self-distillation at `distill_temperature` with `distill_weighting` (one of
+    the two)."""
     from megatron.core.utils import unwrap_model
 
     if (label_chunk_tokens is None) == (distill_temperature is None):
         raise ValueError("use_mtp_depth_loss sets label_chunk_tokens or distill_temperature, exactly one")
+    if distill_weighting not in DISTILL_WEIGHTINGS:
+        raise ValueError(f"mtp_distill_weighting: {distill_weighting!r} must be one of {list(DISTILL_WEIGHTINGS)}")
     handles = []
     for chunk in chunks:
         model = unwrap_model(chunk)
@@ -233,6 +311,7 @@ def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int
         loss = MTPDepthLoss.of(model)
         if distill_temperature is not None:
             loss.distill_temperature, loss.distill_chunk_tokens = distill_temperature, distill_chunk_tokens
+            loss.distill_weighting = distill_weighting
             handles.append(DepthLossHandle(loss, "distill_temperature"))
         else:
             loss.label_chunk_tokens = label_chunk_tokens

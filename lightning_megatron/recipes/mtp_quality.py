@@ -13,6 +13,10 @@
    (c) `labels_continuations`: the frozen model's own greedy continuations (`stdlib_generate.yaml`), hard labels;
    with `--trunk-cache`, (a) once more with `MTPOnlyCallback(trunk_cache_dir=...)` (later epochs read the frozen
    trunk's output from disk): `trunk_cache` in the JSON says whether its acceptance equals (a)'s, and both times;
+   `--variants` picks the fits to run (default (a), (b), (c)); `self_distill_long` is (a+): (a) for the seconds
+   (c)'s generation step costs, `--distill-steps` steps (gpu 400, cpu 120: about (c)'s wall time) with the trunk
+   cache; `--distill-weighting greedy|sampled` weighs (a)'s and (a+)'s positions as a server feeds the MTP layer
+   (`model.mtp_distill_weighting`);
 5. for every head, on held-out prompts: greedy acceptance (1 draft), sampled acceptance at temperature 1 (speculative
    sampling, 1 draft), mean accepted length with 3 drafts (greedy and sampled), tokens/s; and each fit's wall time
    including its generation step. `mtp_quality.json` (with `targets`: (a) >= (c) greedy, (a) > (c) sampled, (a) >=
@@ -20,7 +24,8 @@
 
 Every training and generation step is a `lightning-megatron` run of a config from `configs/recipes/`. The GPU
 defaults (300 joint steps, 200 MTP-only steps each, 12 prompts x 48 new tokens) fit one H200 in about 8 minutes;
-`--joint-steps` and `--mtp-only-steps` change them.
+`--joint-steps` and `--mtp-only-steps` change them. `--variants self_distill_long` alone takes about 8 minutes too
+(the joint fit and the measurements are most of it).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_megatron.mtp.self_distill import DISTILL_WEIGHTINGS
 from lightning_megatron.recipes import stdlib_corpus
 from lightning_megatron.recipes.steps import acceptance, derived_config, read_jsonl, run_cli, write_jsonl
 
@@ -58,7 +64,13 @@ MEASURE = {"gpu": {"prompts": 12, "max_new_tokens": 48, "device": "cuda", "corpu
 CORPUS_OVERRIDES = {"gpu": [], "cpu": ["--train-prompts", "64", "--heldout-prompts", "8"]}
 DRAFT_TOKENS = (1, 3)  # 1: the greedy and sampled acceptance; 3: the accepted length with three drafts
 VARIANTS = ("self_distill", "labels_corpus", "labels_continuations")
+# (a+): self-distillation for as many steps as (c)'s wall time pays for, later epochs from the frozen trunk's cache
+LONG_VARIANT = "self_distill_long"
 CACHED_VARIANT = "self_distill_trunk_cache"  # --trunk-cache: (a) again, later epochs from the frozen trunk's cache
+DISTILL_VARIANTS = ("self_distill", LONG_VARIANT, CACHED_VARIANT)
+# (a+)'s steps: (c) pays for its generation step (86 s of 150 on the H200, 16 s of 34 on the CPU); with the trunk
+# cache (a)'s later epochs cost a fraction of the first, so (a+) takes about (c)'s wall time
+LONG_STEPS = {"gpu": 400, "cpu": 120}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,9 +85,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run (a) again with MTPOnlyCallback(trunk_cache_dir=...): later epochs read the "
                         "frozen trunk's output from disk; reported beside (a): the same acceptance, the time each took")
     parser.add_argument("--distill-temperature", type=float, default=1.0,
-                        help="(a)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
+                        help="(a)'s and (a+)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
                         "head's distribution toward its argmax, which greedy acceptance rewards")
+    parser.add_argument("--variants", nargs="+", choices=(*VARIANTS, LONG_VARIANT), default=list(VARIANTS),
+                        help="the MTP-only fits to run, in this order (default: (a), (b), (c)); "
+                        f"{LONG_VARIANT} is (a+): (a) for --distill-steps steps with the trunk cache")
+    parser.add_argument("--distill-steps", type=int, default=None,
+                        help=f"(a+)'s steps (gpu default {LONG_STEPS['gpu']}, cpu {LONG_STEPS['cpu']}: about (c)'s "
+                        "wall time including its generation step)")
+    parser.add_argument("--distill-weighting", choices=DISTILL_WEIGHTINGS, default="uniform",
+                        help="the self-distillation variants' model.mtp_distill_weighting: weigh each position by "
+                        "how a server feeds the MTP layer its input token (greedy: only the main head's argmax; "
+                        "sampled: by its probability)")
     args = parser.parse_args(argv)
+    if args.distill_steps is not None and args.distill_steps < 1:
+        parser.error(f"--distill-steps: {args.distill_steps} must be at least 1")
+    if args.trunk_cache and "self_distill" not in args.variants:
+        parser.error("--trunk-cache compares with (a): add self_distill to --variants")
     out, size = args.out.resolve(), args.size
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -125,16 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     clock = step("reset_and_measure_s", clock)
 
     train_seconds: dict[str, float] = {}
-    variants = (*VARIANTS, *((CACHED_VARIANT,) if args.trunk_cache else ()))
+    variants = (*dict.fromkeys(args.variants), *((CACHED_VARIANT,) if args.trunk_cache else ()))
     for variant in variants:
         since = time.perf_counter()
         train, val, loss_type, seq_length = corpus / "train.jsonl", corpus / "val.jsonl", "labels", None
-        cache = {}
-        if variant in ("self_distill", CACHED_VARIANT):
+        cache, variant_steps = {}, steps["mtp_only"]
+        if variant in DISTILL_VARIANTS:
             loss_type, seq_length = "self_distill", measure["corpus_seq_length"]
-            if variant == CACHED_VARIANT:
+            if variant in (CACHED_VARIANT, LONG_VARIANT):
                 cache = {"trainer.callbacks.0": {"class_path": "lightning_megatron.callbacks.MTPOnlyCallback",
-                                                 "init_args": {"trunk_cache_dir": str(out / "trunk_cache")}}}
+                                                 "init_args": {"trunk_cache_dir": str(out / f"cache_{variant}")}}}
+            if variant == LONG_VARIANT:
+                variant_steps = args.distill_steps or LONG_STEPS[size]
         elif variant == "labels_corpus":
             seq_length = measure["corpus_seq_length"]
         else:
@@ -145,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(run),
             "trainer.logger.0.init_args.save_dir": str(run), "trainer.callbacks.3.init_args.dirpath": str(run / "hf"),
             "data.train_path": str(train), "data.val_path": str(val), "model.mtp_loss_type": loss_type,
-            **({"model.mtp_distill_temperature": args.distill_temperature} if loss_type == "self_distill" else {}),
+            **({"model.mtp_distill_temperature": args.distill_temperature,
+                "model.mtp_distill_weighting": args.distill_weighting} if loss_type == "self_distill" else {}),
             "trainer.limit_val_batches": 4,
             **({"data.seq_length": seq_length} if seq_length else {}), **cache,
-            **({"trainer.max_steps": steps["mtp_only"]} if steps["mtp_only"] else {}),
+            **({"trainer.max_steps": variant_steps} if variant_steps else {}),
         }), f"[{4 if variant == 'labels_continuations' else 3}/5] MTP-only fit ({variant})")
         train_seconds[variant] = round(time.perf_counter() - since, 1)
         clock = step(f"{variant}_train_s", since)
@@ -160,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["seconds"] = {**timings, "total_s": round(time.perf_counter() - started, 1)}
     summary["command"] = " ".join(["python3 -m lightning_megatron.recipes.mtp_quality", *(argv or sys.argv[1:])])
     summary["distill_temperature"] = args.distill_temperature
+    summary["distill_weighting"] = args.distill_weighting
     (out / "mtp_quality.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary).savefig(out / "mtp_quality.png", dpi=100)
     print(json.dumps({key: summary[key] for key in ("heads", "targets", "seconds")}, indent=2))
@@ -219,16 +249,10 @@ def _summary(results: dict[str, Any], size: str, train_seconds: dict[str, float]
     heads = {name: _head(result) for name, result in results.items()}
     for variant, seconds in train_seconds.items():
         heads[variant]["train_s_including_generation"] = seconds
-    a, c, joint = heads["self_distill"], heads["labels_continuations"], heads["joint"]
     return {
         "size": size,
         "heads": heads,
-        "targets": {
-            "self_distill_greedy_at_least_continuations": a["greedy_acceptance"] >= c["greedy_acceptance"],
-            "self_distill_sampled_beats_continuations": a["sampled_acceptance"] > c["sampled_acceptance"],
-            "self_distill_greedy_over_joint": a["greedy_acceptance"] / joint["greedy_acceptance"]
-            if joint["greedy_acceptance"] else None,
-        },
+        "targets": _targets(heads),
         "greedy_identical_throughout": all(result["all_identical"] for result in results.values()),
         "frozen_bit_identical": all(audit["frozen_bit_identical"] for audit in audits),
         "joint_val_lm_loss": joint_curves.get("val_lm_loss", []),
@@ -238,6 +262,23 @@ def _summary(results: dict[str, Any], size: str, train_seconds: dict[str, float]
         "prompts": results["joint"]["prompts"],
         **({"trunk_cache": _trunk_cache_comparison(heads)} if CACHED_VARIANT in heads else {}),
     }
+
+
+def _targets(heads: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets for each self-distilled head that ran ((a), (a+)): against (c) where (c) ran, and
+    against the joint head."""
+    targets: dict[str, Any] = {}
+    c, joint = heads.get("labels_continuations"), heads["joint"]
+    for name in ("self_distill", LONG_VARIANT):
+        if name not in heads:
+            continue
+        a = heads[name]
+        if c is not None:
+            targets[f"{name}_greedy_at_least_continuations"] = a["greedy_acceptance"] >= c["greedy_acceptance"]
+            targets[f"{name}_sampled_beats_continuations"] = a["sampled_acceptance"] > c["sampled_acceptance"]
+        targets[f"{name}_greedy_over_joint"] = (a["greedy_acceptance"] / joint["greedy_acceptance"]
+                                                if joint["greedy_acceptance"] else None)
+    return targets
 
 
 def _trunk_cache_comparison(heads: dict[str, Any]) -> dict[str, Any]:
