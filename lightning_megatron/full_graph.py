@@ -38,6 +38,7 @@ from lightning_megatron.microbatch import CU_SEQLENS, MAX_SEQLEN, SUBTREE_END, M
 
 CudaGraph = Literal["none", "full_iteration"]
 CUDA_GRAPHS = ("none", "full_iteration")
+SEQUENCES_PER_ROW = 256  # packed rows' fixed count of cu_seqlens sequences (empty ones are nearly free)
 
 
 def check_cuda_graph_options(cuda_graph: str, sequences_per_row: int, pipeline_model_parallel_size: int,

@@ -96,7 +96,7 @@ class MegatronStrategy(ParallelStrategy):
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         async_save: bool = False,
         cuda_graph: CudaGraph = "none",
-        cuda_graph_sequences_per_row: int = 256,
+        cuda_graph_sequences_per_row: int = full_graph.SEQUENCES_PER_ROW,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
         accelerator: Accelerator | None = None,
