@@ -42,6 +42,14 @@ def test_what_the_full_iteration_graph_cannot_serve_is_refused_at_construction(o
         MegatronStrategy(hf_checkpoint="unused", **{"cuda_graph": "full_iteration", **options})
 
 
+def test_mtp_only_training_refuses_the_full_iteration_graph():
+    from lightning_megatron.callbacks import MTPOnlyCallback
+
+    strategy = MegatronStrategy(hf_checkpoint="unused", cuda_graph="full_iteration")
+    with pytest.raises(ValueError, match="cuda_graph: full_iteration does not serve MTPOnlyCallback"):
+        MTPOnlyCallback().validate_megatron_setup(strategy, SFTModule(enable_mtp=True))
+
+
 def test_the_full_iteration_graph_on_the_cpu_is_refused(process_group, checkpoint, tmp_path):
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), cuda_graph="full_iteration"),
                          accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
