@@ -16,7 +16,8 @@ What it covers, and how:
   `max_seqlen` set to the row length - 1 (`microbatch.with_fixed_sequence_count`: attention, RoPE, MTP's roll and
   the loss are unchanged), so that every row of one length has the same shapes.
 - Full or padded rows: causal attention through the layout path (flex_attention) instead of SDPA's cuDNN kernel,
-  whose backward cannot be captured ("operation would make the legacy stream depend on a capturing blocking stream").
+  whose backward cannot be captured ("operation would make the legacy stream depend on a capturing blocking stream");
+  with the option on, eager steps and validation of such rows take flex_attention too (same attention, bf16-close).
 - Replays redo the GPU work only: the Python of `forward_step` and `loss_func` runs at warm-up and capture, so the
   step's metrics are what `loss_func` returns, copied out of the graph's static outputs after every replay; host
   side effects inside them do not repeat.

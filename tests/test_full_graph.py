@@ -104,8 +104,8 @@ def _packed_rows(count: int) -> DataLoader:
                                  torch.rand(int(n), generator=generator) < 0.7)
                 for i, n in enumerate(torch.randint(8, 60, (8 * count,), generator=generator))]
     bins = first_fit([len(e) for e in examples], ROW)[:count]
-    rows = [collate_packed([pack_examples([examples[i] for i in members], ROW, pad_id=0)]) for members in bins]
-    return DataLoader(rows, batch_size=None)
+    rows = [pack_examples([examples[i] for i in members], ROW, pad_id=0) for members in bins]
+    return DataLoader(rows, batch_size=1, collate_fn=collate_packed)  # as SFTDataModule(packing=True) loads them
 
 
 def _full_rows(count: int) -> DataLoader:
