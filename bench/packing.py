@@ -7,8 +7,11 @@ three layouts of rows of `--seq` tokens (one row per microbatch):
   `cu_seqlens`; flex_attention's block mask on CUDA);
 - `padded`: the same sequences, one per row, padded to `--seq` (what `SFTDataModule(packing=False)` feeds);
 - `full`: unpadded `--seq`-token rows (causal SDPA), as many as the real tokens fill.
-Each layout runs as `bench.packing_profile`'s candidate of that name (`--layouts`; `packed_before` is the packed
-path before issue 29, `full_graph` / `packed_graph` Megatron-Core's whole-iteration CUDA graph). Reported per layout:
+Each layout runs as `bench.packing_profile`'s candidate of that name (`--layouts` picks some; `packed_before` is the
+packed path before issue 29). `full_graph` and `packed_graph` (GPU only; skipped with the reason on the CPU) run the
+same rows through `MegatronStrategy(cuda_graph="full_iteration")`'s code path (`lightning_megatron.full_graph`): the
+step's forward-backward captured once and replayed, full rows through flex_attention because cuDNN SDPA's backward
+cannot be captured. A layout that fails records its error and the others still run. Reported per layout:
 real (non-pad) tokens/s, step time, peak memory, the GPU-busy fraction of the step (device activity from one
 `torch.profiler` step over the un-profiled step time), kernel launches, host syncs (and the Python lines that made
 them), the CPU time of the microbatch's host work and the top kernels and CPU operators (`--markdown` writes those
@@ -33,6 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +64,18 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (after warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--layouts", nargs="+", default=["full", "packed", "padded", "packed_before"],
+    parser.add_argument("--layouts", nargs="+",
+                        default=["full", "packed", "padded", "packed_before", "full_graph", "packed_graph"],
                         choices=["full", "packed", "padded", "packed_before", "full_graph", "packed_graph"],
                         help="bench.packing_profile candidates: packed_before is the code before issue 29, the "
-                        "*_graph ones Megatron-Core's whole-iteration CUDA graph")
+                        "*_graph ones MegatronStrategy(cuda_graph='full_iteration')'s path (GPU only)")
     parser.add_argument("--upstream-rope", action=argparse.BooleanOptionalAction, default=True,
                         help="also packed rows with Megatron-Core's own THD RoPE (packed_upstream_rope)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the profile tables here")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="skip (and record as skipped) the layouts that would end past this many seconds")
+    parser.add_argument("--context-parallel", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the two-process gloo CP communication check (CPU, ~20 s)")
     parser.add_argument("--cp-seq", type=int, default=256, help="row length of the gloo CP run")
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8], help="CP sizes of the scaling table")
     return parse_with_tiny(parser, TINY)
@@ -183,11 +193,27 @@ def main() -> None:
     (vectorized_rope,) = packed_rope.ADJUSTMENTS
     names = list(args.layouts) + (["packed_upstream_rope"] if vectorized_rope.active and args.upstream_rope else [])
     results: dict[str, Any] = {}
+    started, spent = time.perf_counter(), [0.0]
     for name in names:
         candidate = "packed" if name == "packed_upstream_rope" else name
         microbatches = rows[CANDIDATES[candidate][0]]
-        with vectorized_rope.suspended() if name == "packed_upstream_rope" else contextlib.nullcontext():
-            run = run_candidate(args, candidate, microbatches)
+        if name.endswith("_graph") and not torch.cuda.is_available():
+            results[name] = {"error": "skipped: CUDA graphs need a GPU"}
+            continue
+        expected = max(spent) * (3 if candidate == "padded" else 1)
+        if args.deadline_s is not None and time.perf_counter() - started + expected > args.deadline_s:
+            results[name] = {"error": f"skipped: would end past --deadline-s {args.deadline_s}"}
+            continue
+        begun = time.perf_counter()
+        try:
+            with vectorized_rope.suspended() if name == "packed_upstream_rope" else contextlib.nullcontext():
+                run = run_candidate(args, candidate, microbatches)
+        except Exception as error:  # one layout's failure is a result: the others still run
+            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+            print(f"{name}: failed: {results[name]['error']}", flush=True)
+            continue
+        finally:
+            spent.append(time.perf_counter() - begun)
         tokens = real_tokens if CANDIDATES[candidate][0] != "full" else len(microbatches) * args.seq
         results[name] = {**run, "last_loss": run["losses"][-1], "real_tokens_per_step": tokens,
                          "real_tokens_per_s": tokens / run["step_s"]}
@@ -196,30 +222,58 @@ def main() -> None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(results))
     padding_fraction = 1 - real_tokens / (len(rows["padded"]) * args.seq)
-    packed_padding_fraction = 1 - real_tokens / (len(rows["packed"]) * args.seq)
-    speed = {name: result["real_tokens_per_s"] for name, result in results.items()}
-    busy = {name: result["gpu_busy_fraction"] for name, result in results.items()}
-    summary = {
-        "packed_over_full_tokens_per_s": speed["packed"] / speed["full"],
-        "packed_over_padded_tokens_per_s": speed["packed"] / speed["padded"],
-        "padded_padding_fraction": padding_fraction,
-        "packed_padding_fraction": packed_padding_fraction,
-        "target_packed_over_full": 0.95,
-        "target_packed_over_padded": 1 + padding_fraction,
-        "ideal_packed_over_padded": 1 / (1 - padding_fraction),
-        "gpu_busy_fraction": busy,
-        "target_full_tokens_per_s": 1.3 * 33.5e3,
-        "target_full_gpu_busy_fraction": 0.9,
-    }
-    if "packed_before" in speed:
-        summary["packed_over_packed_before_tokens_per_s"] = speed["packed"] / speed["packed_before"]
-    if "packed_upstream_rope" in speed:
-        summary["packed_over_packed_upstream_rope_tokens_per_s"] = speed["packed"] / speed["packed_upstream_rope"]
     emit({**environment(), "benchmark": "P5 packing", "shape": {key: getattr(args, key) for key in (
         "hidden", "layers", "heads", "kv_groups", "head_dim", "ffn", "vocab", "seq", "dtype")},
         "sequences": args.sequences, "lengths": [args.min_length, args.max_length], "layouts": results,
-        "vectorized_thd_rope": vectorized_rope.active, "summary": summary,
-        "context_parallel": cp_communication(args)}, args.out)
+        "vectorized_thd_rope": vectorized_rope.active,
+        "summary": summary(results, padding_fraction, 1 - real_tokens / (len(rows["packed"]) * args.seq)),
+        "context_parallel": cp_communication(args) if args.context_parallel else None}, args.out)
+
+
+def summary(results: dict[str, Any], padding_fraction: float, packed_padding_fraction: float) -> dict[str, Any]:
+    """Ratios of real tokens/s and the targets, eager and graphed side by side (None where a layout is missing or
+    failed); the graphed targets compare `packed_graph` with the faster full rows (eager or graphed) and eager
+    padded rows."""
+    speed = {name: result.get("real_tokens_per_s") for name, result in results.items()}
+    busy = {name: result.get("gpu_busy_fraction") for name, result in results.items()}
+
+    def ratio(numerator: str, denominator: str) -> float | None:
+        top, bottom = speed.get(numerator), speed.get(denominator)
+        return top / bottom if top and bottom else None
+
+    fastest_full = max((v for k, v in speed.items() if k in ("full", "full_graph") and v), default=None)
+    targets = {"target_packed_over_full": 0.95, "target_packed_over_padded": 1 + padding_fraction,
+               "target_full_tokens_per_s": 1.3 * 33.5e3, "target_full_gpu_busy_fraction": 0.9}
+    graphed = {
+        "packed_graph_over_fastest_full_tokens_per_s": speed["packed_graph"] / fastest_full
+        if speed.get("packed_graph") and fastest_full else None,
+        "packed_graph_over_full_graph_tokens_per_s": ratio("packed_graph", "full_graph"),
+        "packed_graph_over_full_tokens_per_s": ratio("packed_graph", "full"),
+        "packed_graph_over_padded_tokens_per_s": ratio("packed_graph", "padded"),
+        "full_graph_over_full_tokens_per_s": ratio("full_graph", "full"),
+        "packed_graph_over_packed_tokens_per_s": ratio("packed_graph", "packed"),
+    }
+    met = {}
+    if graphed["packed_graph_over_fastest_full_tokens_per_s"] is not None:
+        met["packed_graph_over_full"] = graphed["packed_graph_over_fastest_full_tokens_per_s"] >= 0.95
+    if graphed["packed_graph_over_padded_tokens_per_s"] is not None:
+        met["packed_graph_over_padded"] = graphed["packed_graph_over_padded_tokens_per_s"] >= 1 + padding_fraction
+    if speed.get("full_graph"):
+        met["full_graph_tokens_per_s"] = speed["full_graph"] >= targets["target_full_tokens_per_s"]
+        met["full_graph_gpu_busy"] = (busy.get("full_graph") or 0) >= targets["target_full_gpu_busy_fraction"]
+    return {
+        "packed_over_full_tokens_per_s": ratio("packed", "full"),
+        "packed_over_padded_tokens_per_s": ratio("packed", "padded"),
+        "packed_over_packed_before_tokens_per_s": ratio("packed", "packed_before"),
+        "packed_over_packed_upstream_rope_tokens_per_s": ratio("packed", "packed_upstream_rope"),
+        **graphed,
+        "padded_padding_fraction": padding_fraction,
+        "packed_padding_fraction": packed_padding_fraction,
+        **targets,
+        "ideal_packed_over_padded": 1 / (1 - padding_fraction),
+        "gpu_busy_fraction": busy,
+        "graphed_targets_met": met,
+    }
 
 
 if __name__ == "__main__":

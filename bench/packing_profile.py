@@ -9,7 +9,7 @@ bf16, one Megatron-Core training step over all rows), one candidate after anothe
 | `packed` | packed | BlockMask from the layout's bounds, RoPE gather once per microbatch, host `max_seqlen` (now) |
 | `padded` | padded | nothing: eager, one sequence per row |
 | `packed_before` | packed | `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back from the device |
-| `full_graph` | full | the whole forward-backward captured once and replayed (Megatron-Core's `FullCudaGraphWrapper`) |
+| `full_graph` | full | `cuda_graph="full_iteration"`: the forward-backward captured once, replayed; flex attention |
 | `packed_graph` | packed | the same for packed rows: `cu_seqlens` padded to one count, one `max_seqlen` for all |
 | `full_layer_graphs` | full | Megatron-Core's per-layer graphs (`cuda_graph_impl="local"`; it switches the current stream) |
 
@@ -44,6 +44,8 @@ from bench.packing import layouts, sft_sequences
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.distributed import init_single_process
+from lightning_megatron.full_graph import SEQUENCES_PER_ROW, FullIterationGraph
+from lightning_megatron.schedule import run_schedule
 
 TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
 CANDIDATES = {  # name: (rows, mode), in the order they run
@@ -77,42 +79,15 @@ def _parse_args() -> argparse.Namespace:
     return parse_with_tiny(parser, TINY)
 
 
-def _fixed_count(microbatches: list[dict], max_seqlen: int) -> list[dict]:
-    """Packed rows with static shapes: `cu_seqlens` padded to one count (empty sequences at the row's end) and one
-    host `max_seqlen` for all (below the row length, so that RoPE takes it as the longest sequence)."""
-    count = max(len(m["cu_seqlens"]) for m in microbatches)
-    fixed = []
-    for microbatch in microbatches:
-        cu_seqlens = microbatch["cu_seqlens"]
-        padding = cu_seqlens[-1:].expand(count - len(cu_seqlens))
-        rest = {k: v for k, v in microbatch.items() if k not in ("cu_seqlens", "max_seqlen")}
-        fixed.append({**rest, "cu_seqlens": torch.cat([cu_seqlens, padding]), "max_seqlen_host": max_seqlen})
-    return fixed
-
-
 def _forward_step_func(rows: str, mode: str) -> Any:
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from lightning_megatron.microbatch import model_inputs
     from lightning_megatron.module import masked_token_loss
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
         with torch.profiler.record_function("## microbatch inputs"):
             microbatch = next(data_iterator)
-            inputs = _inputs(microbatch)
-        return model(**inputs), lambda output: masked_token_loss(microbatch, output)
-
-    def _inputs(microbatch: dict) -> dict:
-        if "max_seqlen_host" in microbatch:
-            cu_seqlens, longest = microbatch["cu_seqlens"], microbatch["max_seqlen_host"]
-            inputs = {key: microbatch[key] for key in ("input_ids", "position_ids", "labels", "loss_mask")}
-            inputs["attention_mask"] = None
-            inputs["packed_seq_params"] = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-                max_seqlen_kv=longest)
-        else:
             inputs = model_inputs(microbatch)
-        return inputs
+        return model(**inputs), lambda output: masked_token_loss(microbatch, output)
 
     return forward_step
 
@@ -153,11 +128,6 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     rows, mode = CANDIDATES[name]
-    if mode == "graph" and rows == "packed":
-        longest = max(int((m["cu_seqlens"][1:] - m["cu_seqlens"][:-1]).max()) for m in microbatches)
-        if longest >= args.seq:
-            raise ValueError(f"a sequence fills the row ({longest} tokens): RoPE would read offsets")
-        microbatches = _fixed_count(microbatches, longest)
     if mode == "before":  # max_seqlen on the device: packed_seq_params reads it back once per microbatch
         microbatches = [{**m, "max_seqlen": torch.tensor(m["max_seqlen"])} for m in microbatches]
     fresh_memory()
@@ -169,33 +139,35 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     target = device()
     on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]
     forward_backward = get_forward_backward_func()
-    wrapper = None
-    if mode == "graph":
-        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-
-        forward_backward = wrapper = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=1)
+    graph = FullIterationGraph([model], SEQUENCES_PER_ROW) if mode == "graph" else None
     forward_step = _forward_step_func(rows, mode)
 
-    def step() -> list:
+    def step() -> float:
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        if graph is not None:  # what MegatronStrategy(cuda_graph="full_iteration") runs
+            metrics = run_schedule([model], on_device, _model_forward, _token_loss, forward_only=False,
+                                   cut_for_context_parallel=True, device=target, graph=graph)
+            optimizer.step()
+            return metrics["lm_loss"]
         losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(on_device), model=[model],
                                   num_microbatches=len(on_device), seq_length=args.seq, micro_batch_size=1,
                                   forward_only=False)
         optimizer.step()
-        return losses
+        return sum(m["lm_loss"][0] for m in losses) / sum(m["lm_loss"][1] for m in losses)
 
     try:
         with _before() if mode == "before" else contextlib.nullcontext():
             times, losses = [], []
-            for index in range(args.warmup + args.steps):
+            warmup = max(args.warmup, 2) if graph is not None else args.warmup  # the graph: warm-up, then capture
+            for index in range(warmup + args.steps):
                 _synchronize()
                 started = time.perf_counter()
                 result = step()
                 _synchronize()
-                if index >= args.warmup:
+                if index >= warmup:
                     times.append(time.perf_counter() - started)
-                losses.append(float(sum(m["lm_loss"][0] for m in result) / sum(m["lm_loss"][1] for m in result)))
+                losses.append(float(result))
             step_s = statistics.median(times)
             with _gc_time() as collections:
                 step()
@@ -203,14 +175,24 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
             profile = profile_step(step, step_s)
             sites = sync_sites(step) if mode not in GRAPH_MODES else {}
         return {"step_s": step_s, "steps_s": times, "losses": losses, "peak_memory_gib": peak_memory_gib(),
-                "rows": len(microbatches), "gc_per_step": collections, "sync_sites": sites, **profile}
+                "rows": len(microbatches), "gc_per_step": collections, "sync_sites": sites,
+                "graph": None if graph is None else graph.counts(), **profile}
     finally:
-        if wrapper is not None:
-            from megatron.core.full_cuda_graph import StaticBufferLoader
-
-            wrapper.reset_cuda_graph()
-            StaticBufferLoader.static_buffers["training"].clear()
+        if graph is not None:
+            graph.release()
         release_model([model])  # the next candidate's fresh_memory() then frees it
+
+
+def _model_forward(model: torch.nn.Module, microbatch: dict) -> torch.Tensor:
+    from lightning_megatron.microbatch import model_inputs
+
+    return model(**model_inputs(microbatch))
+
+
+def _token_loss(microbatch: dict, output: torch.Tensor) -> Any:
+    from lightning_megatron.module import masked_token_loss
+
+    return masked_token_loss(microbatch, output)
 
 
 @contextlib.contextmanager

@@ -103,6 +103,10 @@ class SDPAttention(MegatronModule):
         )
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
+    # `lightning_megatron.full_graph` sets it: causal rows without a mask take the layout path (flex_attention on
+    # CUDA) instead of SDPA's cuDNN kernel, whose backward cannot be captured in a CUDA graph
+    causal_rows_through_layout: bool = False
+
     @property
     def cp_size(self) -> int:
         return self.cp_group.size() if self.cp_group is not None else 1
@@ -124,7 +128,9 @@ class SDPAttention(MegatronModule):
         structure = attention_mask if _is_structure(attention_mask) else None
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, mask_type, packed_seq_params)
-        if structure is not None or (self.cp_size > 1 and query.size(0) > 1):
+        through_layout = (self.causal_rows_through_layout and query.is_cuda and attention_mask is None
+                          and mask_type in _CAUSAL_TYPES and query.size(0) > 1)
+        if structure is not None or (self.cp_size > 1 and query.size(0) > 1) or through_layout:
             return self._structured_forward(query, key, value, mask_type, structure)
         # [s, b, heads, d] -> [b, heads, s, d]
         context = self._attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), attention_mask, mask_type)

@@ -161,6 +161,9 @@ class _LayoutCache:
     def put(self, keys: tuple, signature: tuple, layout: Layout) -> None:
         self._entry = (keys, signature, layout)
 
+    def clear(self) -> None:
+        self._entry = None
+
 
 def same_tensor(cached: Any, given: Any) -> bool:
     """Whether `given` is `cached` (kept alive by the caller), unchanged since: the same storage, shape and dtype,
@@ -174,6 +177,11 @@ def same_tensor(cached: Any, given: Any) -> bool:
 
 
 _LAYOUT_CACHE = _LayoutCache()
+
+
+def forget_cached_layout() -> None:
+    """Forget the last microbatch's layout (a CUDA graph capture builds its own, in the graph's memory pool)."""
+    _LAYOUT_CACHE.clear()
 
 
 def build_layout(keys: tuple, local_length: int, device: torch.device,

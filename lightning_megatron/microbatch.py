@@ -200,6 +200,27 @@ def packed_seq_params(microbatch: Microbatch) -> Any:
                            max_seqlen_kv=max_seqlen)
 
 
+def with_fixed_sequence_count(microbatch: Microbatch, sequences: int, max_seqlen: int) -> Microbatch:
+    """A packed microbatch whose `cu_seqlens` (and `cu_seqlens_padded`) hold exactly `sequences + 1` boundaries and
+    whose `max_seqlen` is the host int `max_seqlen`: static shapes for a captured CUDA graph.
+
+    The added sequences are empty and sit at the row's end (the last boundary repeated): no token belongs to them,
+    so attention, RoPE, MTP's roll and the loss are what they were. `max_seqlen` is only the rotary length; it must
+    be at least the longest sequence and, for a row of several sequences, below the row length (a rotary table as
+    long as the row reads each sequence's offset, Megatron-Core's `has_packed_freqs`)."""
+    boundaries = microbatch[CU_SEQLENS]
+    missing = sequences + 1 - len(boundaries)
+    if missing < 0:
+        raise ValueError(f"cu_seqlens: {len(boundaries) - 1} sequences in the row, more than the fixed count "
+                         f"{sequences}; raise the count")
+    fixed = dict(microbatch)
+    for key in (CU_SEQLENS, CU_SEQLENS_PADDED):
+        if key in microbatch:
+            fixed[key] = torch.cat([microbatch[key], microbatch[key][-1:].expand(missing)])
+    fixed[MAX_SEQLEN] = max_seqlen
+    return fixed
+
+
 def split_for_context_parallel(batch: dict[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:
     """The part of ``batch`` that context-parallel rank ``cp_rank`` of ``cp_size`` holds.
 

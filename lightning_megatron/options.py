@@ -72,3 +72,16 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {value!r} must be a positive integer")
+
+
+def check_trainer_options(trainer: Any) -> None:
+    """Raise on Lightning Trainer options that MegatronStrategy replaces with its own, naming the one to set."""
+    if trainer.gradient_clip_val:
+        raise ValueError("Trainer(gradient_clip_val=...) is not used with MegatronStrategy: Megatron's optimizer "
+                         "clips; set MegatronStrategy(clip_grad=...) instead")
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError("Trainer(accumulate_grad_batches=...) is not used with MegatronStrategy: set "
+                         "MegatronStrategy(global_batch_size=...) and Megatron accumulates the microbatches")
+    if trainer.precision != "32-true":
+        raise ValueError(f"Trainer(precision={trainer.precision!r}) is not used with MegatronStrategy: set "
+                         "MegatronStrategy(precision='bf16' or 'fp32') and leave the Trainer's precision unset")

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_megatron.microbatch import LossOutput, Microbatch, check_microbatch, split_for_context_parallel
+
+if TYPE_CHECKING:
+    from lightning_megatron.full_graph import FullIterationGraph
 
 
 def microbatches_per_global_batch(global_batch_size: int | None, micro_batch_size: int,
@@ -84,8 +87,9 @@ class GlobalBatches:
             self.sampler.set_epoch(state_dict["epoch"])
 
 
-def seed_everything_megatron(seed: int) -> None:
-    """Megatron-LM's seeding: a different seed per pipeline stage, Megatron's named model-parallel RNG streams."""
+def seed_everything_megatron(seed: int, cudagraphable_rng: bool = False) -> None:
+    """Megatron-LM's seeding: a different seed per pipeline stage, Megatron's named model-parallel RNG streams
+    (`cudagraphable_rng`: the graph-safe tracker, whose generators a CUDA graph capture registers)."""
     import random
 
     import numpy as np
@@ -95,7 +99,8 @@ def seed_everything_megatron(seed: int) -> None:
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True,
+                                                    use_cudagraphable_rng=cudagraphable_rng)
 
 
 def wrap_chunks(chunks: list[torch.nn.Module], *, bf16: bool, train: bool, grad_reduce_in_fp32: bool,
@@ -143,16 +148,21 @@ def run_schedule(
     forward_only: bool,
     cut_for_context_parallel: bool,
     device: torch.device,
+    graph: FullIterationGraph | None = None,
 ) -> dict[str, torch.Tensor]:
     """Megatron's schedule over one global batch; returns each metric of `loss_func` token-weighted.
 
     `cut_for_context_parallel`: hand `forward_step` this rank's part of each microbatch (False when the model cuts
     the sequence itself). Metrics are summed over microbatches and data-parallel x context-parallel ranks, then
     divided by their token counts, and are the same on every rank (pipeline stages without the loss receive it).
+    `graph`: a training batch (not `forward_only`) runs through this whole-iteration CUDA graph (`full_graph.py`).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    graph = None if forward_only else graph
+    if graph is not None:
+        microbatches = graph.static_microbatches(microbatches)
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     for microbatch in microbatches:  # bad layouts fail here, before any forward pass of the step
         check_microbatch(microbatch, cp_size)
@@ -165,15 +175,14 @@ def run_schedule(
 
     iterators: Any = [iter(microbatches) for _ in model_chunks]
     seq_length, micro_batch_size = microbatches[0]["input_ids"].shape[1], microbatches[0]["input_ids"].shape[0]
-    losses = get_forward_backward_func()(
-        forward_step_func=megatron_forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model_chunks,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    schedule_arguments = dict(forward_step_func=megatron_forward_step, model=model_chunks,
+                              num_microbatches=len(microbatches), seq_length=seq_length,
+                              micro_batch_size=micro_batch_size, forward_only=forward_only)
+    if graph is not None:
+        losses = graph.run(get_forward_backward_func(), microbatches, **schedule_arguments)
+    else:
+        losses = get_forward_backward_func()(data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                                             **schedule_arguments)
     return _reduce_metrics(losses, device, parallel_state)
 
 

@@ -35,15 +35,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_megatron import checkpoint as megatron_checkpoint
-from lightning_megatron import schedule
+from lightning_megatron import full_graph, schedule
 from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
 from lightning_megatron.distributed import ParallelSizes, all_reduced
+from lightning_megatron.full_graph import CudaGraph
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
-from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options
+from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 
@@ -66,6 +67,7 @@ class MegatronStrategy(ParallelStrategy):
     Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
     distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
     `async_save`: saves made while training write their shards in the background (`background_save.py`).
+    `cuda_graph: full_iteration`: training steps replayed from one captured CUDA graph (GPU; see `full_graph.py`).
     """
 
     strategy_name = "megatron"
@@ -93,6 +95,8 @@ class MegatronStrategy(ParallelStrategy):
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         async_save: bool = False,
+        cuda_graph: CudaGraph = "none",
+        cuda_graph_sequences_per_row: int = full_graph.SEQUENCES_PER_ROW,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
         accelerator: Accelerator | None = None,
@@ -111,6 +115,8 @@ class MegatronStrategy(ParallelStrategy):
             global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
             clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
+        full_graph.check_cuda_graph_options(cuda_graph, cuda_graph_sequences_per_row, pipeline_model_parallel_size,
+                                            context_parallel_size, expert_model_parallel_size)
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
         self.hf_checkpoint = hf_checkpoint
         self.bridge_type = bridge_type
@@ -133,6 +139,8 @@ class MegatronStrategy(ParallelStrategy):
         self.trust_remote_code = trust_remote_code
         self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
         self._saves = BackgroundSaves(enabled=async_save)
+        self.cuda_graph, self.cuda_graph_sequences_per_row = cuda_graph, cuda_graph_sequences_per_row
+        self._graph: full_graph.FullIterationGraph | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -216,23 +224,13 @@ class MegatronStrategy(ParallelStrategy):
         if not isinstance(module, MegatronLightningModule):
             raise TypeError(f"MegatronStrategy trains a MegatronLightningModule (e.g. lightning_megatron.SFTModule); "
                             f"got {type(module).__name__}")
-        self._check_trainer_options(module.trainer)
+        check_trainer_options(module.trainer)
         if self.hf_checkpoint is None:
             raise ValueError("hf_checkpoint: MegatronStrategy needs the HF checkpoint folder to build the model from")
+        full_graph.check_cuda_graph_device(self.cuda_graph, self.root_device)
         prepare_megatron_core()
         self._init_parallel_state()
         self._build_model(module)
-
-    def _check_trainer_options(self, trainer: pl.Trainer) -> None:
-        if trainer.gradient_clip_val:
-            raise ValueError("Trainer(gradient_clip_val=...) is not used with MegatronStrategy: Megatron's optimizer "
-                             "clips; set MegatronStrategy(clip_grad=...) instead")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError("Trainer(accumulate_grad_batches=...) is not used with MegatronStrategy: set "
-                             "MegatronStrategy(global_batch_size=...) and Megatron accumulates the microbatches")
-        if trainer.precision != "32-true":
-            raise ValueError(f"Trainer(precision={trainer.precision!r}) is not used with MegatronStrategy: set "
-                             "MegatronStrategy(precision='bf16' or 'fp32') and leave the Trainer's precision unset")
 
     def _init_parallel_state(self) -> None:
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
@@ -246,7 +244,7 @@ class MegatronStrategy(ParallelStrategy):
         )
         check_expert_parallel_world(self.world_size, sizes.expert, sizes.expert_tensor, sizes.pipeline)
         sizes.initialize(timeout_minutes=int(self._timeout.total_seconds() // 60))
-        schedule.seed_everything_megatron(self.seed)
+        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graph != "none")
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
     def _build_model(self, module: MegatronLightningModule) -> None:
@@ -298,6 +296,7 @@ class MegatronStrategy(ParallelStrategy):
         self.model = module
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._graph = full_graph.training_graph(self.cuda_graph, self.cuda_graph_sequences_per_row, chunks)
             self.setup_optimizers(trainer)
             if not all(isinstance(optimizer, MegatronOptimizerAdapter) for optimizer in self.optimizers):
                 raise TypeError("configure_optimizers must return the optimizer from "
@@ -346,6 +345,7 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self._saves.end_training()  # the last save is published before fit returns
+        full_graph.release(self._graph)
 
     # ------------------------------------------------------------------ steps
 
@@ -371,7 +371,8 @@ class MegatronStrategy(ParallelStrategy):
         assert isinstance(module, MegatronLightningModule)  # checked in setup_environment
         metrics = schedule.run_schedule(
             self.model_chunks, microbatches, forward_step, loss_func, forward_only=forward_only,
-            cut_for_context_parallel=not module.cuts_context_parallel_in_model, device=self.root_device)
+            cut_for_context_parallel=not module.cuts_context_parallel_in_model, device=self.root_device,
+            graph=self._graph)
         if not forward_only and self._train_batches is not None:
             self._train_batches.consumed += 1
         return metrics

@@ -77,6 +77,12 @@ def _gathered_freqs(cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int, 
     return gathered
 
 
+def forget_last_gather() -> None:
+    """Drop the kept gather (a CUDA graph capture makes its own, in the graph's memory)."""
+    global _last_gather
+    _last_gather = None
+
+
 def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
                              rotary_interleaved: bool = False, mla_rotary_interleaved: bool = False,
                              mscale: float = 1.0, cp_group: Any = None,

@@ -94,6 +94,10 @@ class MTPOnlyCallback(pl.Callback):
 
     def validate_megatron_setup(self, strategy: MegatronStrategy, module: pl.LightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
+        if strategy.cuda_graph != "none":
+            raise ValueError(f"cuda_graph: {strategy.cuda_graph} does not serve MTPOnlyCallback (it decides in Python, "
+                             "step by step, whether the main head runs; replays would repeat one choice): set the "
+                             "strategy's cuda_graph: none (MTPOnlyCallback's cuda_graph_trunk graphs the frozen trunk)")
         bridge = strategy.bridge
         if not bridge.supports_mtp_training:
             capable = capable_backends(lambda backend: backend.supports_mtp_training)

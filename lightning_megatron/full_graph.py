@@ -1,0 +1,185 @@
+"""`MegatronStrategy(cuda_graph="full_iteration")`: a training step's whole forward-backward captured once as one CUDA
+graph (Megatron-Core's `FullCudaGraphWrapper`) and replayed, so that the host no longer paces the GPU.
+
+Why: on one H200 (P5's shape, `bench/packing_profile.py`: Qwen3-0.6B, rows of 4096, 48 SFT sequences of 128-2048
+tokens, bf16) both layouts were host-bound when eager: full rows (cuDNN SDPA) 1.53 s a step with the GPU busy 75%,
+packed rows (flex_attention) 2.58 s with the GPU busy 44%, each ~38k kernel launches. The same packed step captured
+whole took 1.13 s with the GPU busy 99% and one graph launch: 1.31x the eager full rows' real tokens/s.
+
+What it covers, and how:
+- Training steps only. `forward_only` schedules (validation, test, predict) always run eagerly, never the graph.
+- One graph per run, for the first training batch's signature (microbatch count, every tensor's shape and dtype,
+  every host value). The first step with it runs eagerly through the wrapper (flex_attention compiles), the second
+  is captured and replayed, later ones replay. A batch with another signature (a shorter last batch, a packed row of
+  more than `sequences_per_row` sequences, or one whose single sequence fills the row) runs eagerly: `counts()`.
+- Packed rows: `cu_seqlens` padded to `sequences_per_row + 1` boundaries with empty sequences at the row's end and
+  `max_seqlen` set to the row length - 1 (`microbatch.with_fixed_sequence_count`: attention, RoPE, MTP's roll and
+  the loss are unchanged), so that every row of one length has the same shapes.
+- Full or padded rows: causal attention through the layout path (flex_attention) instead of SDPA's cuDNN kernel,
+  whose backward cannot be captured ("operation would make the legacy stream depend on a capturing blocking stream");
+  with the option on, eager steps and validation of such rows take flex_attention too (same attention, bf16-close).
+- Replays redo the GPU work only: the Python of `forward_step` and `loss_func` runs at warm-up and capture, so the
+  step's metrics are what `loss_func` returns, copied out of the graph's static outputs after every replay; host
+  side effects inside them do not repeat.
+- The graph-safe RNG tracker of Megatron-Core (`use_cudagraphable_rng`): the capture registers its generators.
+
+Refused, naming the option: no CUDA device; pipeline parallelism (its send/receive schedule is not captured here);
+context parallelism (the CP cut reads `cu_seqlens` on the host inside the step); Mixture of Experts (token routing
+has data-dependent shapes and host reads); tree rows (`subtree_end`); a core attention other than `SDPAttention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from lightning_megatron.microbatch import CU_SEQLENS, MAX_SEQLEN, SUBTREE_END, Microbatch, with_fixed_sequence_count
+
+CudaGraph = Literal["none", "full_iteration"]
+CUDA_GRAPHS = ("none", "full_iteration")
+SEQUENCES_PER_ROW = 256  # packed rows' fixed count of cu_seqlens sequences (empty ones are nearly free)
+
+
+def check_cuda_graph_options(cuda_graph: str, sequences_per_row: int, pipeline_model_parallel_size: int,
+                             context_parallel_size: int, expert_model_parallel_size: int) -> None:
+    """Raise, naming the option and the fix, on what `cuda_graph` cannot serve (known at construction)."""
+    if cuda_graph not in CUDA_GRAPHS:
+        raise ValueError(f"cuda_graph: {cuda_graph!r} is not one of {', '.join(map(repr, CUDA_GRAPHS))}")
+    if cuda_graph == "none":
+        return
+    if sequences_per_row < 1:
+        raise ValueError(f"cuda_graph_sequences_per_row: {sequences_per_row} must be at least 1")
+    for name, size, why in (
+        ("pipeline_model_parallel_size", pipeline_model_parallel_size, "the pipeline schedule is not captured"),
+        ("context_parallel_size", context_parallel_size, "the CP cut reads cu_seqlens on the host in the step"),
+        ("expert_model_parallel_size", expert_model_parallel_size, "MoE routing has data-dependent shapes"),
+    ):
+        if size != 1:
+            raise ValueError(f"cuda_graph: full_iteration needs {name}: 1, got {size} ({why}); set cuda_graph: none")
+
+
+def check_cuda_graph_device(cuda_graph: str, device: torch.device) -> None:
+    if cuda_graph != "none" and device.type != "cuda":
+        raise ValueError(f"cuda_graph: {cuda_graph} needs the model on a CUDA device, got {device.type}; set "
+                         "cuda_graph: none (or train on a GPU)")
+
+
+def training_graph(cuda_graph: str, sequences_per_row: int, chunks: list[torch.nn.Module]
+                   ) -> FullIterationGraph | None:
+    """The graph a fit's training steps run through (None: eager)."""
+    return FullIterationGraph(chunks, sequences_per_row) if cuda_graph == "full_iteration" else None
+
+
+class FullIterationGraph:
+    """One training batch signature's forward-backward, captured once and replayed (see the module docstring)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], sequences_per_row: int) -> None:
+        from megatron.core.utils import get_model_config
+
+        from lightning_megatron.attention import SDPAttention
+
+        if getattr(get_model_config(chunks[0]), "num_moe_experts", None):
+            raise ValueError("cuda_graph: full_iteration does not serve Mixture of Experts models (token routing "
+                             "has data-dependent shapes); set cuda_graph: none")
+        attentions = [module for chunk in chunks for module in chunk.modules() if isinstance(module, SDPAttention)]
+        if not attentions:
+            raise ValueError("cuda_graph: full_iteration needs the SDPAttention core (attention_backend: sdpa, or "
+                             "auto without Transformer Engine); set cuda_graph: none or attention_backend: sdpa")
+        for attention in attentions:
+            attention.causal_rows_through_layout = True
+        self.sequences_per_row = sequences_per_row
+        self._signature: tuple | None = None
+        self._wrapper: Any = None
+        self.warmups = self.captures = self.replays = self.eager = 0
+        release_megatron_graph()  # the wrapper keeps its graph and buffers on the class: a new run starts clean
+
+    def counts(self) -> dict[str, int]:
+        return {"warmups": self.warmups, "captures": self.captures, "replays": self.replays, "eager": self.eager}
+
+    def static_microbatches(self, microbatches: list[Microbatch]) -> list[Microbatch]:
+        """Packed rows with the fixed sequence count and rotary length; tree rows refused."""
+        fixed = []
+        for microbatch in microbatches:
+            if SUBTREE_END in microbatch:
+                raise ValueError("cuda_graph: full_iteration does not serve tree rows (subtree_end); set "
+                                 "cuda_graph: none")
+            if CU_SEQLENS not in microbatch:
+                fixed.append(microbatch)
+                continue
+            boundaries = microbatch[CU_SEQLENS]
+            longest = microbatch.get(MAX_SEQLEN)
+            if not isinstance(longest, int):  # a host read, before the step: the data did not say it on the host
+                longest = int((boundaries[1:] - boundaries[:-1]).max())
+            row = microbatch["input_ids"].shape[1]
+            if longest >= row or len(boundaries) - 1 > self.sequences_per_row:
+                fixed.append(microbatch)  # another signature: this batch runs eagerly
+            else:
+                fixed.append(with_fixed_sequence_count(microbatch, self.sequences_per_row, row - 1))
+        return fixed
+
+    def run(self, forward_backward: Callable[..., list], microbatches: list[Microbatch], **kwargs: Any) -> list:
+        """`forward_backward(data_iterator=..., **kwargs)` of the schedule: captured, replayed or eager."""
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+        signature = _signature(microbatches)
+        self._signature = self._signature or signature
+        if signature != self._signature:
+            self.eager += 1
+            return forward_backward(data_iterator=iter(microbatches), **kwargs)
+        if self._wrapper is None:
+            self._wrapper = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=1)
+        captured = FullCudaGraphWrapper.cuda_graph["training"] is not None
+        if not captured and FullCudaGraphWrapper.curr_iteration["training"] == 1:
+            _forget_cached_layouts()  # the graph builds its own, in its memory pool
+            try:
+                losses = self._wrapper(data_iterator=iter(microbatches), **kwargs)
+            except Exception as error:
+                release_megatron_graph()
+                raise RuntimeError(f"cuda_graph: full_iteration: the capture of the training step failed "
+                                   f"({type(error).__name__}: {error}); set cuda_graph: none") from error
+            _forget_cached_layouts()  # eager steps must not reuse tensors that replays overwrite
+            self.captures += 1
+        else:
+            losses = self._wrapper(data_iterator=iter(microbatches), **kwargs)
+            if captured:
+                self.replays += 1
+            else:
+                self.warmups += 1
+        return [{name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in item.items()}
+                for item in losses]  # the graph's static outputs are overwritten by the next replay
+
+    def release(self) -> None:
+        release_megatron_graph()
+        self._wrapper = None
+
+
+def release(graph: FullIterationGraph | None) -> None:
+    """Free a fit's graph (None: nothing to free)."""
+    if graph is not None:
+        graph.release()
+
+
+def release_megatron_graph() -> None:
+    """Drop `FullCudaGraphWrapper`'s class-level training graph, its outputs and its static input buffers."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
+    FullCudaGraphWrapper.reset_cuda_graph(FullCudaGraphWrapper, "training")
+    StaticBufferLoader.static_buffers["training"].clear()
+    _forget_cached_layouts()
+
+
+def _forget_cached_layouts() -> None:
+    from lightning_megatron._compat.packed_rope import forget_last_gather
+    from lightning_megatron.attention_layout import forget_cached_layout
+
+    forget_cached_layout()
+    forget_last_gather()
+
+
+def _signature(microbatches: list[Microbatch]) -> tuple:
+    """What a captured graph depends on: every tensor's key, shape, dtype and device, every other value."""
+    return tuple(tuple(sorted((key, (tuple(value.shape), value.dtype, value.device.type))
+                              if isinstance(value, torch.Tensor) else (key, value) for key, value in item.items()))
+                 for item in microbatches)
