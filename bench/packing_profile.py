@@ -139,7 +139,7 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     target = device()
     on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]
     forward_backward = get_forward_backward_func()
-    graph = FullIterationGraph([model], SEQUENCES_PER_ROW) if mode == "graph" else None
+    graph = FullIterationGraph([model], SEQUENCES_PER_ROW, capture_packed_rows=True) if mode == "graph" else None
     forward_step = _forward_step_func(rows, mode)
 
     def step() -> float:

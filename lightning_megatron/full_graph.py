@@ -12,9 +12,13 @@ What it covers, and how:
   every host value). The first step with it runs eagerly through the wrapper (flex_attention compiles), the second
   is captured and replayed, later ones replay. A batch with another signature (a shorter last batch, a packed row of
   more than `sequences_per_row` sequences, or one whose single sequence fills the row) runs eagerly: `counts()`.
-- Packed rows: `cu_seqlens` padded to `sequences_per_row + 1` boundaries with empty sequences at the row's end and
+- Packed rows run eagerly for now (counted in `counts()["eager"]`, said once in the log). Their static form is
+  here: `cu_seqlens` padded to `sequences_per_row + 1` boundaries with empty sequences at the row's end and
   `max_seqlen` set to the row length - 1 (`microbatch.with_fixed_sequence_count`: attention, RoPE, MTP's roll and
-  the loss are unchanged), so that every row of one length has the same shapes.
+  the loss are unchanged), and the benchmark's forward step captured such rows (1.31x eager full rows), but through
+  this class the capture of a packed Qwen3+MTP step failed on the H200 (`cudaErrorStreamCaptureInvalidated`,
+  `bench/results/h200_2026-12-04c/`): `capture_packed_rows=True` (what `bench.packing`'s `packed_graph` arm sets)
+  tries it, and a failed capture raises.
 - Full or padded rows: causal attention through the layout path (flex_attention) instead of SDPA's cuDNN kernel,
   whose backward cannot be captured ("operation would make the legacy stream depend on a capturing blocking stream");
   with the option on, eager steps and validation of such rows take flex_attention too (same attention, bf16-close).
@@ -30,12 +34,15 @@ has data-dependent shapes and host reads); tree rows (`subtree_end`); a core att
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
 from lightning_megatron.microbatch import CU_SEQLENS, MAX_SEQLEN, SUBTREE_END, Microbatch, with_fixed_sequence_count
+
+logger = logging.getLogger(__name__)
 
 CudaGraph = Literal["none", "full_iteration"]
 CUDA_GRAPHS = ("none", "full_iteration")
@@ -75,7 +82,8 @@ def training_graph(cuda_graph: str, sequences_per_row: int, chunks: list[torch.n
 class FullIterationGraph:
     """One training batch signature's forward-backward, captured once and replayed (see the module docstring)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], sequences_per_row: int) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], sequences_per_row: int, capture_packed_rows: bool = False
+                 ) -> None:
         from megatron.core.utils import get_model_config
 
         from lightning_megatron.attention import SDPAttention
@@ -90,6 +98,7 @@ class FullIterationGraph:
         for attention in attentions:
             attention.causal_rows_through_layout = True
         self.sequences_per_row = sequences_per_row
+        self.capture_packed_rows = capture_packed_rows
         self._signature: tuple | None = None
         self._wrapper: Any = None
         self.warmups = self.captures = self.replays = self.eager = 0
@@ -105,7 +114,7 @@ class FullIterationGraph:
             if SUBTREE_END in microbatch:
                 raise ValueError("cuda_graph: full_iteration does not serve tree rows (subtree_end); set "
                                  "cuda_graph: none")
-            if CU_SEQLENS not in microbatch:
+            if CU_SEQLENS not in microbatch or not self.capture_packed_rows:  # full rows; packed rows run eagerly
                 fixed.append(microbatch)
                 continue
             boundaries = microbatch[CU_SEQLENS]
@@ -123,6 +132,12 @@ class FullIterationGraph:
         """`forward_backward(data_iterator=..., **kwargs)` of the schedule: captured, replayed or eager."""
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
+        if not self.capture_packed_rows and any(CU_SEQLENS in microbatch for microbatch in microbatches):
+            if not self.eager:
+                logger.info("cuda_graph: full_iteration runs packed rows eagerly (their capture is not yet reliable: "
+                            "lightning_megatron/full_graph.py)")
+            self.eager += 1
+            return forward_backward(data_iterator=iter(microbatches), **kwargs)
         signature = _signature(microbatches)
         self._signature = self._signature or signature
         if signature != self._signature:
