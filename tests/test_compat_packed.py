@@ -17,6 +17,20 @@ from lightning_megatron._compat import packed_mtp_roll, packed_rope
 from tests._distributed import run_distributed
 from tests._megatron import VOCAB
 
+PACKED_LENGTHS = (7, 1, 12, 5, 3, 4)
+
+
+def packed_row(lengths: tuple[int, ...] = PACKED_LENGTHS) -> dict[str, torch.Tensor]:
+    """One packed row of random tokens (seeded): sequences of `lengths`, a random loss mask, `cu_seqlens`."""
+    row = sum(lengths)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (1, row + 1), generator=generator)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
+            "loss_mask": (torch.rand(1, row, generator=generator) < 0.8).float(),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+            "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)}
+
+
 without_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
                                 reason="the RoPE adjustment applies only without Transformer Engine's fused THD RoPE")
 
@@ -188,14 +202,7 @@ def test_packed_gpt_with_mtp_gives_upstreams_losses_and_gradients(model_parallel
     from lightning_megatron.microbatch import model_inputs
     from tests.test_attention import _tiny_mtp_gpt  # imported here: the spawned ranks of the CP test need neither
 
-    lengths = [7, 1, 12, 5, 3, 4]
-    row = sum(lengths)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (1, row + 1), generator=generator)
-    microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
-                  "loss_mask": (torch.rand(1, row, generator=generator) < 0.8).float(),
-                  "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-                  "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)}
+    microbatch = packed_row()
     model = _tiny_mtp_gpt()
 
     def losses_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -63,16 +63,10 @@ def test_a_fixed_sequence_count_changes_no_loss_and_no_gradient(model_parallel):
     `cu_seqlens` as packed and as the graph path pads it (16 sequences, `max_seqlen` the row length - 1): per-token
     losses and every gradient equal (fp32, 1e-6). Tree rows are refused, rows the fixed shapes cannot hold kept."""
     from tests.test_attention import _per_token_loss_and_grads, _tiny_mtp_gpt
+    from tests.test_compat_packed import PACKED_LENGTHS, packed_row
 
-    lengths = [7, 1, 12, 5, 3, 4]
-    row = sum(lengths)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (1, row + 1), generator=generator)
-    microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
-                  "loss_mask": (torch.rand(1, row, generator=generator) < 0.8).float(),
-                  "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-                  "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-                  "max_seqlen": max(lengths)}
+    row = sum(PACKED_LENGTHS)
+    microbatch = {**packed_row(), "max_seqlen": max(PACKED_LENGTHS)}
     model = _tiny_mtp_gpt()
     graph = FullIterationGraph([model], sequences_per_row=16, capture_packed_rows=True)
     assert FullIterationGraph([model], sequences_per_row=16).static_microbatches([microbatch])[0] is microbatch
@@ -92,7 +86,7 @@ def test_a_fixed_sequence_count_changes_no_loss_and_no_gradient(model_parallel):
     whole = {**microbatch, "cu_seqlens": torch.tensor([0, row], dtype=torch.int32), "max_seqlen": row}
     assert graph.static_microbatches([whole])[0] is whole  # one sequence fills the row: eager, as it is
     with pytest.raises(ValueError, match="does not serve tree rows"):
-        graph.static_microbatches([{"input_ids": tokens[:, :-1], "subtree_end": torch.full((1, row), row)}])
+        graph.static_microbatches([{"input_ids": microbatch["input_ids"], "subtree_end": torch.full((1, row), row)}])
 
 
 def _packed_rows(count: int) -> DataLoader:
