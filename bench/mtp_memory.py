@@ -146,17 +146,18 @@ class RecordAllocations(pl.Callback):
 
 
 class ProfileStep(pl.Callback):
-    """`torch.profiler` over one training step (`step_index`), from its start to its synchronised end."""
+    """`torch.profiler` over one training step (the one that starts at `trainer.global_step == step_index`), from
+    its start to its synchronised end."""
 
     def __init__(self, step_index: int) -> None:
         self.step_index = step_index
         self.profile: Any = None
         self.profiled_s: float | None = None
-        self._started = 0.0
+        self._started: float | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if batch_idx == self.step_index:
+        if trainer.global_step == self.step_index:
             _synchronize()
             self.profile = profiler()
             self.profile.__enter__()
@@ -164,9 +165,10 @@ class ProfileStep(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if batch_idx == self.step_index:
+        if self._started is not None:
             _synchronize()
             self.profiled_s = time.perf_counter() - self._started
+            self._started = None
             self.profile.__exit__(None, None, None)
 
 

@@ -44,7 +44,7 @@ from bench.packing import layouts, sft_sequences
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.distributed import init_single_process
-from lightning_megatron.full_graph import SEQUENCES_PER_ROW, FullIterationGraph
+from lightning_megatron.full_graph import SEQUENCES_PER_ROW, FullIterationGraph, restore_stream, training_stream
 from lightning_megatron.schedule import run_schedule
 
 TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
@@ -134,12 +134,13 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     overrides: dict[str, Any] = dict(calculate_per_token_loss=True, cross_entropy_loss_fusion=False)
     if mode == "layer_graphs":
         overrides.update(cuda_graph_impl="local", cuda_graph_modules=[], cuda_graph_warmup_steps=1)
+    target = device()
+    stream_before = training_stream("full_iteration" if mode == "graph" else "none", target)  # as the strategy
     with _cudagraphable_rng() if mode in GRAPH_MODES else contextlib.nullcontext():
         model, optimizer = trainable(*gpt_model(args, "sdpa", **overrides), bf16=args.dtype == "bf16")
-    target = device()
     on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]
     forward_backward = get_forward_backward_func()
-    graph = FullIterationGraph([model], SEQUENCES_PER_ROW, capture_packed_rows=True) if mode == "graph" else None
+    graph = FullIterationGraph([model], SEQUENCES_PER_ROW) if mode == "graph" else None
     forward_step = _forward_step_func(rows, mode)
 
     def step() -> float:
@@ -180,6 +181,7 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     finally:
         if graph is not None:
             graph.release()
+        restore_stream(stream_before)
         release_model([model])  # the next candidate's fresh_memory() then frees it
 
 
@@ -246,13 +248,13 @@ RANGES = (  # (module, attribute path, label): CPU ranges around a microbatch's 
 
 
 @contextlib.contextmanager
-def _ranges() -> Any:
-    """`RANGES` wrapped in `record_function`, put back after."""
+def ranges(extra: tuple[tuple[str, str, str], ...] = ()) -> Any:
+    """`RANGES` (and `extra`, the same triples) wrapped in `record_function`, put back after."""
     import functools
     import importlib
 
     undo = []
-    for module_name, path, label in RANGES:
+    for module_name, path, label in RANGES + extra:
         owner = importlib.import_module(module_name)
         *parents, attribute = path.split(".")
         for parent in parents:
@@ -309,7 +311,7 @@ def profiler() -> Any:
 def profile_step(step: Any, step_s: float) -> dict[str, Any]:
     """One step under torch.profiler: what the GPU did and what the host asked of it."""
     _synchronize()
-    with _ranges(), profiler() as prof:
+    with ranges(), profiler() as prof:
         started = time.perf_counter()
         step()
         _synchronize()

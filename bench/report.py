@@ -1,10 +1,11 @@
 """Markdown tables from the benchmarks' JSON, for the README: `python -m bench.report [FILES OR FOLDERS]`.
 
 Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `mtp_memory.py` (P2
-per model shape, against the plain Megatron-Core MTP-only loop), `hf_io.py` (P3), `attention.py` (P4, and the
-older attention results without MFU) and `tree.py` (P6); other JSON files are skipped with a note.
-Prints a training-step table, a table of the ratios against their targets, an HF load/save table and the source
-of every figure (command, device, versions, date).
+per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `hf_io.py` (P3), `attention.py`
+(P4, and the older attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7) and
+`async_save.py`; other JSON files are skipped with a note. Prints a training-step table, a table of the ratios
+against their targets, an HF load/save table, the packing layouts and the source of every figure (command,
+device, versions, date).
 """
 
 from __future__ import annotations
@@ -169,10 +170,65 @@ def _target_row(figure: str, value: float | None, target: float, source: str) ->
     return _row([figure, _times(value), f"<= {target}x", met, source])
 
 
+def _at_least_row(figure: str, value: float | None, target: float, formatter: Any, source: str) -> str:
+    met = "n/a" if value is None else ("yes" if value >= target else "no")
+    return _row([figure, formatter(value), f">= {formatter(target)}", met, source])
+
+
+def _packing_target_rows(data: dict[str, Any], source: str) -> list[str]:
+    """P5: packed rows against full and padded rows, eager and through `cuda_graph="full_iteration"`."""
+    summary = data["summary"]
+    full_over_padded = summary["target_packed_over_padded"]
+    busy = summary.get("gpu_busy_fraction", {})
+    speed = {name: figures.get("real_tokens_per_s") for name, figures in data["layouts"].items()}
+    candidates = [
+        ("P5 packed / full rows, real tokens/s (eager)", summary.get("packed_over_full_tokens_per_s"),
+         summary["target_packed_over_full"], _times),
+        ("P5 packed / padded rows, real tokens/s (eager)", summary.get("packed_over_padded_tokens_per_s"),
+         full_over_padded, _times),
+        ("P5 packed (graphed) / the faster full rows, real tokens/s",
+         summary.get("packed_graph_over_fastest_full_tokens_per_s"), summary["target_packed_over_full"], _times),
+        ("P5 packed (graphed) / padded rows, real tokens/s", summary.get("packed_graph_over_padded_tokens_per_s"),
+         full_over_padded, _times),
+        ("P5 full rows (graphed), tokens/s", speed.get("full_graph"), summary["target_full_tokens_per_s"], _tokens),
+        ("P5 full rows (graphed), GPU busy", busy.get("full_graph"), summary["target_full_gpu_busy_fraction"],
+         _percent),
+    ]
+    return [_at_least_row(figure, value, target, formatter, source)
+            for figure, value, target, formatter in candidates if value is not None]
+
+
+def packing_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    """P5 per layout: step, real tokens/s against eager full rows, GPU-busy fraction, launches, peak memory."""
+    rows = []
+    for name, data in results:
+        if kind(data) != "P5 packing":
+            continue
+        layouts = data["layouts"]
+        full = (layouts.get("full") or {}).get("real_tokens_per_s")
+        for layout, figures in layouts.items():
+            if "error" in figures:
+                rows.append(_row([f"`{layout}`", figures["error"].splitlines()[0][:100], *[""] * 6,
+                                  f"[{sources[name]}]"]))
+                continue
+            speed = figures["real_tokens_per_s"]
+            rows.append(_row([f"`{layout}`", _seconds(figures["step_s"]), _tokens(speed),
+                              _times(speed / full) if full else "n/a", _percent(figures.get("gpu_busy_fraction")),
+                              str(figures.get("kernel_launch_calls", "n/a")),
+                              str(figures.get("graph_launch_calls", "n/a")), _gib(figures.get("peak_memory_gib")),
+                              f"[{sources[name]}]"]))
+    if not rows:
+        return []
+    return ["| layout | step | real tokens/s | over eager full rows | GPU busy | kernel launches | graph launches | "
+            "peak GPU memory | source |", "|---|---|---|---|---|---|---|---|---|", *rows]
+
+
 def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
     rows = []
     for name, data in results:
         source = f"[{sources[name]}]"
+        if kind(data) == "P5 packing":
+            rows += _packing_target_rows(data, source)
         if kind(data) == "lightning_overhead":
             if "overhead" in data:
                 overhead = data["overhead"]
@@ -311,6 +367,7 @@ def render(results: list[Result]) -> str:
     for title, table in (("Training step", training_table(known, sources)),
                          ("Targets", targets_table(known, sources)),
                          ("HF checkpoint load and save", hf_io_table(known, sources)),
+                         ("Packed, padded and full rows (P5)", packing_table(known, sources)),
                          ("Tree packing vs flat packing (P6)", tree_table(known, sources))):
         if table:
             sections.append("\n".join([f"**{title}**", "", *table]))

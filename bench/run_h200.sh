@@ -16,7 +16,8 @@
 #   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape
 #   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
-#   gputests                  every `-m gpu` test (CI has no GPU): $OUT/gputests.log, the step fails if one does
+#   gputests                  every `-m gpu` test (CI has no GPU), in two processes at once: $OUT/gputests.log, the
+#                             step fails if one does
 #   async_save                a save's blocked time, async vs sync, and the step times around it (Qwen3-8B shape,
 #                             MTP-only; checkpoints to /dev/shm, removed afterwards)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -77,6 +78,20 @@ step() {
     fi
 }
 
+gpu_tests() {  # two pytest processes at once, the three files of subprocess-spawning tests in one: half the wall time
+    local spawning=(tests/test_full_graph.py tests/test_trunk_graph.py tests/test_bench.py) skip=() file rest rc=0
+    for file in "${spawning[@]}"; do skip+=(--ignore="$file"); done
+    rest="$SCRATCH/lightning_megatron_bench.gputests_rest.log"
+    python3 -m pytest -m gpu -q tests -p no:cacheprovider "${skip[@]}" \
+        --basetemp "$SCRATCH/lightning_megatron_bench.gputests_rest" >"$rest" 2>&1 &
+    local others=$!
+    python3 -m pytest -m gpu -q -p no:cacheprovider "${spawning[@]}" \
+        --basetemp "$SCRATCH/lightning_megatron_bench.gputests_spawning" || rc=1
+    wait $others || rc=1
+    cat "$rest"
+    return $rc
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.csv" 2>&1 || true
 case " $STEPS " in
     *" lightning_overhead "*|*" hf_io "*) step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT" ;;
@@ -86,8 +101,7 @@ for name in $STEPS; do
         lightning_overhead) step "$name" python3 -m bench.lightning_overhead --checkpoint "$CHECKPOINT" --out "$OUT/$name.json" ;;
         hf_io) step "$name" python3 -m bench.hf_io --checkpoint "$CHECKPOINT" --repeats 3 --out "$OUT/$name.json" ;;
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
-        gputests) step "$name" python3 -m pytest -m gpu -q tests -p no:cacheprovider \
-                      --basetemp "$SCRATCH/lightning_megatron_bench.gputests" ;;
+        gputests) step "$name" gpu_tests ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
         tree|mtp_memory|trunk_cache|moe|vl|async_save) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
         hf_io_8b) step "$name" env TMPDIR="$BIG_TMPDIR" \

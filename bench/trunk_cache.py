@@ -16,8 +16,11 @@ MFU count the FLOPs each arm really runs (`bench.common.model_flops`): joint eve
 `MTP_ONLY_WITHOUT_MAIN_HEAD` (its timed steps log no `lm_loss`, so the main head does not run); cached epochs the
 MTP layer (3 passes) and the MTP head's forward and input gradient (2) alone. `cache_bytes_per_token` is what the
 cache's manifest says (the hidden states) and `cache_disk_bytes` what the shards took; `trunk_graphs` the graphed
-trunk's warm-up, capture, replayed and eager calls (empty where it ran eagerly). Everything lives in one
-`bench.common.scratch_dir` (free space checked first, removed at the end).
+trunk's warm-up, capture, replayed and eager calls (empty where it ran eagerly). `cached_profile`: the fit's last
+step (a cached one, left out of the medians) under `torch.profiler` (`bench/packing_profile.py`'s
+`profile_figures`: GPU-busy fraction, launches, syncs and where, top kernels and CPU operators, and CPU ranges
+around the cache's planning, the cached forward and Megatron's forward and backward steps). Everything lives in
+one `bench.common.scratch_dir` (free space checked first, removed at the end).
 
 `--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU (what tests/test_bench.py runs).
 """
@@ -55,11 +58,17 @@ from bench.common import (
     throughput,
 )
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
-from bench.mtp_memory import ShapeRun
+from bench.mtp_memory import ProfileStep, ShapeRun
+from bench.packing_profile import profile_figures, ranges
 
 CACHED = Passes(backbone=0, mtp=3, main_head=0, mtp_head=2)
 CACHE_SCRATCH_BYTES = 2 * 2**30  # the configs plus one epoch's cache: 5 x 4 x 2048 tokens x 8,192 bytes at 8B
 TINY = dict(seq=32, batches=2, epochs=2, precision="fp32")
+CACHE_RANGES = (  # CPU ranges of the profiled cached step, beside packing_profile's
+    ("lightning_megatron.mtp.trunk_cache", "TrunkCache.plan_step", "## trunk cache plan"),
+    ("lightning_megatron.mtp.trunk_cache", "TrunkCache._read_forward", "## cached forward"),
+    ("lightning_megatron.mtp.trunk_cache", "_on_current_stream", "## wait for the cached rows"),
+)
 
 
 # the one variant is the reference: "joint" (Lightning joint step) or "plain_mtp_only" (the plain MTP-only loop)
@@ -93,7 +102,10 @@ def run_cached(settings: Settings, vocab: int, epochs: int, cache_dir: Path) -> 
     audit = cache_dir.with_name(f"{cache_dir.name}_audit.json")
     cache = MTPOnlyCallback(audit_path=str(audit), loss_chunk_tokens=settings.loss_chunk_tokens,
                             trunk_cache_dir=str(cache_dir), cuda_graph_trunk=settings.cuda_graph_trunk)
-    run = run_lightning(settings, vocab, mtp_only=False, callbacks=(peaks, cache), max_epochs=epochs)
+    recorder = ProfileStep(step_index=epochs * settings.total_steps - 1)  # the last step: a cached one
+    with ranges(CACHE_RANGES):
+        run = run_lightning(settings, vocab, mtp_only=False, callbacks=(recorder, peaks, cache), max_epochs=epochs)
+    run["profile"] = recorder
     manifest = json.loads((cache_dir / "manifest.json").read_text())
     run["frozen_bit_identical"] = json.loads(audit.read_text())["frozen_bit_identical"]
     run.update(epoch_peak_memory_gib=peaks.peaks, cache_bytes_per_token=manifest["bytes_per_token"],
@@ -105,9 +117,10 @@ def run_cached(settings: Settings, vocab: int, epochs: int, cache_dir: Path) -> 
 def _epoch(run: dict[str, Any], steps_per_epoch: int, epochs: range, flops: float, peak: float | None,
            tokens_per_step: int) -> dict[str, Any]:
     """Median step time over the given epochs' steps, each epoch's first step left out (the first epoch's is the
-    warm-up, later ones pay the epoch turn)."""
+    warm-up, later ones pay the epoch turn), and the fit's last (profiled) step unless it is the only one left."""
     steps = run["step_times_s"]
-    times = [t for epoch in epochs for t in steps[epoch * steps_per_epoch + 1:(epoch + 1) * steps_per_epoch]]
+    timed = [index for epoch in epochs for index in range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch)]
+    times = [steps[index] for index in timed if index != len(steps) - 1] or [steps[index] for index in timed]
     memory = [run["epoch_peak_memory_gib"][epoch] for epoch in epochs]
     return {**throughput(statistics.median(times), tokens_per_step, flops, peak),
             "peak_memory_gib": None if None in memory else max(memory), "steps_timed": len(times)}
@@ -159,6 +172,8 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> dict
             "cache": {"reads": cached_run["cache_reads"], "writes": cached_run["cache_writes"],
                       "frozen_bit_identical": cached_run.get("frozen_bit_identical")},
             "trunk_graphs": cached_run["trunk_graphs"],
+            "cached_profile": profile_figures(cached_run["profile"].profile, cached_run["profile"].profiled_s,
+                                              cached["step_s"]),
             "figures": figures, "targets": shape_run.targets, "met": met}
 
 

@@ -1,10 +1,11 @@
 """`MegatronStrategy(cuda_graph="full_iteration")`: a training step's whole forward-backward captured once as one CUDA
 graph (Megatron-Core's `FullCudaGraphWrapper`) and replayed, so that the host no longer paces the GPU.
 
-Why: on one H200 (P5's shape, `bench/packing_profile.py`: Qwen3-0.6B, rows of 4096, 48 SFT sequences of 128-2048
-tokens, bf16) both layouts were host-bound when eager: full rows (cuDNN SDPA) 1.53 s a step with the GPU busy 75%,
-packed rows (flex_attention) 2.58 s with the GPU busy 44%, each ~38k kernel launches. The same packed step captured
-whole took 1.13 s with the GPU busy 99% and one graph launch: 1.31x the eager full rows' real tokens/s.
+Why: on one H200 (P5's shape, `bench/packing.py`: Qwen3-0.6B, rows of 4096, 48 SFT sequences of 128-2048 tokens,
+bf16; `bench/results/h200_2026-12-04d/`) both layouts are host-bound when eager: full rows (cuDNN SDPA) 1.38 s a step
+with the GPU busy 83%, packed rows (flex_attention) 2.62 s with the GPU busy 43%, each ~38k kernel launches.
+Through this class packed rows take 1.13 s (49.0k real tokens/s) and full rows 1.27 s, the GPU busy 99%, ~590
+launches: packed rows at 1.08x graphed and 1.18x eager full rows' real tokens/s.
 
 What it covers, and how:
 - Training steps only. `forward_only` schedules (validation, test, predict) always run eagerly, never the graph.
@@ -12,16 +13,18 @@ What it covers, and how:
   every host value). The first step with it runs eagerly through the wrapper (flex_attention compiles), the second
   is captured and replayed, later ones replay. A batch with another signature (a shorter last batch, a packed row of
   more than `sequences_per_row` sequences, or one whose single sequence fills the row) runs eagerly: `counts()`.
-- Packed rows run eagerly for now (counted in `counts()["eager"]`, said once in the log). Their static form is
-  here: `cu_seqlens` padded to `sequences_per_row + 1` boundaries with empty sequences at the row's end and
+- Packed rows: `cu_seqlens` padded to `sequences_per_row + 1` boundaries with empty sequences at the row's end and
   `max_seqlen` set to the row length - 1 (`microbatch.with_fixed_sequence_count`: attention, RoPE, MTP's roll and
-  the loss are unchanged), and the benchmark's forward step captured such rows (1.31x eager full rows), but through
-  this class the capture of a packed Qwen3+MTP step failed on the H200 (`cudaErrorStreamCaptureInvalidated`,
-  `bench/results/h200_2026-12-04c/`): `capture_packed_rows=True` (what `bench.packing`'s `packed_graph` arm sets)
-  tries it, and a failed capture raises.
+  the loss are unchanged), so every packed row of a run has the same static shapes.
+- One stream for the whole fit (`training_stream`): from before Megatron DDP wraps the model until teardown, the
+  current stream is Megatron-Core's capture stream. DDP keeps every parameter's `AccumulateGrad` node, whose stream
+  is the one current when it was made; made on the default (legacy) stream, the captured backward has to make that
+  stream wait on the capturing one, which CUDA refuses ("operation would make the legacy stream depend on a
+  capturing blocking stream": the H200 probe of 2026-12-04 found it behind the failed captures of packed, and at
+  times full, rows). Megatron-Core's remedy, torch's `set_override_stale_capture_stream`, is not in torch 2.11.
 - Full or padded rows: causal attention through the layout path (flex_attention) instead of SDPA's cuDNN kernel,
-  whose backward cannot be captured ("operation would make the legacy stream depend on a capturing blocking stream");
-  with the option on, eager steps and validation of such rows take flex_attention too (same attention, bf16-close).
+  whose backward did not capture (the same legacy-stream error, seen before the one-stream fix and not retried
+  since); with the option on, eager steps and validation of such rows take flex_attention too (bf16-close).
 - Replays redo the GPU work only: the Python of `forward_step` and `loss_func` runs at warm-up and capture, so the
   step's metrics are what `loss_func` returns, copied out of the graph's static outputs after every replay; host
   side effects inside them do not repeat.
@@ -34,15 +37,12 @@ has data-dependent shapes and host reads); tree rows (`subtree_end`); a core att
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
 from lightning_megatron.microbatch import CU_SEQLENS, MAX_SEQLEN, SUBTREE_END, Microbatch, with_fixed_sequence_count
-
-logger = logging.getLogger(__name__)
 
 CudaGraph = Literal["none", "full_iteration"]
 CUDA_GRAPHS = ("none", "full_iteration")
@@ -79,11 +79,34 @@ def training_graph(cuda_graph: str, sequences_per_row: int, chunks: list[torch.n
     return FullIterationGraph(chunks, sequences_per_row) if cuda_graph == "full_iteration" else None
 
 
+def training_stream(cuda_graph: str, device: torch.device) -> torch.cuda.Stream | None:
+    """With a graph, make Megatron-Core's capture stream current on `device` (after the work queued so far) before
+    DDP wraps the model, and return the stream it replaces for `restore_stream` (None: no graph, nothing changed)."""
+    if cuda_graph == "none":
+        return None
+    from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+    with torch.cuda.device(device):
+        previous = torch.cuda.current_stream()
+        stream = get_shared_capture_stream()
+        stream.wait_stream(previous)
+        torch.cuda.set_stream(stream)
+    return previous
+
+
+def restore_stream(previous: torch.cuda.Stream | None) -> None:
+    """Undo `training_stream` (after the work queued on the capture stream)."""
+    if previous is None:
+        return
+    with torch.cuda.device(previous.device):
+        previous.wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_stream(previous)
+
+
 class FullIterationGraph:
     """One training batch signature's forward-backward, captured once and replayed (see the module docstring)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], sequences_per_row: int, capture_packed_rows: bool = False
-                 ) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], sequences_per_row: int) -> None:
         from megatron.core.utils import get_model_config
 
         from lightning_megatron.attention import SDPAttention
@@ -98,7 +121,6 @@ class FullIterationGraph:
         for attention in attentions:
             attention.causal_rows_through_layout = True
         self.sequences_per_row = sequences_per_row
-        self.capture_packed_rows = capture_packed_rows
         self._signature: tuple | None = None
         self._wrapper: Any = None
         self.warmups = self.captures = self.replays = self.eager = 0
@@ -114,7 +136,7 @@ class FullIterationGraph:
             if SUBTREE_END in microbatch:
                 raise ValueError("cuda_graph: full_iteration does not serve tree rows (subtree_end); set "
                                  "cuda_graph: none")
-            if CU_SEQLENS not in microbatch or not self.capture_packed_rows:  # full rows; packed rows run eagerly
+            if CU_SEQLENS not in microbatch:  # full or padded rows
                 fixed.append(microbatch)
                 continue
             boundaries = microbatch[CU_SEQLENS]
@@ -132,12 +154,6 @@ class FullIterationGraph:
         """`forward_backward(data_iterator=..., **kwargs)` of the schedule: captured, replayed or eager."""
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-        if not self.capture_packed_rows and any(CU_SEQLENS in microbatch for microbatch in microbatches):
-            if not self.eager:
-                logger.info("cuda_graph: full_iteration runs packed rows eagerly (their capture is not yet reliable: "
-                            "lightning_megatron/full_graph.py)")
-            self.eager += 1
-            return forward_backward(data_iterator=iter(microbatches), **kwargs)
         signature = _signature(microbatches)
         self._signature = self._signature or signature
         if signature != self._signature:

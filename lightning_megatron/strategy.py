@@ -67,7 +67,9 @@ class MegatronStrategy(ParallelStrategy):
     Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
     distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
     `async_save`: saves made while training write their shards in the background (`background_save.py`).
-    `cuda_graph: full_iteration`: training steps replayed from one captured CUDA graph (GPU; see `full_graph.py`).
+    `cuda_graph: full_iteration`: training steps replayed from one captured CUDA graph (GPU; full, padded and packed
+    rows, the latter with `cu_seqlens` padded to `cuda_graph_sequences_per_row`; the fit then runs on Megatron-Core's
+    capture stream; see `full_graph.py`).
     """
 
     strategy_name = "megatron"
@@ -141,6 +143,7 @@ class MegatronStrategy(ParallelStrategy):
         self._saves = BackgroundSaves(enabled=async_save)
         self.cuda_graph, self.cuda_graph_sequences_per_row = cuda_graph, cuda_graph_sequences_per_row
         self._graph: full_graph.FullIterationGraph | None = None
+        self._stream_before_graph: torch.cuda.Stream | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -287,6 +290,8 @@ class MegatronStrategy(ParallelStrategy):
         chunks = list(module.model)
         for hook in self._pre_wrap_hooks:
             hook(chunks)
+        if trainer.state.fn == TrainerFn.FITTING:  # before DDP keeps each parameter's AccumulateGrad node
+            self._stream_before_graph = full_graph.training_stream(self.cuda_graph, self.root_device)
         self.model_chunks = schedule.wrap_chunks(
             chunks, bf16=self.precision == "bf16", train=trainer.state.fn == TrainerFn.FITTING,
             grad_reduce_in_fp32=self.grad_reduce_in_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
@@ -492,6 +497,8 @@ class MegatronStrategy(ParallelStrategy):
         fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
         self._train_batches = None
         self._saves.abort()  # only an exception leaves a save in flight here: on_train_end waited for it
+        full_graph.restore_stream(self._stream_before_graph)
+        self._stream_before_graph = None
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

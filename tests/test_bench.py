@@ -560,4 +560,27 @@ def test_trunk_cache_benchmark_runs_tiny(tmp_path):
         # the cached fit's first step is the reference run's first step (same weights, same tokens): the same MTP
         # loss (its lm_loss is computed only on the steps that log it)
         assert shape["losses"]["cached_fit_mtp"][0] == pytest.approx(shape["losses"]["reference_mtp"][0], abs=1e-5)
+        # the fit's last step (a cached one) profiled: the cache's planning and the cached forward, no trunk
+        assert {"## trunk cache plan", "## cached forward"} <= set(shape["cached_profile"]["ranges_cpu_ms"])
     assert not list(Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}trunk_cache_*"))  # the cache removed
+
+
+def test_report_tables_the_packing_layouts_and_their_targets():
+    def layout(step_s: float, tokens: int, busy: float, graph_launches: int) -> dict:
+        return {"step_s": step_s, "real_tokens_per_s": tokens / step_s, "gpu_busy_fraction": busy,
+                "kernel_launch_calls": 100, "graph_launch_calls": graph_launches, "peak_memory_gib": 20.0}
+
+    data = {"benchmark": "P5 packing", "command": "python3 -m bench.packing", "device": "NVIDIA H200",
+            "layouts": {"full": layout(2.0, 80_000, 0.8, 0), "full_graph": layout(1.6, 80_000, 0.99, 1),
+                        "packed_graph": layout(1.5, 76_000, 0.98, 1), "padded": {"error": "RuntimeError: oom\nmore"}},
+            "summary": {"target_packed_over_full": 0.95, "target_packed_over_padded": 1.72,
+                        "target_full_tokens_per_s": 45_000, "target_full_gpu_busy_fraction": 0.9,
+                        "packed_graph_over_fastest_full_tokens_per_s": 1.013, "packed_over_full_tokens_per_s": 0.7,
+                        "gpu_busy_fraction": {"full_graph": 0.99}}}
+    lines = report.render([("packing.json", data)]).splitlines()
+    assert "| `packed_graph` | 1.500 s | 50.7k | 1.267x | 98.0% | 100 | 1 | 20.0 GiB | [1] |" in lines
+    assert "| `padded` | RuntimeError: oom |  |  |  |  |  |  | [1] |" in lines
+    assert "| P5 packed (graphed) / the faster full rows, real tokens/s | 1.013x | >= 0.950x | yes | [1] |" in lines
+    assert "| P5 packed / full rows, real tokens/s (eager) | 0.700x | >= 0.950x | no | [1] |" in lines
+    assert "| P5 full rows (graphed), tokens/s | 50.0k | >= 45.0k | yes | [1] |" in lines
+    assert "| P5 full rows (graphed), GPU busy | 99.0% | >= 90.0% | yes | [1] |" in lines

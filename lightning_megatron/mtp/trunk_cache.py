@@ -89,8 +89,8 @@ def row_keys(microbatch: Microbatch) -> list[str]:
     rows = microbatch["input_ids"].shape[0]
     digests = [xxhash.xxh3_128() for _ in range(rows)]
     for name in sorted(microbatch):
-        if name in ("loss_mask", "indices"):
-            continue  # the per-token loss is unmasked; an index says where, not what
+        if name in _NOT_KEYED:
+            continue
         value = microbatch[name]
         per_row = isinstance(value, torch.Tensor) and value.dim() == 2  # [b, s]; packing boundaries are the row's
         host = value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else None
@@ -103,6 +103,20 @@ def row_keys(microbatch: Microbatch) -> list[str]:
             digest.update(f"{part.dtype}{tuple(part.shape)}".encode())
             digest.update(part.contiguous().view(torch.uint8).numpy().tobytes() if part.numel() else b"")
     return [digest.hexdigest() for digest in digests]
+
+
+_NOT_KEYED = ("loss_mask", "indices")  # the per-token loss is unmasked; an index says where, not what
+
+
+def _on_host(microbatches: list[Microbatch]) -> list[Microbatch]:
+    """The keyed tensors of a step's microbatches on the host, after one wait for the device: a blocking copy per
+    tensor (what `row_keys` would do) waited a dozen times per step."""
+    copies = [{name: value.to("cpu", non_blocking=True) if isinstance(value, torch.Tensor) else value
+               for name, value in microbatch.items() if name not in _NOT_KEYED} for microbatch in microbatches]
+    if any(isinstance(value, torch.Tensor) and value.is_cuda for microbatch in microbatches
+           for value in microbatch.values()):
+        torch.cuda.current_stream().synchronize()
+    return copies
 
 
 def frozen_weights_hash(frozen_checksums: dict[str, tuple[int, int]]) -> str:
@@ -218,7 +232,7 @@ class TrunkCache:
     def plan_step(self, microbatches: list[Microbatch]) -> None:
         """Agree with every rank which microbatches of this step are read, start loading those; raise on every rank
         when a write failed anywhere."""
-        keys = [row_keys(microbatch) for microbatch in microbatches]
+        keys = [row_keys(microbatch) for microbatch in _on_host(microbatches)]
         if self._pending.intersection(key for rows in keys for key in rows):
             self._write_queue.join()  # a sample seen a step or two ago: let its shard land first
         local = [_HIT if not self.last_stage or all(self._shard(key).exists() for key in rows) else _MISS
