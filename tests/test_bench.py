@@ -58,7 +58,7 @@ def _tiny(test: str, module: str, *args: str, out: bool = True, workdir: bool = 
                                          *(["--out", str(folder / "result.json")] if out else [])], _env, ROOT)
 
 
-# the `--tiny` runs the tests below read, in the order they do (bench.mtp_memory's test runs its own)
+# the `--tiny` runs the tests below read, in the order they do
 TINY_RUNS = {
     "lightning_overhead": _tiny("test_lightning_overhead_benchmark_runs_tiny", "bench.lightning_overhead", "--tiny"),
     "hf_io": _tiny("test_hf_io_benchmark_runs_tiny", "bench.hf_io", "--tiny", "--repeats", "1"),
@@ -72,7 +72,9 @@ TINY_RUNS = {
     "tree": _tiny("test_tree_benchmark_runs_tiny", "bench.tree", "--tiny"),
     "weight_sync": _tiny("test_weight_sync_benchmark_runs_tiny", "bench.weight_sync", "--tiny", "--repeats", "1",
                          "--steps", "2", "--warmup", "1"),
+    "mtp_memory": _tiny("test_mtp_memory_benchmark_runs_tiny", "bench.mtp_memory", "--tiny"),
     "data": _tiny("test_data_benchmark_runs_tiny", "bench.data", "--tiny", workdir=True),
+    "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
 }
 
 
@@ -391,8 +393,8 @@ def test_weight_sync_benchmark_runs_tiny(tiny_runs):
 
 
 @pytest.mark.slow
-def test_mtp_memory_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.mtp_memory", "--tiny")
+def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "mtp_memory")
     assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
     small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
     assert small["order"] == ["joint", "mtp_only", "mtp_only_eager", "mtp_only_lm_loss_every_step",
@@ -540,8 +542,8 @@ def test_data_benchmark_runs_tiny(tiny_runs):
 
 
 @pytest.mark.slow
-def test_trunk_cache_benchmark_runs_tiny(tmp_path):
-    result = _run_bench(tmp_path, "bench.trunk_cache", "--tiny")
+def test_trunk_cache_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "trunk_cache")
     assert result["benchmark"] == "trunk_cache"
     for name, reference in (("qwen3_0.6b", "joint"), ("qwen3_8b", "plain_mtp_only")):
         shape = result["shapes"][name]
