@@ -44,7 +44,7 @@ from bench.packing import layouts, sft_sequences
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.distributed import init_single_process
-from lightning_megatron.full_graph import SEQUENCES_PER_ROW, FullIterationGraph, restore_stream, training_stream
+from lightning_megatron.full_graph import SEQUENCES_PER_ROW, FullIterationGraph
 from lightning_megatron.schedule import run_schedule
 
 TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
@@ -135,12 +135,13 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     if mode == "layer_graphs":
         overrides.update(cuda_graph_impl="local", cuda_graph_modules=[], cuda_graph_warmup_steps=1)
     target = device()
-    stream_before = training_stream("full_iteration" if mode == "graph" else "none", target)  # as the strategy
     with _cudagraphable_rng() if mode in GRAPH_MODES else contextlib.nullcontext():
-        model, optimizer = trainable(*gpt_model(args, "sdpa", **overrides), bf16=args.dtype == "bf16")
+        config, model = gpt_model(args, "sdpa", **overrides)
+    # made before DDP wraps the model, as the strategy does: the fit's stream changes with it (full_graph.py)
+    graph = FullIterationGraph([model], SEQUENCES_PER_ROW) if mode == "graph" else None
+    model, optimizer = trainable(config, model, bf16=args.dtype == "bf16")
     on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]
     forward_backward = get_forward_backward_func()
-    graph = FullIterationGraph([model], SEQUENCES_PER_ROW) if mode == "graph" else None
     forward_step = _forward_step_func(rows, mode)
 
     def step() -> float:
@@ -181,7 +182,6 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     finally:
         if graph is not None:
             graph.release()
-        restore_stream(stream_before)
         release_model([model])  # the next candidate's fresh_memory() then frees it
 
 

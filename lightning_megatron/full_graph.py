@@ -16,8 +16,8 @@ What it covers, and how:
 - Packed rows: `cu_seqlens` padded to `sequences_per_row + 1` boundaries with empty sequences at the row's end and
   `max_seqlen` set to the row length - 1 (`microbatch.with_fixed_sequence_count`: attention, RoPE, MTP's roll and
   the loss are unchanged), so every packed row of a run has the same static shapes.
-- One stream for the whole fit (`training_stream`): from before Megatron DDP wraps the model until teardown, the
-  current stream is Megatron-Core's capture stream. DDP keeps every parameter's `AccumulateGrad` node, whose stream
+- One stream for the whole fit: from the graph's making, before Megatron DDP wraps the model, until `release`
+  (the strategy's teardown), the current stream is Megatron-Core's capture stream. DDP keeps every parameter's `AccumulateGrad` node, whose stream
   is the one current when it was made; made on the default (legacy) stream, the captured backward has to make that
   stream wait on the capturing one, which CUDA refuses ("operation would make the legacy stream depend on a
   capturing blocking stream": the H200 probe of 2026-12-04 found it behind the failed captures of packed, and at
@@ -75,14 +75,14 @@ def check_cuda_graph_device(cuda_graph: str, device: torch.device) -> None:
 
 def training_graph(cuda_graph: str, sequences_per_row: int, chunks: list[torch.nn.Module]
                    ) -> FullIterationGraph | None:
-    """The graph a fit's training steps run through (None: eager)."""
+    """The graph a fit's training steps run through (None: eager); make it before DDP wraps `chunks`."""
     return FullIterationGraph(chunks, sequences_per_row) if cuda_graph == "full_iteration" else None
 
 
-def training_stream(cuda_graph: str, device: torch.device) -> torch.cuda.Stream | None:
-    """With a graph, make Megatron-Core's capture stream current on `device` (after the work queued so far) before
-    DDP wraps the model, and return the stream it replaces for `restore_stream` (None: no graph, nothing changed)."""
-    if cuda_graph == "none":
+def _use_capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """Make Megatron-Core's capture stream current on a CUDA `device` (after the work queued so far); return the
+    stream it replaces (None on other devices: nothing changed)."""
+    if device.type != "cuda":
         return None
     from megatron.core.full_cuda_graph import get_shared_capture_stream
 
@@ -94,8 +94,8 @@ def training_stream(cuda_graph: str, device: torch.device) -> torch.cuda.Stream 
     return previous
 
 
-def restore_stream(previous: torch.cuda.Stream | None) -> None:
-    """Undo `training_stream` (after the work queued on the capture stream)."""
+def _restore_stream(previous: torch.cuda.Stream | None) -> None:
+    """Undo `_use_capture_stream` (after the work queued on the capture stream)."""
     if previous is None:
         return
     with torch.cuda.device(previous.device):
@@ -125,6 +125,7 @@ class FullIterationGraph:
         self._wrapper: Any = None
         self.warmups = self.captures = self.replays = self.eager = 0
         release_megatron_graph()  # the wrapper keeps its graph and buffers on the class: a new run starts clean
+        self._stream_before = _use_capture_stream(next(chunks[0].parameters()).device)
 
     def counts(self) -> dict[str, int]:
         return {"warmups": self.warmups, "captures": self.captures, "replays": self.replays, "eager": self.eager}
@@ -182,8 +183,11 @@ class FullIterationGraph:
                 for item in losses]  # the graph's static outputs are overwritten by the next replay
 
     def release(self) -> None:
+        """Free the graph and its buffers, and make the stream current before it current again (idempotent)."""
         release_megatron_graph()
         self._wrapper = None
+        _restore_stream(self._stream_before)
+        self._stream_before = None
 
 
 def release(graph: FullIterationGraph | None) -> None:

@@ -39,7 +39,6 @@ from lightning_megatron import full_graph, schedule
 from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
 from lightning_megatron.distributed import ParallelSizes, all_reduced
-from lightning_megatron.full_graph import CudaGraph
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.moe import check_expert_parallel_world
@@ -67,9 +66,7 @@ class MegatronStrategy(ParallelStrategy):
     Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
     distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
     `async_save`: saves made while training write their shards in the background (`background_save.py`).
-    `cuda_graph: full_iteration`: training steps replayed from one captured CUDA graph (GPU; full, padded and packed
-    rows, the latter with `cu_seqlens` padded to `cuda_graph_sequences_per_row`; the fit then runs on Megatron-Core's
-    capture stream; see `full_graph.py`).
+    `cuda_graph: full_iteration`: training steps (full or packed rows) replayed from one captured CUDA graph (GPU).
     """
 
     strategy_name = "megatron"
@@ -97,7 +94,7 @@ class MegatronStrategy(ParallelStrategy):
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         async_save: bool = False,
-        cuda_graph: CudaGraph = "none",
+        cuda_graph: full_graph.CudaGraph = "none",
         cuda_graph_sequences_per_row: int = full_graph.SEQUENCES_PER_ROW,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
@@ -143,7 +140,6 @@ class MegatronStrategy(ParallelStrategy):
         self._saves = BackgroundSaves(enabled=async_save)
         self.cuda_graph, self.cuda_graph_sequences_per_row = cuda_graph, cuda_graph_sequences_per_row
         self._graph: full_graph.FullIterationGraph | None = None
-        self._stream_before_graph: torch.cuda.Stream | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -290,8 +286,8 @@ class MegatronStrategy(ParallelStrategy):
         chunks = list(module.model)
         for hook in self._pre_wrap_hooks:
             hook(chunks)
-        if trainer.state.fn == TrainerFn.FITTING:  # before DDP keeps each parameter's AccumulateGrad node
-            self._stream_before_graph = full_graph.training_stream(self.cuda_graph, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:  # made before DDP: the fit's stream changes with it (full_graph.py)
+            self._graph = full_graph.training_graph(self.cuda_graph, self.cuda_graph_sequences_per_row, chunks)
         self.model_chunks = schedule.wrap_chunks(
             chunks, bf16=self.precision == "bf16", train=trainer.state.fn == TrainerFn.FITTING,
             grad_reduce_in_fp32=self.grad_reduce_in_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
@@ -301,7 +297,6 @@ class MegatronStrategy(ParallelStrategy):
         self.model = module
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._graph = full_graph.training_graph(self.cuda_graph, self.cuda_graph_sequences_per_row, chunks)
             self.setup_optimizers(trainer)
             if not all(isinstance(optimizer, MegatronOptimizerAdapter) for optimizer in self.optimizers):
                 raise TypeError("configure_optimizers must return the optimizer from "
@@ -350,7 +345,6 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self._saves.end_training()  # the last save is published before fit returns
-        full_graph.release(self._graph)
 
     # ------------------------------------------------------------------ steps
 
@@ -497,8 +491,7 @@ class MegatronStrategy(ParallelStrategy):
         fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
         self._train_batches = None
         self._saves.abort()  # only an exception leaves a save in flight here: on_train_end waited for it
-        full_graph.restore_stream(self._stream_before_graph)
-        self._stream_before_graph = None
+        full_graph.release(self._graph)  # its memory, and the stream the fit ran on
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
