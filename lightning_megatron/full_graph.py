@@ -17,11 +17,12 @@ What it covers, and how:
   `max_seqlen` set to the row length - 1 (`microbatch.with_fixed_sequence_count`: attention, RoPE, MTP's roll and
   the loss are unchanged), so every packed row of a run has the same static shapes.
 - One stream for the whole fit: from the graph's making, before Megatron DDP wraps the model, until `release`
-  (the strategy's teardown), the current stream is Megatron-Core's capture stream. DDP keeps every parameter's `AccumulateGrad` node, whose stream
-  is the one current when it was made; made on the default (legacy) stream, the captured backward has to make that
-  stream wait on the capturing one, which CUDA refuses ("operation would make the legacy stream depend on a
-  capturing blocking stream": the H200 probe of 2026-12-04 found it behind the failed captures of packed, and at
-  times full, rows). Megatron-Core's remedy, torch's `set_override_stale_capture_stream`, is not in torch 2.11.
+  (the strategy's teardown), the current stream is Megatron-Core's capture stream. DDP keeps every parameter's
+  `AccumulateGrad` node, whose stream is the one current when it was made; made on the default (legacy) stream,
+  the captured backward has to make that stream wait on the capturing one, which CUDA refuses ("operation would
+  make the legacy stream depend on a capturing blocking stream": the H200 probe of 2026-12-04 found it behind the
+  failed captures of packed, and at times full, rows). Megatron-Core's remedy, torch's
+  `set_override_stale_capture_stream`, is not in torch 2.11.
 - Full or padded rows: causal attention through the layout path (flex_attention) instead of SDPA's cuDNN kernel,
   whose backward did not capture (the same legacy-stream error, seen before the one-stream fix and not retried
   since); with the option on, eager steps and validation of such rows take flex_attention too (bf16-close).
@@ -183,7 +184,7 @@ class FullIterationGraph:
                 for item in losses]  # the graph's static outputs are overwritten by the next replay
 
     def release(self) -> None:
-        """Free the graph and its buffers, and make the stream current before it current again (idempotent)."""
+        """Free the graph and its buffers, and put back the stream that was current before it (idempotent)."""
         release_megatron_graph()
         self._wrapper = None
         _restore_stream(self._stream_before)
