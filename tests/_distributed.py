@@ -1,4 +1,5 @@
-"""Run a test body in several gloo processes, the way torchrun would, and collect what each rank returns."""
+"""Run a test body in several gloo processes, the way torchrun would, and collect what each rank returns; or in one
+fresh process."""
 
 from __future__ import annotations
 
@@ -42,3 +43,14 @@ def run_distributed(fn: Callable[..., Any], tmp_path: Path, *args: Any, world_si
     mp.start_processes(_worker, args=(world_size, free_port(), fn, args, str(out_dir)), nprocs=world_size,
                        start_method="spawn", join=True)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def run_in_fresh_process(fn: Callable[..., None], tmp_path: Path, *args: str) -> Any:
+    """Spawn one process running `fn(*args, out)` (a fresh CUDA context; `fn` sets up its own process group, as a
+    single-GPU run does) and return what it saved to `out` with `torch.save`; a crash fails the test."""
+    out = tmp_path / "results.pt"
+    process = mp.get_context("spawn").Process(target=fn, args=(*args, str(out)))
+    process.start()
+    process.join()
+    assert process.exitcode == 0, f"the spawned process exited with {process.exitcode}"
+    return torch.load(out, weights_only=False)

@@ -5,7 +5,6 @@ a host sync)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from lightning_megatron.microbatch import with_fixed_sequence_count
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests._distributed import run_in_fresh_process
 from tests._megatron import VOCAB
 
 ROW, STEPS = 128, 4  # 2 microbatches a step: warm-up, capture, 2 replays
@@ -158,13 +158,7 @@ def test_the_full_iteration_graph_trains_like_eager_for_packed_and_full_rows(che
     eager run to bf16 tolerance (losses, grad norms, weights; full rows: flex_attention against eager cuDNN SDPA),
     warm-up, one capture, two replays, each free of host syncs. Not covered on one GPU: CP chunks (CP > 1 is
     refused)."""
-    out = tmp_path / "results.pt"
-    process = multiprocessing.get_context("spawn").Process(target=_gpu_fits,
-                                                           args=(str(tmp_path), str(checkpoint), str(out)))
-    process.start()
-    process.join()
-    assert process.exitcode == 0
-    results = torch.load(out, weights_only=False)
+    results = run_in_fresh_process(_gpu_fits, tmp_path, str(tmp_path), str(checkpoint))
     failures = {name: result["error"] for name, result in results.items() if isinstance(result, dict)
                 and "error" in result}
     assert not failures, failures

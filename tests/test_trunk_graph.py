@@ -9,7 +9,6 @@ On the CPU: auto leaves the run eager (tests/test_trunk_cache.py), an explicit t
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests._distributed import run_in_fresh_process
 from tests.test_trunk_cache import _assert_equal_runs, _fit
 
 
@@ -83,13 +83,7 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
 
 @pytest.mark.gpu
 def test_the_graphed_trunk_trains_exactly_like_eager_with_and_without_the_cache(checkpoint, tmp_path):
-    out = tmp_path / "results.pt"
-    process = multiprocessing.get_context("spawn").Process(target=_gpu_fits,
-                                                           args=(str(tmp_path), str(checkpoint), str(out)))
-    process.start()
-    process.join()
-    assert process.exitcode == 0
-    results = torch.load(out, weights_only=False)
+    results = run_in_fresh_process(_gpu_fits, tmp_path, str(tmp_path), str(checkpoint))
     for setting in ("plain", "cache"):
         eager, graph = results[f"eager_{setting}"], results[f"graph_{setting}"]
         assert eager["graphs"] == []
