@@ -31,7 +31,7 @@ step-time figure would measure the collector, not the writer (`bench.staging_pro
 Checkpoints go to `--dir` (default `/dev/shm/async_save_bench`: RAM-backed, so the disk is not what is timed and
 the 64 GiB disk is not filled); free space is checked first, and every folder is removed in a `finally`.
 
-`--tiny`: the tiny Qwen3+MTP shape, fp32 on the CPU, a few steps, under TMPDIR (what tests/test_bench.py runs).
+`--tiny`: the tiny Qwen3+MTP shape, fp32 on the CPU, a few steps, under TMPDIR (what tests/bench/ runs).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ is subtracted. Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mt
 time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup peaks included). The losses of
 `plain` and `lightning` are compared step by step (the same computation: equal to ~1e-6 in fp32).
 
-`--tiny`: the tiny checkpoint, fp32 on the CPU, a few steps (what tests/test_bench.py runs).
+`--tiny`: the tiny checkpoint, fp32 on the CPU, a few steps (what tests/bench/ runs).
 """
 
 from __future__ import annotations

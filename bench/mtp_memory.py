@@ -41,7 +41,7 @@ launches per step, synchronising calls, the top kernels and CPU operators (on th
 figures; the eager arm is profiled on a GPU only). Each MTP-only arm also reports `trunk_graphs`: per run, the
 graphed decoder's warm-up, capture, replayed and eager calls (empty where the trunk ran eagerly, as on the CPU).
 
-`--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU, a few steps (what tests/test_bench.py runs; no breakdown).
+`--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU, a few steps (what tests/bench/ runs; no breakdown).
 """
 
 from __future__ import annotations

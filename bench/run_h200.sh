@@ -78,8 +78,8 @@ step() {
     fi
 }
 
-gpu_tests() {  # two pytest processes at once, the three files of subprocess-spawning tests in one: half the wall time
-    local spawning=(tests/test_full_graph.py tests/test_trunk_graph.py tests/test_bench.py) skip=() file rest rc=0
+gpu_tests() {  # two pytest processes at once, the folders of subprocess-spawning tests in one: half the wall time
+    local spawning=(tests/cuda_graphs tests/bench) skip=() file rest rc=0
     for file in "${spawning[@]}"; do skip+=(--ignore="$file"); done
     rest="$SCRATCH/lightning_megatron_bench.gputests_rest.log"
     python3 -m pytest -m gpu -q tests -p no:cacheprovider "${skip[@]}" \

@@ -21,7 +21,7 @@ Megatron's fused layout), random, on the GPU. Measured, each on its own and its 
 - `gc`: after importing what a training process imports (Lightning, Megatron-Core, megatron-bridge), the objects
   the collector tracks and the seconds of a full `gc.collect()`, and of one after `gc.freeze()`.
 
-`--tiny`: a few small tensors on the CPU (no page-locking, no CUDA), for tests/test_bench.py.
+`--tiny`: a few small tensors on the CPU (no page-locking, no CUDA), for tests/bench/.
 """
 
 from __future__ import annotations

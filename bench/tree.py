@@ -34,7 +34,7 @@ than the furthest flat layout. The same check runs in fp32 on the first `--fp32-
 in fp32; tree and flat agree to rounding there). Compiles: torch.compile frames counted by dynamo after the warm-up
 and after the timed steps; equal means the tree attention's kernel does not recompile across microbatches.
 
-`--tiny`: the tiny checkpoint in fp32 on the CPU, two prompts (what tests/test_bench.py runs).
+`--tiny`: the tiny checkpoint in fp32 on the CPU, two prompts (what tests/bench/ runs).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ step (a cached one, left out of the medians) under `torch.profiler` (`bench/pack
 around the cache's planning, the cached forward and Megatron's forward and backward steps). Everything lives in
 one `bench.common.scratch_dir` (free space checked first, removed at the end).
 
-`--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU (what tests/test_bench.py runs).
+`--tiny`: the tiny Qwen3+MTP shape in fp32 on the CPU (what tests/bench/ runs).
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ How to add a model family:
 1. Add one `ModelFamily` entry to `MODEL_FAMILIES`: the `model_type` of its config.json, its HF architecture class,
    its `MTPNames` if its checkpoints carry an MTP head (the names its megatron-bridge / mbridge mapping reads),
    `moe=True` if every MLP is routed experts, `vl_name` if it is a vision-language model.
-2. Run `pytest tests/test_families.py tests/test_testing.py`: the consumer checks there say what else is needed.
+2. Run `pytest tests/test_families.py tests/testing/test_checkpoints.py`: the consumer checks there say what else is
+   needed.
    The tiny-checkpoint maker (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`, or
    `testing.vl.make_tiny_vl_checkpoint`) must learn to write the family (its config class and decoder-layer
    tensors) before the MTP-name checks can run on it; a family with MTP also needs its HF classes in
    `testing.references.hf_mtp_reference_logits`, and an MoE family its router fields in `lightning_megatron.moe`.
-3. Then the bridge tests (`tests/test_bridges.py`, `tests/test_compat_bridges.py`, `tests/test_moe.py`,
-   `tests/test_vl.py`) tell whether the bridges map it.
+3. Then the bridge tests (`tests/bridges/test_bridges.py`, `tests/_compat/test_bridges.py`, `tests/test_moe.py`,
+   `tests/vl/test_vl.py`) tell whether the bridges map it.
 """
 
 from __future__ import annotations

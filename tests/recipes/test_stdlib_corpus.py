@@ -29,7 +29,7 @@ from lightning_megatron.recipes.stdlib_corpus import (
 from lightning_megatron.speculative.mtp_head import load_mtp_head, load_target
 from lightning_megatron.speculative.report import encode_prompt, read_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CODE = 'def greet(name: str) -> str:\n    """Say hello, «politely»."""\n    return f"hello, {name}!\\n"\n'
 
 

@@ -27,7 +27,7 @@ from lightning_megatron.vl.data import (
 )
 from tests._distributed import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -394,7 +394,7 @@ def test_the_default_cache_is_in_the_users_cache_directory(tmp_path: Path, check
 def test_the_command_line_takes_the_cache_options() -> None:
     import yaml
 
-    from tests.test_cli import ROOT, _env
+    from tests.cli.test_megatron_cli import ROOT, _env
 
     completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
                                 "configs/tiny/mtp_only.yaml", "--data.cache_dir", "/data/cache",

@@ -24,7 +24,7 @@ from lightning_megatron.strategy import MegatronStrategy, ValidatesMegatronSetup
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_megatron"
 
 
 @pytest.fixture(scope="module")

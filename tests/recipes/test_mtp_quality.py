@@ -10,7 +10,7 @@ import pytest
 
 from tests._background import Command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

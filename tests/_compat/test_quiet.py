@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA_RUNTIME = "No CUDA runtime is found"
 NO_TE_OR_APEX = "Transformer Engine and Apex are not installed"
 NEITHER_TE_NOR_APEX = all(importlib.util.find_spec(name) is None for name in ("transformer_engine", "apex"))

@@ -147,7 +147,7 @@ def test_megatron_training_root_logger_level() -> None:
         print(upstream, root.level, root_logger.ADJUSTMENTS[0].active)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     assert result.stdout.split() == ["20", "30", "True"], result.stderr[-2000:]
 
 

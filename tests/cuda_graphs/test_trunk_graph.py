@@ -4,7 +4,7 @@ On a GPU, a tiny Qwen3+MTP model in bf16, two epochs of MTP-only steps: with the
 (`mtp_loss`, `mtp_accuracy`, `lm_loss`, ...), every step's MTP gradients and the final MTP weights equal the eager
 run's bit for bit (a replay runs the kernels the eager forward ran, on the same inputs), with and without the trunk
 cache; the graph is captured once and replayed for every later microbatch, and a replayed trunk makes no host sync.
-On the CPU: auto leaves the run eager (tests/test_trunk_cache.py), an explicit true is refused naming the option.
+On the CPU: auto leaves the run eager (tests/mtp/test_trunk_cache.py), an explicit true is refused naming the option.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_in_fresh_process
-from tests.test_trunk_cache import _assert_equal_runs, _fit
+from tests.mtp.test_trunk_cache import _assert_equal_runs, _fit
 
 
 @pytest.fixture(scope="module")

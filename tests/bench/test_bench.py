@@ -18,7 +18,7 @@ from bench import report
 from bench.common import JOINT, MTP_ONLY, SCRATCH_PREFIX, ModelShape, Passes, model_flops
 from tests._background import Command, background_runs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERSIONED = {"torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning"}
 QWEN3_0_6B = ModelShape(layers=28, hidden=1024, heads=16, kv_groups=8, head_dim=128, ffn=3072, vocab=151936,
                         mtp_layers=1)

@@ -13,7 +13,7 @@ import torch
 from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, sampled_acceptance_overlap
 from lightning_megatron.speculative import greedy_decode, load_target, speculative_decode
 from lightning_megatron.speculative.sampling import Sampling, probabilities
-from tests.test_speculative import NEW_TOKENS, _train_on_own_continuations, checkpoints, loaded, one_thread
+from tests.speculative.test_speculative import NEW_TOKENS, _train_on_own_continuations, checkpoints, loaded, one_thread
 
 __all__ = ["checkpoints", "loaded", "one_thread"]  # the fixtures, shared with test_speculative
 

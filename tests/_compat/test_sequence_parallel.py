@@ -1,7 +1,7 @@
 """Sequence parallelism with PyTorch's norms (no Apex / Transformer Engine): Megatron-Core refuses to build the norm
 without the adjustment; with it the norm is PyTorch's, its parameters are marked for the tensor-parallel gradient sum
 that Apex's and TE's norms get, and the model without sequence parallelism is unchanged. (That TP=2 + SP trains with
-the same gradients as TP=2 is checked in tests/test_tree_training.py.)"""
+the same gradients as TP=2 is checked in tests/test_tree_rotary.py.)"""
 
 import copy
 

@@ -17,7 +17,7 @@ from lightning_megatron.cli.vl import VLMegatronCLI
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._background import Command, background_runs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 

@@ -31,7 +31,7 @@ from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "What is the capital of France?",
     "Can you write a function that adds two numbers?",

@@ -34,7 +34,7 @@ from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import free_port, run_distributed
 
 SEQ, SAMPLES = 16, 32
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024**2
 WIDE_VOCAB = 5000  # 5000 x 64 fp32 = 1.22 MiB: the embedding and the LM head are larger than a 1 MiB bucket
 
@@ -302,7 +302,7 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
     import lightning.pytorch as pl
     from lightning_megatron import staged_write
     from lightning_megatron.callbacks import WeightSync
-    from tests.test_weight_sync import _fit
+    from tests.callbacks.test_weight_sync import _fit
 
     create_file = staged_write.create_file
 

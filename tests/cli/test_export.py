@@ -15,7 +15,7 @@ from lightning_megatron.cli.megatron_cli import main
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXPORT_STEP = 2
 LORA = {"target_modules": ["linear_qkv", "linear_fc2"], "rank": 4, "alpha": 8}
 # (run, what fit exports at EXPORT_STEP and the matching `export --lora`): the MTP run is a full fine-tune
@@ -41,7 +41,7 @@ def _config(tmp: Path, hf_checkpoint: Path, run: str) -> Path:
     callbacks: list[dict] = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(tmp / run / "ckpts"), "every_n_train_steps": EXPORT_STEP, "save_top_k": -1}},
-        {"class_path": "tests.test_export.ExportAtStep",
+        {"class_path": "tests.cli.test_export.ExportAtStep",
          "init_args": {"dirpath": str(tmp / run / "fit_export"), "step": EXPORT_STEP, "adapter": run == "lora"}},
     ]
     if run == "lora":

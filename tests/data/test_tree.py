@@ -21,7 +21,7 @@ from lightning_megatron.data.packing import first_fit, pack_examples
 from lightning_megatron.data.tree import TreePacking, build_tree_rows, collate_tree
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAD = 0
 
 

@@ -1,5 +1,5 @@
 """Each VL adjustment (`_compat/vl.py`): megatron-bridge's Qwen-VL path fails or is wrong here without it, and
-works with it (the logits checks against Hugging Face are in test_vl.py)."""
+works with it (the logits checks against Hugging Face are in tests/vl/test_vl.py)."""
 
 from __future__ import annotations
 

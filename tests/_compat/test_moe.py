@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from lightning_megatron._compat import moe
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests.test_compat_bridges import (  # noqa: F401  (fixtures)
+from tests._compat.test_bridges import (  # noqa: F401  (fixtures)
     _assert_matches_hf,
     _logits,
     _mbridge_model,

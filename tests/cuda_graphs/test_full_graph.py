@@ -63,7 +63,7 @@ def test_a_fixed_sequence_count_changes_no_loss_and_no_gradient(model_parallel):
     `cu_seqlens` as packed and as the graph path pads it (16 sequences, `max_seqlen` the row length - 1): per-token
     losses and every gradient equal (fp32, 1e-6). Tree rows are refused, rows the fixed shapes cannot hold kept."""
     from tests.test_attention import _per_token_loss_and_grads, _tiny_mtp_gpt
-    from tests.test_compat_packed import PACKED_LENGTHS, packed_row
+    from tests._compat.test_packed import PACKED_LENGTHS, packed_row
 
     row = sum(PACKED_LENGTHS)
     microbatch = {**packed_row(), "max_seqlen": max(PACKED_LENGTHS)}
@@ -112,7 +112,7 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
     """In a fresh process (NCCL, as a real single-GPU run): eager and graphed fits of packed and full rows; every
     replayed step under `set_sync_debug_mode("error")`."""
     from lightning_megatron.distributed import free_port, init_single_process
-    from tests.test_mtp import Snapshot
+    from tests.mtp.test_mtp import Snapshot
 
     os.environ["MASTER_PORT"] = str(free_port())
     init_single_process()
