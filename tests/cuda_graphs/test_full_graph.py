@@ -112,7 +112,7 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
     """In a fresh process (NCCL, as a real single-GPU run): eager and graphed fits of packed and full rows; every
     replayed step under `set_sync_debug_mode("error")`."""
     from lightning_megatron.distributed import free_port, init_single_process
-    from tests.mtp.test_mtp import Snapshot
+    from tests.mtp._helpers import Snapshot
 
     os.environ["MASTER_PORT"] = str(free_port())
     init_single_process()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,124 +12,35 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from lightning_megatron.callbacks import MTPOnlyCallback, TrainingCurves
+from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.module import SFTModule
 from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
+from tests.mtp._helpers import (
+    SAMPLES,
+    SEQ,
+    VOCAB,
+    HeadGradients,
+    RecordedLogs,
+    Snapshot,
+    assert_main_head_on_demand_changes_only_lm_loss,
+    assert_only_mtp_moved,
+    fit,
+    named_parameters,
+)
 
-SEQ, VOCAB, SAMPLES, SCALE = 16, 384, 32, 0.1
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mtp_checkpoints")
-    return {"qwen3_mtp": make_tiny_checkpoint(root / "qwen3_mtp", "qwen3", mtp=True),
-            "qwen3_mtp_tied": make_tiny_checkpoint(root / "qwen3_mtp_tied", "qwen3", mtp=True, tied=True),
-            "mimo": make_tiny_checkpoint(root / "mimo", "mimo", mtp=True),
-            "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3")}
-
-
-class Snapshot(pl.Callback):
-    """Every parameter when fit starts (after freezing) and at its end; what the optimizer holds; MTP grads."""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.before = _named_parameters(pl_module)
-        self.trainable = {name for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
-        from megatron.core.distributed import DistributedDataParallel
-
-        optimizer = trainer.optimizers[0].megatron_optimizer
-        self.optimizer_numel = sum(p.numel() for p in optimizer.get_parameters())
-        # Megatron DDP's grad buffers: only what trains gets one (no fp32 grads of frozen weights)
-        self.grad_buffer_numel = sum(p.numel() for chunk in pl_module.model
-                                     if isinstance(chunk, DistributedDataParallel)
-                                     for buffer in chunk.buffers for p in buffer.params)
-        self.mtp_grads: list[dict[str, torch.Tensor]] = []
-        self.metrics: list[dict[str, float]] = []
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.mtp_grads.append({name: p.main_grad.detach().clone()
-                               for name, p in _named_parameters(pl_module, keep=True).items()
-                               if is_mtp_parameter(name) and p.requires_grad})
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.metrics.append({key: float(value) for key, value in trainer.callback_metrics.items()})
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.after = _named_parameters(pl_module)
-
-
-class RecordedLogs(Logger):
-    """The training metrics that reach a logger, one dict per logged step (what a real logger would write)."""
-
-    name, version = "recorded", 0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[dict[str, float]] = []
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if "mtp_loss" in metrics:
-            self.steps.append(dict(metrics))
-
-
-def _named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict[str, torch.Tensor]:
-    from megatron.core.utils import unwrap_model
-
-    return {f"{index}.{name}": (param if keep else param.detach().clone())
-            for index, chunk in enumerate(pl_module.model)
-            for name, param in unwrap_model(chunk).named_parameters()}
-
-
-def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = True, devices: int = 1,
-         dataset: Any = None, lr: float = 1e-2, module_kwargs: dict | None = None, callbacks: tuple = (),
-         skip_main_head_backward: bool = True, loss_chunk_tokens: int | None = 8, validate_every: int | None = None,
-         log_lm_loss_every_n_steps: int | None = 1, logger: Logger | None = None, log_every_n_steps: int = 1,
-         **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
-    options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
-                   use_distributed_optimizer=False) | strategy_kwargs
-    snapshot = Snapshot()
-    mtp_only_callback = MTPOnlyCallback(skip_main_head_backward=skip_main_head_backward,
-                                        loss_chunk_tokens=loss_chunk_tokens,
-                                        log_lm_loss_every_n_steps=log_lm_loss_every_n_steps)
-    callbacks = [snapshot, *callbacks] + ([mtp_only_callback] if mtp_only else [])
-    validation = dict(val_check_interval=validate_every, limit_val_batches=2, num_sanity_val_steps=0)
-    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
-                         devices=devices, max_steps=steps, logger=logger or False, enable_checkpointing=False,
-                         log_every_n_steps=log_every_n_steps,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=callbacks, **(validation if validate_every else {}))
-    # MTP-only detaches the head, as the MTP-only configs do (it then logs grad_norm_mtp)
-    module = SFTModule(**({"enable_mtp": True, "lr": lr, "mtp_detach_heads": mtp_only} | (module_kwargs or {})))
-    dataset = dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB)
-    loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True)
-    val_loader = DataLoader(dataset, batch_size=options["micro_batch_size"], drop_last=True) if validate_every else None
-    trainer.fit(module, loader, val_loader)
-    return snapshot, trainer
-
-
-def _assert_only_mtp_moved(snapshot: Snapshot) -> None:
-    mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
-    assert snapshot.trainable == mtp
-    frozen_moved = [name for name in snapshot.before if name not in mtp
-                    and not torch.equal(snapshot.before[name], snapshot.after[name])]
-    assert frozen_moved == []
-    assert all(not torch.equal(snapshot.before[name], snapshot.after[name]) for name in mtp)
-    assert snapshot.optimizer_numel == snapshot.grad_buffer_numel == sum(snapshot.before[name].numel() for name in mtp)
+SCALE = 0.1
 
 
 @pytest.mark.parametrize("model", ["qwen3_mtp", "mimo"])
 def test_mtp_only_trains_the_mtp_head_and_nothing_else(process_group, checkpoints, tmp_path, model):
-    snapshot, trainer = _fit(tmp_path, checkpoints[model], 3, trust_remote_code=model == "mimo")
-    _assert_only_mtp_moved(snapshot)
+    snapshot, trainer = fit(tmp_path, checkpoints[model], 3, trust_remote_code=model == "mimo")
+    assert_only_mtp_moved(snapshot)
     assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp"} <= set(snapshot.metrics[-1])
     audit = json.loads((tmp_path / "mtp_only_audit.json").read_text())
     assert audit["frozen_bit_identical"] and audit["frozen_tensors_changed"] == 0
@@ -150,7 +60,7 @@ class NudgeFrozenNorm(pl.Callback):
 def test_the_audit_fails_the_run_when_a_frozen_tensor_changes(process_group, checkpoints, tmp_path):
     with pytest.raises(RuntimeError, match=r"1 frozen tensor\(s\) changed during fit, e.g. "
                                            r"\['0.decoder.final_layernorm.weight'\]"):
-        _fit(tmp_path, checkpoints["qwen3_mtp"], 1, callbacks=(NudgeFrozenNorm(),))
+        fit(tmp_path, checkpoints["qwen3_mtp"], 1, callbacks=(NudgeFrozenNorm(),))
     audit = json.loads((tmp_path / "mtp_only_audit.json").read_text())
     assert not audit["frozen_bit_identical"] and audit["frozen_tensors_changed"] == 1
 
@@ -179,15 +89,15 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
     runs, logs = {}, {}
     for name, chunk_tokens, every in (("chunked", 8, 1), ("whole_logits", None, 1), ("on_demand", 8, None)):
         heads, logs[name] = HeadGradients(), RecordedLogs()
-        snapshot, trainer = _fit(Path(tmp) / name, Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,),
-                                 loss_chunk_tokens=chunk_tokens, log_lm_loss_every_n_steps=every, logger=logs[name],
-                                 log_every_n_steps=2, **parallel)
+        snapshot, trainer = fit(Path(tmp) / name, Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,),
+                                loss_chunk_tokens=chunk_tokens, log_lm_loss_every_n_steps=every, logger=logs[name],
+                                log_every_n_steps=2, **parallel)
         runs[name] = snapshot, trainer, heads
     (snapshot, trainer, heads), (whole, _, whole_heads) = runs["chunked"], runs["whole_logits"]
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
     torch.distributed.barrier()  # global rank 0 writes the audits at the end of fit
     audits = {name: json.loads((Path(tmp) / name / "mtp_only_audit.json").read_text()) for name in runs}
-    _assert_main_head_on_demand_changes_only_lm_loss(
+    assert_main_head_on_demand_changes_only_lm_loss(
         (runs["on_demand"][0], runs["on_demand"][2], audits["on_demand"]), (snapshot, heads, audits["chunked"]),
         logs["on_demand"].steps, logs["chunked"].steps)
     return {
@@ -293,8 +203,8 @@ def test_mtp_gradient_is_the_scaled_masked_mtp_cross_entropy(process_group, chec
                                                             micro_batch_size, model):
     dataset = RandomTokenDataset(SAMPLES, SEQ, VOCAB)
     direct = DirectMTPGradient(_first_global_batch(dataset, 4))
-    snapshot, _ = _fit(tmp_path, checkpoints[model], 1, dataset=dataset, micro_batch_size=micro_batch_size,
-                       module_kwargs={"mtp_loss_scaling_factor": SCALE}, callbacks=(direct,))
+    snapshot, _ = fit(tmp_path, checkpoints[model], 1, dataset=dataset, micro_batch_size=micro_batch_size,
+                      module_kwargs={"mtp_loss_scaling_factor": SCALE}, callbacks=(direct,))
     (ours,) = snapshot.mtp_grads
     assert ours.keys() == direct.expected.keys()
     for name, gradient in direct.expected.items():
@@ -302,159 +212,9 @@ def test_mtp_gradient_is_the_scaled_masked_mtp_cross_entropy(process_group, chec
     assert max(float(g.abs().max()) for g in direct.expected.values()) > 1e-4  # the comparison is not of zeros
 
 
-class HeadGradients(pl.Callback):
-    """How many gradients reach the output layer's logits, per kind of call: in each forward of a last-stage chunk
-    Megatron-Core calls it for the MTP depth first, then for the main logits."""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from megatron.core.utils import unwrap_model
-
-        self.gradients = {"mtp": 0, "main": 0}
-        self.training_calls = 0  # output-layer calls in training forwards, main-head chunks under no_grad too
-        self.main_logits_require_grad: list[bool] = []
-        self.chunked_mtp_loss = False
-        for chunk in pl_module.model:
-            model = unwrap_model(chunk)
-            if model.post_process:
-                self.chunked_mtp_loss |= "compute_language_model_loss" in vars(model)  # MTPOnlyCallback's, for the fit
-                calls = []
-                model.register_forward_pre_hook(lambda *_: calls.clear())
-                model.output_layer.register_forward_hook(partial(self._count, calls))
-
-    def _count(self, calls: list[str], module: torch.nn.Module, args: tuple, output: tuple) -> None:
-        self.training_calls += module.training
-        if not torch.is_grad_enabled():
-            return
-        kind = "mtp" if not calls else "main"
-        calls.append(kind)
-        if kind == "main":
-            self.main_logits_require_grad.append(output[0].requires_grad)
-        if output[0].requires_grad:
-            output[0].register_hook(lambda gradient: self.gradients.update({kind: self.gradients[kind] + 1}))
-
-
-def _assert_same_training(first: Snapshot, second: Snapshot, *, exact: bool) -> None:
-    """The same logged values (lm_loss, mtp_loss, mtp_accuracy, grad norms, validation) step by step, MTP gradients
-    and weights; `exact` for the logged values too, else to 1e-6."""
-    assert {"lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm_mtp", "val_lm_loss"} <= set(first.metrics[-1])
-    if exact:
-        assert first.metrics == second.metrics
-    for ours, theirs in zip(first.metrics, second.metrics, strict=True):
-        assert ours.keys() == theirs.keys()
-        assert ours == pytest.approx(theirs, rel=0, abs=1e-6)
-    _assert_same_gradients_and_weights(first, second)
-
-
-def _assert_same_gradients_and_weights(first: Snapshot, second: Snapshot) -> None:
-    """The MTP gradients of every step and the weights at the end, to 1e-6."""
-    for ours, theirs in zip(first.mtp_grads, second.mtp_grads, strict=True):
-        assert ours.keys() == theirs.keys()
-        for name in ours:
-            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
-    for name in first.after:
-        torch.testing.assert_close(first.after[name], second.after[name], rtol=0, atol=1e-6)
-
-
-def _assert_same_first_step_in_bf16(first: Snapshot, second: Snapshot) -> None:
-    """bf16, chunked against whole logits: the chunked loss rounds the logits' gradient to bf16 twice (made in the
-    forward, scaled in the backward) where Megatron-Core rounds once, and Adam makes any difference in the first
-    step's gradients a difference of the learning rate's size in the weights; so the first step: the same losses,
-    each MTP gradient within bf16 precision of the other (2^-6 of its norm: that one rounding, carried through the
-    MTP layer's bf16 backward)."""
-    ours, theirs = first.metrics[0], second.metrics[0]
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert ours[key] == pytest.approx(theirs[key], rel=1e-4 if key.startswith("grad_norm") else 0, abs=1e-6), key
-    for name, gradient in first.mtp_grads[0].items():
-        reference = second.mtp_grads[0][name]
-        assert (gradient - reference).norm() <= 2**-6 * reference.norm(), name  # measured: up to 0.8%
-
-
-@pytest.mark.parametrize("model, precision", [("qwen3_mtp", "fp32"), ("qwen3_mtp_tied", "fp32"),
-                                              ("qwen3_mtp_tied", "bf16")], ids=["untied", "tied", "tied_bf16"])
-def test_skipping_the_main_head_backward_changes_nothing_but_the_work(process_group, checkpoints, tmp_path, model,
-                                                                     precision):
-    """Three implementations of the same MTP-only step: chunked losses (default), whole logits with the main
-    head's backward skipped (`loss_chunk_tokens=None`), and plain Megatron-Core (`skip_main_head_backward=False`).
-    bf16 also checks the audit's reference point: the norm weights are built in fp32 and cast by the wrap."""
-    runs, logs = {}, {}
-    for name, options in {"chunked": {}, "whole_logits": {"loss_chunk_tokens": None},
-                          "plain": {"skip_main_head_backward": False},
-                          "on_demand": {"log_lm_loss_every_n_steps": None}}.items():
-        heads, logs[name] = HeadGradients(), RecordedLogs()
-        curves = (TrainingCurves(dirpath=str(tmp_path / "curves")),) if name == "on_demand" else ()
-        snapshot, _ = _fit(tmp_path / name, checkpoints[model], 3, precision=precision, callbacks=(heads, *curves),
-                           validate_every=2, logger=logs[name], log_every_n_steps=2, **options)
-        _assert_only_mtp_moved(snapshot)
-        audit = json.loads((tmp_path / name / "mtp_only_audit.json").read_text())
-        runs[name] = snapshot, heads, audit
-    (chunked, chunked_heads, chunked_audit), (whole, whole_heads, whole_audit), (plain, plain_heads, plain_audit) = (
-        list(runs.values())[:3])
-    _assert_main_head_on_demand_changes_only_lm_loss(runs["on_demand"], runs["chunked"], logs["on_demand"].steps,
-                                                     logs["chunked"].steps)
-    curves = json.loads((tmp_path / "curves" / "curves.json").read_text())  # no stale lm_loss in between
-    assert [step for step, _ in curves["lm_loss"]] == [2] and len(curves["mtp_loss"]) == 3
-    # per microbatch, the MTP depth's call and (chunked) 32 tokens / 8 main-head chunks; on demand only in the
-    # logged step 2 (log_every_n_steps=2)
-    assert chunked_heads.training_calls == 3 * 2 * (1 + 4) and runs["on_demand"][1].training_calls == 6 + 1 * 2 * 4
-    assert whole_heads.training_calls == plain_heads.training_calls == 3 * 2 * 2
-    # 3 steps x 2 microbatches: the MTP head's backward runs in all; the main head's only in the plain one, and with
-    # chunked losses the main logits are made chunk by chunk without grad
-    assert chunked_heads.chunked_mtp_loss and not whole_heads.chunked_mtp_loss and not plain_heads.chunked_mtp_loss
-    assert chunked_heads.gradients == {"mtp": 6, "main": 0} and chunked_heads.main_logits_require_grad == []
-    assert whole_heads.gradients == {"mtp": 6, "main": 0} and whole_heads.main_logits_require_grad == [False] * 6
-    assert plain_heads.gradients == {"mtp": 6, "main": 6} and plain_heads.main_logits_require_grad == [True] * 6
-    _assert_same_training(whole, plain, exact=True)
-    if precision == "fp32":
-        _assert_same_training(chunked, whole, exact=False)
-    else:
-        _assert_same_first_step_in_bf16(chunked, whole)
-    assert chunked_audit == whole_audit == plain_audit and chunked_audit["frozen_bit_identical"]
-
-
-def _assert_main_head_on_demand_changes_only_lm_loss(on_demand: tuple, every_step: tuple, on_demand_logs: list,
-                                                    every_step_logs: list) -> None:
-    """The main head on demand (`MTPOnlyCallback`'s default: in the steps the logger records, every second one
-    here) against the main head in every step: the same MTP losses, accuracies, grad norms, validation, MTP
-    gradients, weights and audit; the same `lm_loss` in every logged step; none logged in the first step, which
-    skipped the head (the only step before any value could be stale)."""
-    (ours, ours_heads, ours_audit), (theirs, theirs_heads, theirs_audit) = on_demand, every_step
-    assert ours_heads.gradients == theirs_heads.gradients and ours_audit == theirs_audit
-    assert ours_audit["frozen_bit_identical"]
-    assert "lm_loss" not in ours.metrics[0] and "lm_loss" in theirs.metrics[0]
-    for mine, other in zip(ours.metrics, theirs.metrics, strict=True):  # callback_metrics keep a stale lm_loss
-        mine, other = ({k: v for k, v in metrics.items() if k != "lm_loss"} for metrics in (mine, other))
-        assert mine.keys() == other.keys() and mine == pytest.approx(other, rel=0, abs=1e-6)
-    _assert_same_gradients_and_weights(ours, theirs)
-    assert on_demand_logs and len(on_demand_logs) == len(every_step_logs)
-    for mine, other in zip(on_demand_logs, every_step_logs):
-        assert "lm_loss" in mine and mine.keys() == other.keys() and mine == pytest.approx(other, rel=0, abs=1e-6)
-
-
-class UnfreezeOutputLayer(pl.Callback):
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from megatron.core.utils import unwrap_model
-
-        self.chunks = [unwrap_model(chunk) for chunk in pl_module.model]
-        self.chunks[0].output_layer.weight.requires_grad_(True)
-
-
-def test_skipping_the_main_head_backward_refuses_a_trainable_head(process_group, checkpoints, tmp_path):
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    from lightning_megatron.mtp.skip_main_head import skip_main_lm_head_backward
-
-    unfreeze = UnfreezeOutputLayer()
-    with pytest.raises(RuntimeError, match="main output layer's weight requires grad"):
-        _fit(tmp_path, checkpoints["qwen3_mtp"], 1, callbacks=(unfreeze,))
-    MTPLossLoggingHelper.clean_metrics_in_tracker()  # the failed forward's MTP loss must not reach later tests
-    with pytest.raises(ValueError, match="every non-MTP parameter frozen; trainable: .*output_layer.weight"):
-        skip_main_lm_head_backward(unfreeze.chunks)
-
-
 def test_joint_training_moves_everything_and_both_losses_fall(process_group, checkpoints, tmp_path):
     fixed_batch = Subset(RandomTokenDataset(SAMPLES, SEQ, VOCAB), range(4))  # every step sees the same batch
-    snapshot, _ = _fit(tmp_path, checkpoints["qwen3_mtp"], 8, mtp_only=False, dataset=fixed_batch)
+    snapshot, _ = fit(tmp_path, checkpoints["qwen3_mtp"], 8, mtp_only=False, dataset=fixed_batch)
     unchanged = [name for name in snapshot.before if torch.equal(snapshot.before[name], snapshot.after[name])]
     assert unchanged == []
     first, last = snapshot.metrics[0], snapshot.metrics[-1]
@@ -468,7 +228,7 @@ class AllGradients(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if not hasattr(self, "gradients"):
             self.gradients = {name: p.main_grad.detach().clone()
-                              for name, p in _named_parameters(pl_module, keep=True).items() if p.requires_grad}
+                              for name, p in named_parameters(pl_module, keep=True).items() if p.requires_grad}
 
 
 def _loop_gradients(hf_checkpoint: Path, **overrides: Any) -> dict[str, torch.Tensor]:
@@ -491,8 +251,8 @@ def test_joint_training_lets_the_mtp_loss_train_the_trunk_unless_detached(proces
     for detach in (False, True):
         gradients = AllGradients()
         module_kwargs = {} if not detach else {"mtp_detach_heads": True}
-        _fit(tmp_path / str(detach), checkpoints["qwen3_mtp"], 1, mtp_only=False, clip_grad=0.0,
-             module_kwargs=module_kwargs, callbacks=(gradients,))
+        fit(tmp_path / str(detach), checkpoints["qwen3_mtp"], 1, mtp_only=False, clip_grad=0.0,
+            module_kwargs=module_kwargs, callbacks=(gradients,))
         runs[detach] = gradients.gradients
     megatron_joint = _loop_gradients(checkpoints["qwen3_mtp"], mtp=True)
     without_mtp = _loop_gradients(checkpoints["qwen3_mtp"], mtp=False)
@@ -612,7 +372,7 @@ def test_sft_data_module_feeds_an_mtp_only_fit(process_group, checkpoints, tmp_p
                          callbacks=[snapshot, MTPOnlyCallback()])
     trainer.fit(SFTModule(enable_mtp=True, lr=1e-2), SFTDataModule(train_path=str(tmp_path / "train.jsonl"),
                                                                    seq_length=48))
-    _assert_only_mtp_moved(snapshot)
+    assert_only_mtp_moved(snapshot)
     assert snapshot.metrics[-1]["mtp_loss"] > 0
 
 
@@ -624,7 +384,7 @@ def test_megatron_fused_cross_entropy_returns_bf16_gradients_so_fp32_runs_turn_i
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.utils import get_model_config
 
-    _, trainer = _fit(tmp_path, checkpoints["qwen3_mtp"], 1)  # also sets up the parallel state used below
+    _, trainer = fit(tmp_path, checkpoints["qwen3_mtp"], 1)  # also sets up the parallel state used below
     assert get_model_config(trainer.strategy.model_chunks[0]).cross_entropy_loss_fusion is False
 
     logits = torch.randn(SEQ, 2, VOCAB, requires_grad=True)
@@ -637,8 +397,8 @@ def test_megatron_fused_cross_entropy_returns_bf16_gradients_so_fp32_runs_turn_i
 
 
 def test_keeping_the_mtp_head_without_training_it_leaves_it_unchanged(process_group, checkpoints, tmp_path):
-    snapshot, _ = _fit(tmp_path, checkpoints["qwen3_mtp"], 2, mtp_only=False,
-                       module_kwargs={"enable_mtp_training": False})
+    snapshot, _ = fit(tmp_path, checkpoints["qwen3_mtp"], 2, mtp_only=False,
+                      module_kwargs={"enable_mtp_training": False})
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}
     assert mtp and not (snapshot.trainable & mtp)
     assert all(torch.equal(snapshot.before[name], snapshot.after[name]) for name in mtp)

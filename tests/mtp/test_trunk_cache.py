@@ -24,7 +24,7 @@ from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
-from tests.mtp.test_mtp import Snapshot
+from tests.mtp._helpers import Snapshot
 
 SEQ, VOCAB, SAMPLES = 16, 384, 8
 

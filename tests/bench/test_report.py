@@ -1,0 +1,120 @@
+"""`bench.report` turns the benchmarks' JSON into tables, each figure against its target, and names no folder of
+the machine that measured; the GPU driver that writes that JSON (`bench/run_h200.sh`) runs only scripts that exist."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from bench import report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lightning_overhead_result(device: str) -> dict:
+    def figures(step_s: float, memory: float) -> dict:
+        return {"step_s": step_s, "tokens_per_s": 16384 / step_s, "mfu": 0.1, "peak_memory_gib": memory}
+
+    return {
+        "benchmark": "lightning_overhead", "command": "python3 -m bench.lightning_overhead", "device": device,
+        "versions": {"torch": "2.11.0", "mbridge": None}, "date": "2026-12-03T00:00:00Z",
+        "settings": {"precision": "bf16"},
+        "runs": {"plain": figures(0.8, 40.0), "lightning": figures(0.808, 40.0), "mtp_only": figures(0.3, 7.0)},
+        "overhead": {"lightning_over_plain_step_time": 1.01, "target": 1.01},
+        "mtp_only": {"step_time_ratio": 0.3 / 0.808, "peak_memory_ratio": 7 / 40,
+                     "peak_memory_ratio_including_setup": 0.2,
+                     "targets": {"step_time_ratio": 0.40, "peak_memory_ratio": 0.20}},
+    }
+
+
+def test_report_tables_every_figure_against_its_target():
+    h200_attention = json.loads((ROOT / "bench/results/attention_p1_h200.json").read_text())
+    hf_io = {"benchmark": "hf_io", "device": "NVIDIA H200", "target_vs_raw": 1.5, "bridges": {"mbridge": {
+        "mtp": False, "tensors": 310, "bytes": 1.19e9, "build_and_load_s": 1.0, "raw_read_s": 0.5,
+        "load_vs_raw_read": 2.0, "save_s": 0.6, "raw_write_s": 0.5, "save_vs_raw_write": 1.2}}}
+    text = report.render([("a.json", _lightning_overhead_result("NVIDIA H200")), ("b.json", h200_attention),
+                          ("c.json", hf_io), ("notes.json", {"something": "else"})])
+    lines = text.splitlines()
+    joint = next(line for line in lines if line.startswith("| lightning_megatron, joint"))
+    assert "| 0.808 s | 20.3k | 10.0% | 40.0 GiB | 1.010x plain step time | [1] |" in joint
+    mtp_only = next(line for line in lines if line.startswith("| lightning_megatron, MTP-only"))
+    assert "0.371x joint step time, 0.175x joint peak memory (0.200x with set-up)" in mtp_only
+    hf = next(line for line in lines if line.startswith("| plain HF transformers"))
+    assert "| 0.551 s | 29.7k | n/a | 27.0 GiB | ours (joint, with MTP): 1.465x its step time | [2] |" in hf
+    assert "| P1 Lightning / plain Megatron-Core step time | 1.010x | <= 1.01x | yes | [1] |" in lines
+    assert "| P2 MTP-only / joint peak memory | 0.175x | <= 0.2x | yes | [1] |" in lines
+    assert "| P3 mbridge load / raw read | 2.000x | <= 1.5x | no | [3] |" in lines
+    assert any(line.startswith("| mbridge | 310 (no MTP head) | 1.19 GB | 1.000 s | 0.500 s | 2.000x")
+               for line in lines)
+    source = "- [1] `a.json`: `python3 -m bench.lightning_overhead`; NVIDIA H200; torch 2.11.0; 2026-12-03T00:00:00Z"
+    assert source in lines
+    assert "(skipped, not a known benchmark: notes.json)" in text
+    # our joint step is set beside plain HF only when both ran on the same device
+    elsewhere = report.render([("a.json", _lightning_overhead_result("cpu")), ("b.json", h200_attention)])
+    assert "ours (joint, with MTP)" not in elsewhere
+
+
+def test_report_tables_the_mtp_memory_benchmark():
+    def figures(step_s: float, memory: float) -> dict:
+        return {"step_s": step_s, "tokens_per_s": 16384 / step_s, "mfu": None, "peak_memory_gib": memory}
+
+    data = {"benchmark": "mtp_memory", "command": "python3 -m bench.mtp_memory", "device": "NVIDIA H200",
+            "shapes": {
+                "qwen3_0.6b": {"runs": {"joint": figures(0.5, 25.0), "mtp_only": figures(0.2, 5.0),
+                                        "plain_mtp_only": figures(0.3, 9.0)},
+                               "figures": {"mtp_only_over_joint_peak_memory": 0.2,
+                                           "mtp_only_over_joint_step_time": 0.4,
+                                           "mtp_only_over_plain_mtp_only_peak_memory": 5 / 9,
+                                           "mtp_only_over_plain_mtp_only_step_time": 2 / 3},
+                               "targets": {"mtp_only_over_joint_peak_memory": 0.25,
+                                           "mtp_only_over_joint_step_time": 0.42}},
+                "qwen3_8b": {"runs": {"mtp_only": figures(0.35, 20.0), "plain_mtp_only": figures(0.6, 23.6)},
+                             "figures": {"mtp_only_peak_memory_gib": 20.0, "mtp_only_step_s": 0.35},
+                             "targets": {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}}}}
+    lines = report.render([("m.json", data)]).splitlines()
+    mtp_only = next(line for line in lines if line.startswith("| Qwen3-0.6B: lightning_megatron, MTP-only"))
+    assert "| 0.200 s |" in mtp_only and "| 5.0 GiB |" in mtp_only
+    assert ("0.400x joint step time, 0.200x joint peak memory, 0.667x plain loop's step time, 0.556x plain loop's "
+            "peak memory") in mtp_only
+    assert any(line.startswith("| Qwen3-8B: plain Megatron-Core MTP-only loop") for line in lines)
+    assert "| P2 Qwen3-0.6B MTP-only / joint peak memory | 0.200x | <= 0.25x | yes | [1] |" in lines
+    assert "| P2 Qwen3-8B MTP-only peak memory | 20.0 GiB | <= 23.6 GiB | yes | [1] |" in lines
+    assert "| P2 Qwen3-8B MTP-only step time | 0.350 s | <= 0.348 s | no | [1] |" in lines
+
+
+def test_report_names_no_folder_of_the_machine_that_measured():
+    command = "python3 -m bench.hf_io --checkpoint ckpt/qwen3-0.6b-mtp --repeats 3 --out runs/b/hf_io.json"
+    assert report.portable(command) == (
+        "python3 -m bench.hf_io --checkpoint $CHECKPOINT --repeats 3 --out $OUT/hf_io.json")
+    driver = 'OUT=runs/b STEPS="tree" bash bench/run_h200.sh'
+    assert report.portable(driver) == 'OUT=$OUT STEPS="tree" bash bench/run_h200.sh'
+
+
+def test_report_tables_the_packing_layouts_and_their_targets():
+    def layout(step_s: float, tokens: int, busy: float, graph_launches: int) -> dict:
+        return {"step_s": step_s, "real_tokens_per_s": tokens / step_s, "gpu_busy_fraction": busy,
+                "kernel_launch_calls": 100, "graph_launch_calls": graph_launches, "peak_memory_gib": 20.0}
+
+    data = {"benchmark": "P5 packing", "command": "python3 -m bench.packing", "device": "NVIDIA H200",
+            "layouts": {"full": layout(2.0, 80_000, 0.8, 0), "full_graph": layout(1.6, 80_000, 0.99, 1),
+                        "packed_graph": layout(1.5, 76_000, 0.98, 1), "padded": {"error": "RuntimeError: oom\nmore"}},
+            "summary": {"target_packed_over_full": 0.95, "target_packed_over_padded": 1.72,
+                        "target_full_tokens_per_s": 45_000, "target_full_gpu_busy_fraction": 0.9,
+                        "packed_graph_over_fastest_full_tokens_per_s": 1.013, "packed_over_full_tokens_per_s": 0.7,
+                        "gpu_busy_fraction": {"full_graph": 0.99}}}
+    lines = report.render([("packing.json", data)]).splitlines()
+    assert "| `packed_graph` | 1.500 s | 50.7k | 1.267x | 98.0% | 100 | 1 | 20.0 GiB | [1] |" in lines
+    assert "| `padded` | RuntimeError: oom |  |  |  |  |  |  | [1] |" in lines
+    assert "| P5 packed (graphed) / the faster full rows, real tokens/s | 1.013x | >= 0.950x | yes | [1] |" in lines
+    assert "| P5 packed / full rows, real tokens/s (eager) | 0.700x | >= 0.950x | no | [1] |" in lines
+    assert "| P5 full rows (graphed), tokens/s | 50.0k | >= 45.0k | yes | [1] |" in lines
+    assert "| P5 full rows (graphed), GPU busy | 99.0% | >= 90.0% | yes | [1] |" in lines
+
+
+def test_the_gpu_driver_runs_only_scripts_that_exist():
+    script = (ROOT / "bench/run_h200.sh").read_text()
+    modules = re.findall(r"python3 -m (bench\.\w+)", script)
+    assert {"bench.make_checkpoint", "bench.lightning_overhead", "bench.hf_io", "bench.attention",
+            "bench.report"} <= set(modules)
+    assert all((ROOT / (module.replace(".", "/") + ".py")).is_file() for module in modules)
+    assert subprocess.run(["bash", "-n", str(ROOT / "bench/run_h200.sh")]).returncode == 0
