@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "MegatronStrategy": "lightning_megatron.strategy",
-    "MegatronLightningModule": "lightning_megatron.module",
+    "MegatronLightningModule": "lightning_megatron.contract",
     "SFTModule": "lightning_megatron.module",
     "MTPOnlyCallback": "lightning_megatron.callbacks",
     "WeightSync": "lightning_megatron.callbacks",

@@ -1,8 +1,9 @@
 """LoRA through megatron-bridge's PEFT: adapters added before Megatron wraps the model, exported for HF.
 
-`LoRACallback` registers a pre-wrap hook with `MegatronStrategy`. The hook runs in `setup`, after the bridge has
-loaded the HF weights and before Float16Module, Megatron DDP and the optimizer exist, so it freezes every base
-weight and adds `megatron.bridge.peft.lora.LoRA` adapters: DDP's buffers and the optimizer hold only adapters.
+`callbacks.LoRACallback` registers `add_lora_adapters` as a pre-wrap hook with `MegatronStrategy`. The hook runs in
+`setup`, after the bridge has loaded the HF weights and before Float16Module, Megatron DDP and the optimizer exist,
+so it freezes every base weight and adds `megatron.bridge.peft.lora.LoRA` adapters: DDP's buffers and the optimizer
+hold only adapters.
 The trained adapters leave in two forms, both through the bridge's name mappings (TP shards gathered, fused
 QKV / gate-up split into HF's projections): an HF PEFT adapter folder (`export_lora_adapter`, loadable with
 `peft.PeftModel.from_pretrained`) and a merged HF checkpoint (`export_lora_merged`, loadable without `peft`).
@@ -13,19 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer.states import TrainerFn
 from safetensors.torch import save_file
 
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.bridges import Bridge, BridgeError, capable_backends
-
-if TYPE_CHECKING:
-    from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron.contract import MegatronStrategyContract
 
 # The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
 DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -76,50 +73,10 @@ def check_lora_supported(bridge: Bridge | type[Bridge], mtp_only: bool) -> None:
                          "MTP head; remove one of the two callbacks")
 
 
-class LoRACallback(pl.Callback):
-    """Train LoRA adapters on a frozen model; arguments are `LoRAConfig`'s.
-
-    Needs `MegatronStrategy(bridge_type="megatron-bridge")`. Export afterwards with `export_lora_adapter` or
-    `export_lora_merged`.
-    """
-
-    def __init__(
-        self,
-        target_modules: list[str] | None = None,
-        rank: int = 8,
-        alpha: int = 16,
-        dropout: float = 0.0,
-    ) -> None:
-        self.config = LoRAConfig(
-            target_modules=list(DEFAULT_TARGET_MODULES) if target_modules is None else list(target_modules),
-            rank=rank, alpha=alpha, dropout=dropout,
-        )
-        self._hooked_strategy: Any = None
-
-    def validate_megatron_setup(self, strategy: MegatronStrategy, module: pl.LightningModule) -> None:
-        """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
-        from lightning_megatron.callbacks import MTPOnlyCallback
-
-        mtp_only = any(isinstance(callback, MTPOnlyCallback) for callback in module.trainer.callbacks)
-        check_lora_supported(strategy.bridge, mtp_only)
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if not callable(getattr(strategy, "register_pre_wrap_hook", None)):
-            raise TypeError(f"LoRACallback needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
-        self.validate_megatron_setup(strategy, pl_module)
-        if self._hooked_strategy is strategy:
-            return  # the strategy keeps its hooks across fit / validate / test
-        self._hooked_strategy = strategy
-        strategy.register_pre_wrap_hook(
-            lambda chunks: self.add_adapters(chunks, training=trainer.state.fn == TrainerFn.FITTING)
-        )
-
-    def add_adapters(self, chunks: list[torch.nn.Module], *, training: bool = True) -> None:
-        """Freeze every parameter of `chunks` and wrap the target linears with adapters, in place."""
-        lora = self.config.megatron_bridge_lora()
-        lora(chunks, training=training)
-        _check_every_target_matched(chunks, self.config.target_modules)
+def add_lora_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, *, training: bool = True) -> None:
+    """Freeze every parameter of `chunks` and wrap the target linears with adapters, in place."""
+    config.megatron_bridge_lora()(chunks, training=training)
+    _check_every_target_matched(chunks, config.target_modules)
 
 
 def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: list[str]) -> None:
@@ -144,7 +101,7 @@ def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: l
 # ---------------------------------------------------------------------------------------------------- export
 
 
-def export_lora_adapter(strategy: MegatronStrategy, path: str | Path) -> Path:
+def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path) -> Path:
     """Write the adapters as an HF PEFT folder (`adapter_config.json`, `adapter_model.safetensors`), atomically.
 
     Names and layouts are megatron-bridge's PEFT export (TP shards gathered, fused QKV and gate/up split per HF
@@ -163,7 +120,7 @@ def export_lora_adapter(strategy: MegatronStrategy, path: str | Path) -> Path:
     trained = _trained_lora(chunks, "export_lora_adapter")
     weights = [
         HFWeightTuple(name, tensor.detach().to("cpu").clone().contiguous())
-        for name, tensor in bridge.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)
+        for name, tensor in bridge.export_adapter_weights(chunks)
     ]
     state, module_weight_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
     config = build_adapter_config_dict(
@@ -185,7 +142,7 @@ def export_lora_adapter(strategy: MegatronStrategy, path: str | Path) -> Path:
     return path
 
 
-def export_lora_merged(strategy: MegatronStrategy, path: str | Path) -> Path:
+def export_lora_merged(strategy: MegatronStrategyContract, path: str | Path) -> Path:
     """Write an HF checkpoint with `W + (alpha / rank) * B A` in every adapted linear, atomically.
 
     The bridge's HF export merges the adapters into copies of the base weights (the model keeps its adapters), so
@@ -196,7 +153,7 @@ def export_lora_merged(strategy: MegatronStrategy, path: str | Path) -> Path:
     return strategy.export_hf(path)
 
 
-def _megatron_bridge_and_chunks(strategy: MegatronStrategy) -> tuple[Any, list[torch.nn.Module]]:
+def _megatron_bridge_and_chunks(strategy: MegatronStrategyContract) -> tuple[Bridge, list[torch.nn.Module]]:
     from megatron.core.utils import unwrap_model
 
     if not strategy.model_chunks:

@@ -113,13 +113,6 @@ def packed_row_bounds(cu_seqlens: torch.Tensor, seq_length: int, cu_seqlens_padd
     return torch.where(member, start, position), torch.where(member, end, position + 1), member
 
 
-def subtree_end_of_packed_row(cu_seqlens: torch.Tensor, seq_length: int,
-                              cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
-    """The `subtree_end` `[s]` equal to a packed row: each token sees its own sequence's earlier tokens; a token of
-    no sequence sees only itself."""
-    return packed_row_bounds(cu_seqlens, seq_length, cu_seqlens_padded)[1]
-
-
 def context_parallel_positions(boundaries: list[int], cp_rank: int, cp_size: int) -> torch.Tensor:
     """Positions (in the whole row) that context-parallel rank `cp_rank` holds, in its local order: Megatron's
     load-balanced layout cuts each sequence (each segment of `boundaries`) into `2 * cp_size` equal chunks and

@@ -10,56 +10,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
+from lightning_megatron.contract import MegatronLightningModule
 from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
-from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs, whole_rows
-from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance
-from lightning_megatron.mtp.self_distill import DISTILL_WEIGHTINGS, MTP_LOSS_TYPES, DistillWeighting, MTPLossType
+from lightning_megatron.microbatch import (
+    CU_SEQLENS,
+    LossOutput,
+    Microbatch,
+    model_inputs,
+    packed_seq_params,
+    whole_rows,
+)
+from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance, sampled_acceptance_overlap
+from lightning_megatron.mtp.parameters import (
+    check_mtp_loss_scaling_factor,
+    mtp_parameter_flags,
+    read_and_reset_mtp_tracker,
+)
+from lightning_megatron.mtp.self_distill import (
+    DISTILL_WEIGHTINGS,
+    MTP_LOSS_TYPES,
+    DistillWeighting,
+    MTPLossType,
+    use_mtp_depth_loss,
+)
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.options import ModelOptions
-
-__all__ = ["LossOutput", "MegatronLightningModule", "Microbatch", "SFTModule", "masked_token_loss"]
-
-
-class MegatronLightningModule(pl.LightningModule):
-    """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
-
-    `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
-    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters. `forward_step` and
-    `loss_func` receive the microbatch as this rank holds it (cut for context parallelism by the strategy).
-    """
-
-    model: torch.nn.ModuleList
-    # True for a model that fuses other inputs into the sequence first (Qwen3-VL's images) and so cuts it for
-    # context parallelism itself: the strategy then hands `forward_step` whole rows.
-    cuts_context_parallel_in_model: ClassVar[bool] = False
-
-    def model_options(self) -> ModelOptions:
-        """What the Megatron model should be beyond the HF config (MTP head, config overrides)."""
-        from lightning_megatron.options import ModelOptions
-
-        return ModelOptions()
-
-    def forward_step(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """One microbatch through one model chunk: the per-token loss on the last stage, hidden states before it."""
-        raise NotImplementedError
-
-    def loss_func(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        """`(loss_sum, num_tokens, metrics)` of one microbatch; each metric is a `[sum, count]` pair."""
-        raise NotImplementedError
-
-    @property
-    def megatron_strategy(self) -> Any:
-        strategy = self.trainer.strategy
-        if getattr(strategy, "strategy_name", None) != "megatron":
-            raise TypeError(f"{type(self).__name__} needs Trainer(strategy=MegatronStrategy(...)), got {strategy!r}")
-        return strategy
-
-
 
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
     """Response-only token loss: Megatron returns an unmasked per-token loss, the mask is the data's.
@@ -140,9 +120,8 @@ class SFTModule(MegatronLightningModule):
         self.enable_mtp_training = enable_mtp if enable_mtp_training is None else enable_mtp_training
         if self.enable_mtp_training and not enable_mtp:
             raise ValueError("enable_mtp_training: true needs enable_mtp: true (the MTP head must be kept to train it)")
-        if self.enable_mtp_training and (not math.isfinite(mtp_loss_scaling_factor) or mtp_loss_scaling_factor <= 0):
-            raise ValueError(f"mtp_loss_scaling_factor: {mtp_loss_scaling_factor} must be finite and > 0 "
-                             "(DeepSeek-V3 uses 0.1)")
+        if self.enable_mtp_training:
+            check_mtp_loss_scaling_factor(mtp_loss_scaling_factor)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
         if mtp_loss_type not in MTP_LOSS_TYPES:
@@ -181,14 +160,10 @@ class SFTModule(MegatronLightningModule):
             hf_checkpoint = self.megatron_strategy.hf_checkpoint
             self.generation_eos_token_ids = eos_token_ids(hf_checkpoint, AutoTokenizer.from_pretrained(hf_checkpoint))
         if self.enable_mtp and not self.enable_mtp_training:
-            from lightning_megatron.mtp.parameters import mtp_parameter_flags
-
             for _, parameter, is_mtp in mtp_parameter_flags(list(self.model)).values():
                 if is_mtp:
                     parameter.requires_grad_(False)
         if self.enable_mtp_training and self.hparams.mtp_loss_type == "self_distill" and stage in ("fit", "validate"):
-            from lightning_megatron.mtp.self_distill import use_mtp_depth_loss
-
             self._depth_loss_handles = use_mtp_depth_loss(
                 list(self.model), distill_temperature=self.hparams.mtp_distill_temperature,
                 distill_weighting=self.hparams.mtp_distill_weighting)
@@ -213,8 +188,6 @@ class SFTModule(MegatronLightningModule):
             self.log("lm_loss", loss, prog_bar=True)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
-            from lightning_megatron.mtp.parameters import read_and_reset_mtp_tracker
-
             mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device)
             self.log("mtp_loss", mtp_metrics["mtp_loss"], prog_bar=True)
             self.log("mtp_accuracy", mtp_metrics["mtp_accuracy"])
@@ -287,13 +260,8 @@ class SFTModule(MegatronLightningModule):
         """(overlap, counted) of `val_mtp_sampled_acceptance`: the main logits and the mask rolled one token left
         by Megatron-Core's own MTP roll (within packed sequences, across CP chunks), so every CP rank counts its own
         positions."""
-        from functools import partial
-
         from megatron.core import parallel_state
         from megatron.core.transformer.multi_token_prediction import roll_tensor
-
-        from lightning_megatron.microbatch import CU_SEQLENS, packed_seq_params
-        from lightning_megatron.mtp.acceptance import sampled_acceptance_overlap
 
         packed = packed_seq_params(microbatch) if CU_SEQLENS in microbatch else None
         rolled = partial(roll_tensor, shifts=-1, dims=-1, cp_group=parallel_state.get_context_parallel_group(),

@@ -38,14 +38,13 @@ from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron import full_graph, schedule
 from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
+from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, PreWrapHook
+from lightning_megatron.data.settings import DataSettings, hand_data_settings
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
-from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
-
-PreWrapHook = Callable[[list[torch.nn.Module]], None]
 
 
 @runtime_checkable
@@ -57,7 +56,7 @@ class ValidatesMegatronSetup(Protocol):
     def validate_megatron_setup(self, strategy: MegatronStrategy, module: MegatronLightningModule) -> None: ...
 
 
-class MegatronStrategy(ParallelStrategy):
+class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     """Train, evaluate and export an HF checkpoint with Megatron-Core's TP/PP/VPP/CP/EP/SP/DP under Lightning.
 
     Batch sizes are Megatron's: each DP rank's dataloader yields `micro_batch_size` samples per batch and one
@@ -260,8 +259,9 @@ class MegatronStrategy(ParallelStrategy):
         for callback in module.trainer.callbacks:
             if isinstance(callback, ValidatesMegatronSetup):
                 callback.validate_megatron_setup(self, module)
-        bridge.validate(options)
-        chunks = bridge.build(options)
+        hand_data_settings(module.trainer.datamodule, DataSettings(  # before Lightning calls the data's setup
+            self.hf_checkpoint, self.micro_batch_size, ParallelSizes.current(), mtp_head=options.mtp))
+        chunks = bridge.build(options)  # validates the options first
         module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in chunks)
 
     def _config_overrides(self) -> dict[str, Any]:

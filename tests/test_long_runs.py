@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lightning_megatron import checkpoint as megatron_checkpoint
-from lightning_megatron.preemption import PREEMPTED_EXIT_CODE
+from lightning_megatron.callbacks.preemption import PREEMPTED_EXIT_CODE
 from lightning_megatron.safe_load import load_torch_file
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import free_port, run_distributed

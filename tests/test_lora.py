@@ -17,14 +17,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron.bridges import BridgeError, backend_class
-from lightning_megatron.callbacks import MTPOnlyCallback
-from lightning_megatron.lora import (
-    LoRACallback,
-    LoRAConfig,
-    check_lora_supported,
-    export_lora_adapter,
-    export_lora_merged,
-)
+from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
+from lightning_megatron.lora import LoRAConfig, check_lora_supported, export_lora_adapter, export_lora_merged
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint

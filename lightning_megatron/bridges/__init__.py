@@ -1,8 +1,9 @@
 """Bridge backends: HF checkpoints in and out of Megatron-Core, behind one small protocol (`base.Bridge`).
 
 Each backend module registers its class by name (`@base.register_backend`) and declares on it what it can do
-(`supports_mtp_training`, `supports_lora`, `supports_vl`, `moe_model_types`). This factory is the one place a
-`bridge_type` string is looked up: everywhere else a capability is asked of the bridge or its registered class.
+(`supports_mtp_training`, `supports_lora`, `supports_vl`, `moe_model_types`, `reads_model_config_before_build`); a
+method a backend cannot serve refuses, naming the backends that can. This factory is the one place a `bridge_type`
+string is looked up: everywhere else a capability is asked of the bridge or its registered class.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.atomic import write_atomically
+from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers, family, is_hf_mtp_tensor
 from lightning_megatron.hf_io import (
@@ -45,7 +46,6 @@ from lightning_megatron.moe import (
 from lightning_megatron.mtp.parameters import check_mtp_training_options
 from lightning_megatron.options import ATTENTION_BACKENDS, BridgeType, ModelOptions
 from lightning_megatron.tree_rotary import install_depth_rotary
-from lightning_megatron.vl.bridge import check_vl_options, vl_model_type
 
 
 class BridgeError(ValueError):
@@ -97,9 +97,10 @@ class Bridge(ABC):
 
     name: ClassVar[BridgeType]  # the `bridge_type` it is registered as (`register_backend`)
     supports_mtp_training: ClassVar[bool] = False  # builds and trains the checkpoint's MTP heads
-    supports_lora: ClassVar[bool] = False  # LoRA adapters (`lora.LoRACallback`) and their HF export
-    supports_vl: ClassVar[bool] = False  # the Qwen vision-language checkpoints of `vl.bridge`
+    supports_lora: ClassVar[bool] = False  # LoRA adapters (`callbacks.LoRACallback`) and their HF export
+    supports_vl: ClassVar[bool] = False  # the Qwen vision-language checkpoints of `bridges.vl`
     moe_model_types: ClassVar[tuple[str, ...]] = ()  # the MoE families whose experts this bridge maps
+    reads_model_config_before_build: ClassVar[bool] = False  # `router_updates_expert_bias`
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         self.hf_path = Path(hf_path)
@@ -114,7 +115,7 @@ class Bridge(ABC):
     def checkpoint_mtp_layers(self) -> int:
         return checkpoint_mtp_layers(self.hf_config)
 
-    def validate(self, options: ModelOptions, *, lora: bool = False) -> None:
+    def validate(self, options: ModelOptions) -> None:
         """Reject what this bridge or checkpoint cannot do, before any model is built."""
         if options.attention_backend not in ATTENTION_BACKENDS:
             raise BridgeError(f"attention_backend: {options.attention_backend!r} is not one of "
@@ -122,9 +123,6 @@ class Bridge(ABC):
         if options.mtp and not self.supports_mtp_training:
             raise BridgeError(f"bridge_type: {self.name} cannot build or train MTP heads; set bridge_type: "
                               f"{capable_backends(lambda backend: backend.supports_mtp_training)}")
-        if lora and not self.supports_lora:
-            raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: "
-                              f"{capable_backends(lambda backend: backend.supports_lora)}")
         if options.mtp and self.checkpoint_mtp_layers == 0:
             raise BridgeError(
                 f"{self.hf_path}: config.json declares no MTP layers (none of {', '.join(MTP_CONFIG_KEYS)}); a "
@@ -150,6 +148,19 @@ class Bridge(ABC):
                              context_parallel_size=ParallelSizes.current().context)
         self._validate_moe(options)
         self._validate_vocabulary()
+
+    def router_updates_expert_bias(self, options: ModelOptions) -> bool:
+        """Whether the model `options` asks for updates its MoE router's expert bias every step (outside the
+        optimizer), read from the model config the library makes of the checkpoint, before any model is built."""
+        capable = capable_backends(lambda backend: backend.reads_model_config_before_build)
+        raise BridgeError(f"bridge_type: {self.name} cannot read the model config before building it (to tell "
+                          f"whether the MoE router updates its expert bias); set bridge_type: {capable}")
+
+    def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters' tensors under their HF PEFT names, gathered across TP/PP, on the host; every rank must
+        iterate it."""
+        capable = capable_backends(lambda backend: backend.supports_lora)
+        raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: {capable}")
 
     def _validate_vocabulary(self) -> None:
         """Neither bridge pads the vocabulary: tensor parallelism splits the embedding and output rows evenly."""

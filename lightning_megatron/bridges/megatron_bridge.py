@@ -12,10 +12,10 @@ from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, apply_parallel_state, register_backend
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
+from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.hf_io import LoadReport
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.vl.bridge import prepare_vl_provider
 
 
 @register_backend
@@ -25,13 +25,14 @@ class MegatronBridge(Bridge):
     supports_lora = True
     supports_vl = True
     moe_model_types = ("qwen3_moe",)
+    reads_model_config_before_build = True
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         super().__init__(hf_path, trust_remote_code=trust_remote_code)
         self._auto_bridge: Any = None
 
-    def validate(self, options: ModelOptions, *, lora: bool = False) -> None:
-        super().validate(options, lora=lora)
+    def validate(self, options: ModelOptions) -> None:
+        super().validate(options)
         if options.mtp:
             check_mtp_training_versions()
 
@@ -44,6 +45,15 @@ class MegatronBridge(Bridge):
                 str(self.hf_path), trust_remote_code=self.trust_remote_code
             )
         return self._auto_bridge
+
+    def router_updates_expert_bias(self, options: ModelOptions) -> bool:
+        if "moe_router_enable_expert_bias" in options.config_overrides:
+            return bool(options.config_overrides["moe_router_enable_expert_bias"])
+        provider = self.auto_bridge.to_megatron_provider(load_weights=False)
+        return bool(getattr(provider, "moe_router_enable_expert_bias", False))
+
+    def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)
 
     def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]:
         provider = self.auto_bridge.to_megatron_provider(load_weights=False)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_megatron.atomic import write_text_atomically
+from lightning_megatron.contract import MegatronLightningModule
+from lightning_megatron.data import SFTDataModule
 
 
 class ContinuationWriter(pl.Callback):
@@ -42,8 +44,10 @@ class ContinuationWriter(pl.Callback):
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = trainer.datamodule
-        examples = getattr(datamodule, "predict_examples", None)
-        if not examples:
+        if not isinstance(pl_module, MegatronLightningModule):
+            raise TypeError(f"ContinuationWriter writes the continuations of a MegatronLightningModule (e.g. "
+                            f"SFTModule); got {type(pl_module).__name__}")
+        if not isinstance(datamodule, SFTDataModule) or not datamodule.predict_examples:
             raise TypeError("ContinuationWriter writes the prompts of an SFTDataModule's predict_path next to their "
                             "continuations; run predict with lightning_megatron.SFTDataModule(predict_path=...)")
         merged: dict[int, list[int]] = {}
@@ -55,7 +59,7 @@ class ContinuationWriter(pl.Callback):
             merged.update(part)
         if not trainer.is_global_zero:
             return
-        eos = getattr(pl_module, "generation_eos_token_ids", set())
+        examples, eos = datamodule.predict_examples, pl_module.generation_eos_token_ids
         rows, empty = [], 0
         for index in sorted(merged):
             token_ids = merged[index]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_megatron.contract import megatron_strategy
+
 
 class HFExport(pl.Callback):
     """At the end of fit, write an HF checkpoint of the current weights to `dirpath` through the strategy's bridge
@@ -14,8 +16,5 @@ class HFExport(pl.Callback):
         self.dirpath = dirpath
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        export_hf = getattr(trainer.strategy, "export_hf", None)
-        if export_hf is None:
-            raise TypeError(f"HFExport needs MegatronStrategy, got {type(trainer.strategy).__name__}")
-        path = export_hf(self.dirpath)
+        path = megatron_strategy(trainer, "HFExport").export_hf(self.dirpath)
         rank_zero_info(f"HFExport: wrote the HF checkpoint {path}")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.bridges import capable_backends
+from lightning_megatron.contract import MegatronLightningModule
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp.skip_main_head import MainLossOnDemand, skip_main_lm_head_backward
@@ -92,7 +93,7 @@ class MTPOnlyCallback(pl.Callback):
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
         self._hook_handles: list[Any] = []
 
-    def validate_megatron_setup(self, strategy: MegatronStrategy, module: pl.LightningModule) -> None:
+    def validate_megatron_setup(self, strategy: MegatronStrategy, module: MegatronLightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
         if strategy.cuda_graph != "none":
             raise ValueError(f"cuda_graph: {strategy.cuda_graph} does not serve MTPOnlyCallback (it decides in Python, "
@@ -103,7 +104,7 @@ class MTPOnlyCallback(pl.Callback):
             capable = capable_backends(lambda backend: backend.supports_mtp_training)
             raise ValueError(f"MTPOnlyCallback needs bridge_type: {capable} (got {bridge.name!r}; "
                              f"{bridge.name} cannot build MTP heads)")
-        if not getattr(module, "enable_mtp_training", False):
+        if not module.enable_mtp_training:
             raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
                              "(enable_mtp_training then defaults to true)")
         if self.cuda_graph_trunk and strategy.root_device.type != "cuda":
@@ -114,9 +115,7 @@ class MTPOnlyCallback(pl.Callback):
             raise ValueError(f"log_lm_loss_every_n_steps: {every} must divide the trainer's log_every_n_steps "
                              f"({logged_every}), so that every step a logger records computes lm_loss; to log it less "
                              "often raise log_every_n_steps, or leave log_lm_loss_every_n_steps null")
-        overrides = module.model_options().config_overrides
-        provider = bridge.auto_bridge.to_megatron_provider(load_weights=False)
-        if overrides.get("moe_router_enable_expert_bias", getattr(provider, "moe_router_enable_expert_bias", False)):
+        if bridge.router_updates_expert_bias(module.model_options()):
             raise ValueError("MTPOnlyCallback cannot freeze a model whose MoE router updates its expert bias every "
                              "step (moe_router_enable_expert_bias); set it to false or train jointly")
 

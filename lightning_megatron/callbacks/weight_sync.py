@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
 from lightning_megatron.distributed import agree_on_failure
 from lightning_megatron.serving import disk
 from lightning_megatron.serving.protocol import WeightSyncError
@@ -101,8 +102,7 @@ class WeightSync(pl.Callback):
         self.version = state_dict.get("version")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if getattr(trainer.strategy, "bridge", None) is None:
-            raise TypeError(f"WeightSync needs MegatronStrategy, got {type(trainer.strategy).__name__}")
+        megatron_strategy(trainer, "WeightSync")
         if self.mode == "disk" and trainer.is_global_zero:
             assert self.root is not None
             self.root.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ class WeightSync(pl.Callback):
     def sync(self, trainer: pl.Trainer) -> SyncReport:
         """Send the current weights now, as version `trainer.global_step` (every rank calls it)."""
         version = trainer.global_step
-        strategy = trainer.strategy
+        strategy = megatron_strategy(trainer, "WeightSync")
         if self.mode == "disk":
             report = self._sync_to_disk(strategy, version, trainer.is_global_zero)
         else:
@@ -136,7 +136,7 @@ class WeightSync(pl.Callback):
                        f"{len(report.requests)} request(s)) in {report.seconds:.2f} s")
         return report
 
-    def _sync_to_disk(self, strategy: Any, version: int, is_global_zero: bool) -> SyncReport:
+    def _sync_to_disk(self, strategy: MegatronStrategyContract, version: int, is_global_zero: bool) -> SyncReport:
         assert self.root is not None
         started = time.perf_counter()
         folder = disk.version_folder(self.root, version)
@@ -152,7 +152,7 @@ class WeightSync(pl.Callback):
         report.seconds = time.perf_counter() - started
         return report
 
-    def _sync_to_engine(self, strategy: Any, version: int, is_global_zero: bool) -> SyncReport:
+    def _sync_to_engine(self, strategy: MegatronStrategyContract, version: int, is_global_zero: bool) -> SyncReport:
         from megatron.core.utils import unwrap_model
 
         if self._sender is None:

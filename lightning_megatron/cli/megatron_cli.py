@@ -25,6 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch.utils.data import DataLoader
 
 from lightning_megatron import _compat
+from lightning_megatron.contract import megatron_strategy
 from lightning_megatron.data import SFTDataModule
 from lightning_megatron.module import SFTModule
 
@@ -54,9 +55,7 @@ class MegatronTrainer(pl.Trainer):
         with warnings.catch_warnings():  # no data on purpose: validate builds the model and loads ckpt_path
             warnings.filterwarnings("ignore", message="Total length of .* across ranks is zero")
             self.validate(model, dataloaders=DataLoader([]), ckpt_path=ckpt_path)
-        strategy = self.strategy
-        if not callable(getattr(strategy, "export_hf", None)):
-            raise TypeError(f"export needs MegatronStrategy, got {type(strategy).__name__}")
+        strategy = megatron_strategy(self, "export")
         path = export_lora_adapter(strategy, target) if lora == "adapter" else strategy.export_hf(target)
         if self.is_global_zero:
             print(f"export: wrote {path} from {ckpt_path}")

@@ -22,6 +22,7 @@ from lightning_megatron.data.packing import (
     prompt_collate,
     sequence_alignment,
 )
+from lightning_megatron.data.settings import DataSettings
 from lightning_megatron.data.sources import read_examples, size_of
 from lightning_megatron.data.tokenize import Overlong, tokenize_prompts
 from lightning_megatron.data.tree import TreeSFTDataset, collate_tree
@@ -49,9 +50,10 @@ class SFTDataModule(pl.LightningDataModule):
     out in one row (``data/tree.py``), so shared tokens are computed once; it logs ``tree_token_ratio`` (tree tokens
     over original tokens) and needs ``micro_batch_size=1``, ``context_parallel_size=1`` and no MTP head.
 
-    ``hf_checkpoint``, ``micro_batch_size`` and ``context_parallel_size`` default to the trainer's strategy's
-    attributes of the same names (``context_parallel_size`` to 1 without one). Data-parallel sharding is left
-    to Lightning, which adds a distributed sampler from the strategy's ``distributed_sampler_kwargs``.
+    ``hf_checkpoint``, ``micro_batch_size`` and ``context_parallel_size`` default to what ``MegatronStrategy``
+    hands in before ``setup`` (:meth:`take_data_settings`; ``context_parallel_size`` to 1 without it), and so
+    does whether the model runs an MTP head. Data-parallel sharding is left to Lightning, which adds a
+    distributed sampler from the strategy's ``distributed_sampler_kwargs``.
     """
 
     def __init__(
@@ -100,12 +102,20 @@ class SFTDataModule(pl.LightningDataModule):
         self.datasets: dict[str, Dataset] = {}
         self.predict_examples: list[Example] = []  # the rows behind the predict dataset's indices
         self.tree_token_ratio: dict[str, float] = {}  # per split, with packing="tree"
+        self.handed_settings: DataSettings | None = None  # from the strategy, before setup
+
+    def take_data_settings(self, settings: DataSettings) -> None:
+        """What the run decided (`TakesDataSettings`); `setup` uses it where this data module was given nothing."""
+        self.handed_settings = settings
 
     def setup(self, stage: str) -> None:
         """Resolve the settings the strategy owns, then read, validate and tokenize the stage's files."""
-        self.micro_batch_size = self._resolved("micro_batch_size", self.micro_batch_size)
-        self.context_parallel_size = self._resolved("context_parallel_size", self.context_parallel_size, default=1)
-        self.hf_checkpoint = self._resolved("hf_checkpoint", self.hf_checkpoint)
+        handed = self.handed_settings
+        self.micro_batch_size = _resolved("micro_batch_size", self.micro_batch_size,
+                                          handed and handed.micro_batch_size)
+        self.context_parallel_size = _resolved("context_parallel_size", self.context_parallel_size,
+                                               handed and handed.parallel.context, default=1)
+        self.hf_checkpoint = _resolved("hf_checkpoint", self.hf_checkpoint, handed and handed.hf_checkpoint)
         self._check_layout()
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -198,21 +208,10 @@ class SFTDataModule(pl.LightningDataModule):
             collate_fn=collate_fn,
         )
 
-    def _resolved(self, name: str, value: Any, **fallback: Any) -> Any:
-        """``value`` if given, else the attached trainer's strategy's attribute ``name``, else ``fallback``."""
-        if value is not None:
-            return value
-        trainer = self.trainer
-        strategy_value = getattr(trainer.strategy, name, None) if trainer is not None else None
-        if strategy_value is not None:
-            return strategy_value
-        if "default" in fallback:
-            return fallback["default"]
-        raise ValueError(f"{name} is not set and no trainer strategy provides it: pass SFTDataModule({name}=...)")
-
     def _check_layout(self) -> None:
         if self.packing == "tree":
-            _check_tree_layout(self.micro_batch_size, self.context_parallel_size, self._runs_mtp_head())
+            mtp_head = self.handed_settings is not None and self.handed_settings.mtp_head
+            _check_tree_layout(self.micro_batch_size, self.context_parallel_size, mtp_head)
         alignment = sequence_alignment(self.context_parallel_size)
         if self.seq_length % alignment != 0:
             raise ValueError(
@@ -226,10 +225,6 @@ class SFTDataModule(pl.LightningDataModule):
             )
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
-
-    def _runs_mtp_head(self) -> bool:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        return bool(getattr(module, "enable_mtp", False))
 
     def _report_tree_token_ratio(self, split: str, path: str, dataset: TreeSFTDataset) -> None:
         """Print the ratio and log it to the trainer's logger (``tree_token_ratio``, ``val_tree_token_ratio``)."""
@@ -250,6 +245,17 @@ class SFTDataModule(pl.LightningDataModule):
                 f"{path}: dropped {dropped} of {dropped + kept} rows that do not fit seq_length={self.seq_length} "
                 "or have no response token to train on (overlong='drop')"
             )
+
+
+def _resolved(name: str, value: Any, handed: Any, **fallback: Any) -> Any:
+    """``value`` if given, else what the strategy ``handed`` in, else ``fallback``'s ``default``."""
+    if value is not None:
+        return value
+    if handed is not None:
+        return handed
+    if "default" in fallback:
+        return fallback["default"]
+    raise ValueError(f"{name} is not set and no MegatronStrategy handed it in: pass SFTDataModule({name}=...)")
 
 
 def _default_workers(path: str) -> int:

@@ -64,11 +64,16 @@ def freeze_non_mtp_parameters(chunks: list[torch.nn.Module], *, allow_missing_mt
     return trainable
 
 
-def check_mtp_training_options(mtp_loss_scaling_factor: float, checkpoint_mtp_layers: int) -> None:
-    """What native MTP training needs, checked before any model is built."""
+def check_mtp_loss_scaling_factor(mtp_loss_scaling_factor: float) -> None:
+    """The MTP loss's weight when the head trains: a finite positive number."""
     if not math.isfinite(mtp_loss_scaling_factor) or mtp_loss_scaling_factor <= 0:
         raise ValueError(f"mtp_loss_scaling_factor: {mtp_loss_scaling_factor} must be finite and > 0 "
                          "(DeepSeek-V3 uses 0.1)")
+
+
+def check_mtp_training_options(mtp_loss_scaling_factor: float, checkpoint_mtp_layers: int) -> None:
+    """What native MTP training needs, checked before any model is built."""
+    check_mtp_loss_scaling_factor(mtp_loss_scaling_factor)
     if checkpoint_mtp_layers != 1:
         raise ValueError(f"MTP training supports exactly one MTP layer; the checkpoint declares "
                          f"{checkpoint_mtp_layers} (num_nextn_predict_layers / mtp_num_hidden_layers in config.json)")

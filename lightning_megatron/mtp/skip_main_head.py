@@ -10,7 +10,7 @@ parameters: it never reaches an MTP one (the MTP layer's output is not an input 
 
 `skip_main_lm_head_backward` hooks each last-stage chunk with an MTP block so the main output layer reads a
 detached copy of those hidden states, and ties the model's output (the per-token loss, or the logits without
-labels) back to them through `_ZeroGradientTie`, whose backward sends zeros. The output still requires grad, so the
+labels) back to them through `ZeroGradientTie`, whose backward sends zeros. The output still requires grad, so the
 schedule still runs backward, `MTPLossAutoScaler.backward` still fires with the same scale and the MTP gradients
 are the same; the main-loss values are computed exactly as before.
 
@@ -44,7 +44,7 @@ from lightning_megatron.mtp.parameters import mtp_parameter_flags
 from lightning_megatron.mtp.self_distill import DepthLossHandle, use_mtp_depth_loss
 
 
-class _ZeroGradientTie(torch.autograd.Function):
+class ZeroGradientTie(torch.autograd.Function):
     """`main_output` unchanged, made to depend on `hidden` with a zero gradient (only the shape of it is kept)."""
 
     @staticmethod
@@ -60,7 +60,7 @@ class _ZeroGradientTie(torch.autograd.Function):
 
 class _SkippedMainLoss(torch.autograd.Function):
     """The model's output on a step that skips the main head: zeros in the per-token loss's place, tied to `hidden`
-    with a zero gradient like `_ZeroGradientTie`; its own class so `main_loss_skipped` can tell it apart."""
+    with a zero gradient like `ZeroGradientTie`; its own class so `main_loss_skipped` can tell it apart."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, loss_shape: torch.Size) -> torch.Tensor:
@@ -125,7 +125,7 @@ class _MainHeadShortcut:
     def after_model(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         hidden, self.hidden = self.hidden, None
         if hidden is not None:
-            return _ZeroGradientTie.apply(output, hidden)
+            return ZeroGradientTie.apply(output, hidden)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             raise RuntimeError("MTPOnlyCallback: the model's output requires grad but no main output-layer call "
                                "read MTPLossAutoScaler's output; megatron-core's call pattern changed, pass "
@@ -181,7 +181,7 @@ class _ChunkedMainLoss:
                 logits, _ = output_layer(hidden_states[hidden_slice], weight=output_weight,
                                          runtime_gather_output=runtime_gather_output)
                 loss[label_slice] = self.language_model_loss(labels[label_slice], scale_logits(logits))
-        return _ZeroGradientTie.apply(loss, hidden_states)
+        return ZeroGradientTie.apply(loss, hidden_states)
 
     def _token_chunks(self, hidden: torch.Tensor, sequence_parallel: bool) -> list[tuple[tuple, tuple]]:
         """(hidden `[s, b]` index, labels `[b, s]` index) pairs. Under sequence parallelism the output layer gathers

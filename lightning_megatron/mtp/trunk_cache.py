@@ -64,7 +64,7 @@ from lightning_megatron.atomic import write_file_atomically, write_text_atomical
 from lightning_megatron.distributed import cpu_group
 from lightning_megatron.hf_io import TensorSpec, safetensors_layout
 from lightning_megatron.microbatch import Microbatch, model_inputs
-from lightning_megatron.mtp.skip_main_head import _ZeroGradientTie, main_loss_processor
+from lightning_megatron.mtp.skip_main_head import ZeroGradientTie, main_loss_processor
 from lightning_megatron.staged_write import write_host_tensors
 
 FORMAT_VERSION = 2
@@ -325,7 +325,7 @@ class TrunkCache:
         self.reads += hidden.shape[1]  # rows
         received = gpt.decoder.input_tensor
         if received is not None:  # the previous stage's placeholder: its (zero) gradient is what the schedule sends
-            hidden = _ZeroGradientTie.apply(hidden, received)
+            hidden = ZeroGradientTie.apply(hidden, received)
         inputs = model_inputs(microbatch)
         _, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = gpt._preprocess(
             input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], decoder_input=hidden,

@@ -34,8 +34,8 @@ def _build(path: Path) -> torch.nn.Module:
     from megatron.bridge import AutoBridge  # imported with the adjustments by the fixture
 
     from lightning_megatron.attention import with_core_attention
+    from lightning_megatron.bridges.vl import prepare_vl_provider
     from lightning_megatron.hf_io import read_json
-    from lightning_megatron.vl.bridge import prepare_vl_provider
 
     auto_bridge = AutoBridge.from_hf_pretrained(str(path))
     provider = auto_bridge.to_megatron_provider(load_weights=False)

@@ -16,10 +16,11 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron.bridges import BridgeError, backend_class, capable_backends, create_bridge, registered_backends
 from lightning_megatron.bridges.base import register_backend
-from lightning_megatron.callbacks import MTPOnlyCallback
+from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
+from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
 from lightning_megatron.distributed import ParallelSizes
-from lightning_megatron.lora import LoRACallback
 from lightning_megatron.module import SFTModule
+from lightning_megatron.options import ModelOptions
 from lightning_megatron.strategy import MegatronStrategy, ValidatesMegatronSetup
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
@@ -32,14 +33,31 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("registry") / "qwen3", "qwen3")
 
 
-@pytest.mark.parametrize("bridge_type, mtp_training, lora, vl", [
-    ("mbridge", False, False, False),
-    ("megatron-bridge", True, True, True),
+@pytest.mark.parametrize("bridge_type, mtp_training, lora, vl, reads_model_config", [
+    ("mbridge", False, False, False, False),
+    ("megatron-bridge", True, True, True, True),
 ])
-def test_each_backend_declares_what_it_can_do(bridge_type, mtp_training, lora, vl):
+def test_each_backend_declares_what_it_can_do(bridge_type, mtp_training, lora, vl, reads_model_config):
     backend = backend_class(bridge_type)
     assert backend.name == bridge_type and registered_backends()[bridge_type] is backend
-    assert (backend.supports_mtp_training, backend.supports_lora, backend.supports_vl) == (mtp_training, lora, vl)
+    assert (backend.supports_mtp_training, backend.supports_lora, backend.supports_vl,
+            backend.reads_model_config_before_build) == (mtp_training, lora, vl, reads_model_config)
+
+
+def test_a_backend_without_a_capability_refuses_its_method_naming_the_fix(checkpoint):
+    bridge = create_bridge("mbridge", checkpoint)
+    with pytest.raises(BridgeError, match="bridge_type: mbridge cannot read the model config .*; set bridge_type: "
+                                          "megatron-bridge"):
+        bridge.router_updates_expert_bias(ModelOptions())
+    with pytest.raises(BridgeError, match="bridge_type: mbridge has no LoRA/PEFT support; set bridge_type: "
+                                          "megatron-bridge"):
+        bridge.export_adapter_weights([])
+
+
+def test_megatron_bridge_reads_the_router_expert_bias_from_its_model_config(checkpoint):
+    bridge = create_bridge("megatron-bridge", checkpoint)
+    assert bridge.router_updates_expert_bias(ModelOptions()) is False
+    assert bridge.router_updates_expert_bias(ModelOptions(config_overrides={"moe_router_enable_expert_bias": True}))
 
 
 def test_the_fix_an_error_suggests_comes_from_the_registry():
@@ -69,6 +87,16 @@ def test_the_bridge_accessor_before_a_trainer_ran_says_when_it_exists(checkpoint
     strategy = MegatronStrategy(hf_checkpoint=str(checkpoint))
     with pytest.raises(RuntimeError, match=r"MegatronStrategy.bridge: no bridge yet .*\(trainer\.fit/"):
         _ = strategy.bridge
+
+
+def test_the_strategy_is_reached_through_its_contract_and_any_other_is_refused(checkpoint):
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint))
+    assert isinstance(strategy, MegatronStrategyContract)
+    options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert megatron_strategy(pl.Trainer(strategy=strategy, **options), "HFExport") is strategy
+    with pytest.raises(TypeError, match=r"HFExport needs Trainer\(strategy=MegatronStrategy\(\.\.\.\)\), got "
+                                        "SingleDeviceStrategy"):
+        megatron_strategy(pl.Trainer(**options), "HFExport")
 
 
 def test_the_callbacks_that_validate_the_setup_satisfy_the_protocol():

@@ -45,7 +45,7 @@ def _config(tmp: Path, hf_checkpoint: Path, run: str) -> Path:
          "init_args": {"dirpath": str(tmp / run / "fit_export"), "step": EXPORT_STEP, "adapter": run == "lora"}},
     ]
     if run == "lora":
-        callbacks.insert(0, {"class_path": "lightning_megatron.lora.LoRACallback", "init_args": LORA})
+        callbacks.insert(0, {"class_path": "lightning_megatron.callbacks.LoRACallback", "init_args": LORA})
     config = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": EXPORT_STEP + 1, "logger": False,

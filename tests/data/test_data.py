@@ -383,3 +383,19 @@ def test_settings_the_strategy_owns_must_come_from_somewhere(tmp_path: Path, che
     datamodule = SFTDataModule(train, hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1)
     datamodule.setup("fit")
     assert datamodule.val_dataloader() == []  # no val_path: Lightning skips validation
+
+
+def test_settings_the_strategy_hands_in_fill_only_what_was_not_given(tmp_path: Path, checkpoint: Path) -> None:
+    from lightning_megatron.data.settings import DataSettings, hand_data_settings
+    from lightning_megatron.distributed import ParallelSizes
+
+    settings = DataSettings(str(checkpoint), micro_batch_size=2, parallel=ParallelSizes(context=2), mtp_head=False)
+    handed = SFTDataModule(good_file(tmp_path), seq_length=32)
+    hand_data_settings(handed, settings)
+    handed.setup("fit")
+    assert (handed.hf_checkpoint, handed.micro_batch_size, handed.context_parallel_size) == (str(checkpoint), 2, 2)
+    given = SFTDataModule(good_file(tmp_path), seq_length=32, micro_batch_size=1, context_parallel_size=1)
+    hand_data_settings(given, settings)
+    given.setup("fit")
+    assert (given.hf_checkpoint, given.micro_batch_size, given.context_parallel_size) == (str(checkpoint), 1, 1)
+

@@ -184,8 +184,8 @@ def test_overlong_rows_are_reported_or_dropped_never_cut(vl_checkpoints, vl_data
 
 def test_vl_options_a_model_cannot_serve_are_refused_naming_model_and_option(vl_checkpoints):
     from lightning_megatron.bridges import BridgeError, create_bridge
+    from lightning_megatron.bridges.vl import VLOptionError, check_vl_options
     from lightning_megatron.options import ModelOptions
-    from lightning_megatron.vl.bridge import VLOptionError, check_vl_options
 
     config = create_bridge("megatron-bridge", vl_checkpoints["qwen2_5_vl"]).hf_config
     with pytest.raises(VLOptionError, match=r"context_parallel_size: 2 is not supported for Qwen2\.5-VL"):

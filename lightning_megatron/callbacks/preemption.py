@@ -31,6 +31,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_megatron.contract import megatron_strategy
 from lightning_megatron.distributed import cpu_group
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143
@@ -50,6 +51,7 @@ class PreemptionCheckpoint(pl.Callback):
         self._previous: dict[int, Any] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        megatron_strategy(trainer, "PreemptionCheckpoint")  # refused now rather than when a signal comes
         self._received = 0
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionCheckpoint: fit runs outside the main thread, where Python cannot install "
@@ -68,9 +70,7 @@ class PreemptionCheckpoint(pl.Callback):
         rank_zero_info(f"PreemptionCheckpoint: signal {received.item()} received; saving {path} at step "
                        f"{trainer.global_step}, then exiting with status {PREEMPTED_EXIT_CODE}")
         trainer.save_checkpoint(path)
-        finish_saves = getattr(trainer.strategy, "finish_saves", None)
-        if finish_saves is not None:
-            finish_saves()  # a background save is published before the process exits
+        megatron_strategy(trainer, "PreemptionCheckpoint").finish_saves()  # a background save is published first
         if trainer.is_global_zero and self._requeue_job(trainer):
             job_id = os.environ["SLURM_JOB_ID"]
             rank_zero_info(f"PreemptionCheckpoint: requeueing SLURM job {job_id}")
