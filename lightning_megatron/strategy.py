@@ -17,7 +17,6 @@ Lifecycle (the order Lightning calls us in):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -42,7 +41,7 @@ from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.moe import check_expert_parallel_world
-from lightning_megatron.optimizer import MegatronOptimizerAdapter
+from lightning_megatron.optimizer import MegatronOptimizerAdapter, check_megatron_optimizers, megatron_optimizer
 from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
@@ -247,14 +246,9 @@ class MegatronStrategy(ParallelStrategy):
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
     def _build_model(self, module: MegatronLightningModule) -> None:
-        options = module.model_options()
-        options = dataclasses.replace(
-            options,
-            params_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
-            sequence_parallel=self.sequence_parallel,
-            attention_backend=self.attention_backend,
-            config_overrides={**self._config_overrides(), **options.config_overrides},
-        )
+        options = module.model_options().under_strategy(
+            precision=self.precision, sequence_parallel=self.sequence_parallel,
+            attention_backend=self.attention_backend)
         bridge = create_bridge(self.bridge_type, self.hf_checkpoint, trust_remote_code=self.trust_remote_code)
         self._bridge = bridge
         for callback in module.trainer.callbacks:
@@ -263,14 +257,6 @@ class MegatronStrategy(ParallelStrategy):
         bridge.validate(options)
         chunks = bridge.build(options)
         module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in chunks)
-
-    def _config_overrides(self) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"calculate_per_token_loss": True}  # token-weighted over microbatches and DP x CP
-        if self.precision == "fp32":
-            # megatron-core's fused ("native") cross-entropy returns bf16 logit gradients whatever the dtype
-            # (fusions/fused_cross_entropy.py:73); megatron-bridge turns it on by default
-            overrides["cross_entropy_loss_fusion"] = False
-        return overrides
 
     # ------------------------------------------------------------------ setup: pre-wrap hooks, DDP, optimizer
 
@@ -298,11 +284,7 @@ class MegatronStrategy(ParallelStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if not all(isinstance(optimizer, MegatronOptimizerAdapter) for optimizer in self.optimizers):
-                raise TypeError("configure_optimizers must return the optimizer from "
-                                "trainer.strategy.megatron_optimizer(OptimizerConfig(...)) (Megatron's optimizer "
-                                "owns the DDP gradient buffers); do not configure it through LightningCLI's "
-                                "optimizer: group")
+            check_megatron_optimizers(self.optimizers)
         self.setup_precision_plugin()
 
     def megatron_optimizer(self, config: Any) -> MegatronOptimizerAdapter:
@@ -311,19 +293,8 @@ class MegatronStrategy(ParallelStrategy):
         Call it from `configure_optimizers` with an `megatron.core.optimizer.OptimizerConfig` carrying the
         optimizer's own hyperparameters (lr, betas, weight decay).
         """
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.utils import get_model_config
-
-        config = dataclasses.replace(
-            config,
-            bf16=self.precision == "bf16",
-            params_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            clip_grad=self.clip_grad,
-        )
-        optimizer = get_megatron_optimizer(config, self.model_chunks)
-        get_model_config(self.model_chunks[0]).grad_scale_func = optimizer.scale_loss
-        return MegatronOptimizerAdapter(optimizer)
+        return megatron_optimizer(config, self.model_chunks, bf16=self.precision == "bf16",
+                                  use_distributed_optimizer=self.use_distributed_optimizer, clip_grad=self.clip_grad)
 
     # ------------------------------------------------------------------ data
 
@@ -389,13 +360,8 @@ class MegatronStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if isinstance(optimizer, MegatronOptimizerAdapter):
-            module = self.lightning_module
-            if optimizer.last_grad_norm is not None:
-                module.log("grad_norm", optimizer.last_grad_norm, on_step=True, on_epoch=False)
-            for group, norm in optimizer.last_grad_norms_by_group.items():
-                module.log(f"grad_norm_{group}", norm, on_step=True, on_epoch=False)
-            if optimizer.param_groups:
-                module.log("lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+            for name, value in optimizer.step_metrics().items():
+                self.lightning_module.log(name, value, on_step=True, on_epoch=False)
         return output
 
     # ------------------------------------------------------------------ collectives
