@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron.full_graph import FullIterationGraph
+from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
 from lightning_megatron.microbatch import with_fixed_sequence_count
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy

@@ -42,7 +42,7 @@ FLOORS: dict[str, int] = {
     "lightning_megatron.background_save": 3,
     "lightning_megatron.preemption": 3,
     "lightning_megatron.schedule": 3,
-    "lightning_megatron.full_graph": 3,
+    "lightning_megatron.cuda_graphs": 3,
     "lightning_megatron.module": 3,
     "lightning_megatron.vl": 3,
     # the VL bridge glue (VL model types and option checks) lives in vl/ as DESIGN.md says, but the bridges'
@@ -62,7 +62,6 @@ FLOORS: dict[str, int] = {
     "lightning_megatron.attention_layout": 1,
     "lightning_megatron.data": 1,
     "lightning_megatron.tree_rotary": 1,
-    "lightning_megatron.graphed_forward": 1,
     # 0: ground-floor leaves
     "lightning_megatron.microbatch": 0,
     "lightning_megatron.options": 0,

@@ -1,4 +1,4 @@
-"""The frozen trunk replayed from CUDA graphs in MTP-only training (`mtp.trunk_graph`, `graphed_forward`).
+"""The frozen trunk replayed from CUDA graphs in MTP-only training (`cuda_graphs.frozen_trunk`, `graphed_forward`).
 
 On a GPU, a tiny Qwen3+MTP model in bf16, two epochs of MTP-only steps: with the graph, every logged metric
 (`mtp_loss`, `mtp_accuracy`, `lm_loss`, ...), every step's MTP gradients and the final MTP weights equal the eager

@@ -5,7 +5,7 @@ so they only ever see the MTP parameters) every non-MTP parameter is frozen, sha
 projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
 backward hangs off it; by default its values are computed only on the steps that log them and its own backward is
 skipped (`mtp.skip_main_head`); on a GPU the frozen trunk's forward is replayed from CUDA graphs
-(`mtp.trunk_graph`). At the end of fit an audit compares a checksum of every frozen tensor with its
+(`cuda_graphs.frozen_trunk`). At the end of fit an audit compares a checksum of every frozen tensor with its
 value when training started (after the wrap and any checkpoint restore, before the first step; no copy of the
 weights is kept) and writes the result as JSON; a frozen tensor that changed fails the run.
 """
@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.bridges import capable_backends
+from lightning_megatron.cuda_graphs.frozen_trunk import graph_frozen_trunk
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp.skip_main_head import MainLossOnDemand, skip_main_lm_head_backward
 from lightning_megatron.mtp.trunk_cache import TrunkCache, close_trunk_cache, open_trunk_cache
-from lightning_megatron.mtp.trunk_graph import graph_frozen_trunk
 
 if TYPE_CHECKING:
-    from lightning_megatron.graphed_forward import GraphedForward
+    from lightning_megatron.cuda_graphs.graphed_forward import GraphedForward
     from lightning_megatron.strategy import MegatronStrategy
 
 
@@ -61,8 +61,9 @@ class MTPOnlyCallback(pl.Callback):
     changes (e.g. during RL).
     `cuda_graph_trunk`: replay the frozen trunk's forward (every decoder layer and the final norm) from CUDA graphs,
     one per input shape, instead of launching its kernels (over a thousand per microbatch at 28 layers) one by one
-    from the host (`mtp.trunk_graph`; the same values). Null (auto): on where it applies: the model on a CUDA device, full or padded rows, no tensor,
-    context or sequence parallelism, the first pipeline stage (its `mtp.trunk_graph` docstring lists the rest);
+    from the host (`cuda_graphs.frozen_trunk`; the same values). Null (auto): on where it applies: the model on a
+    CUDA device, full or padded rows, no tensor, context or sequence parallelism, the first pipeline stage (the
+    `cuda_graphs.frozen_trunk` docstring lists the rest);
     elsewhere, and for inputs it does not cover (packed or tree rows), the trunk runs eagerly, logged once. True:
     the same, but a CPU run is refused and chunks left eager are warned about; false: always eager.
     """

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.graphed_forward import GraphedForward
+from lightning_megatron.cuda_graphs.graphed_forward import GraphedForward
 
 logger = logging.getLogger(__name__)
 
