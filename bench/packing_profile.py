@@ -43,7 +43,8 @@ from bench.packing import TINY as PACKING_TINY
 from bench.packing import layouts, sft_sequences
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
-from lightning_megatron.cuda_graphs.full_iteration import SEQUENCES_PER_ROW, FullIterationGraph
+from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
+from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW
 from lightning_megatron.distributed import init_single_process
 from lightning_megatron.schedule import run_schedule
 

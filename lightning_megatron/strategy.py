@@ -37,7 +37,8 @@ from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron import schedule
 from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
-from lightning_megatron.cuda_graphs import full_iteration
+from lightning_megatron.cuda_graphs.full_iteration import StrategyCudaGraphs
+from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW, CudaGraph
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.module import MegatronLightningModule
@@ -94,8 +95,8 @@ class MegatronStrategy(ParallelStrategy):
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         async_save: bool = False,
-        cuda_graph: full_iteration.CudaGraph = "none",
-        cuda_graph_sequences_per_row: int = full_iteration.SEQUENCES_PER_ROW,
+        cuda_graph: CudaGraph = "none",
+        cuda_graph_sequences_per_row: int = SEQUENCES_PER_ROW,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
         accelerator: Accelerator | None = None,
@@ -114,9 +115,8 @@ class MegatronStrategy(ParallelStrategy):
             global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
             clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
-        full_iteration.check_cuda_graph_options(cuda_graph, cuda_graph_sequences_per_row,
-                                                pipeline_model_parallel_size, context_parallel_size,
-                                                expert_model_parallel_size)
+        self.cuda_graphs = StrategyCudaGraphs(cuda_graph, cuda_graph_sequences_per_row, ParallelSizes(
+            pipeline=pipeline_model_parallel_size, context=context_parallel_size, expert=expert_model_parallel_size))
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
         self.hf_checkpoint = hf_checkpoint
         self.bridge_type = bridge_type
@@ -139,8 +139,6 @@ class MegatronStrategy(ParallelStrategy):
         self.trust_remote_code = trust_remote_code
         self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
         self._saves = BackgroundSaves(enabled=async_save)
-        self.cuda_graph, self.cuda_graph_sequences_per_row = cuda_graph, cuda_graph_sequences_per_row
-        self._graph: full_iteration.FullIterationGraph | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -227,7 +225,7 @@ class MegatronStrategy(ParallelStrategy):
         check_trainer_options(module.trainer)
         if self.hf_checkpoint is None:
             raise ValueError("hf_checkpoint: MegatronStrategy needs the HF checkpoint folder to build the model from")
-        full_iteration.check_cuda_graph_device(self.cuda_graph, self.root_device)
+        self.cuda_graphs.check_device(self.root_device)
         prepare_megatron_core()
         self._init_parallel_state()
         self._build_model(module)
@@ -244,7 +242,7 @@ class MegatronStrategy(ParallelStrategy):
         )
         check_expert_parallel_world(self.world_size, sizes.expert, sizes.expert_tensor, sizes.pipeline)
         sizes.initialize(timeout_minutes=int(self._timeout.total_seconds() // 60))
-        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graph != "none")
+        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graphs.options.full_iteration)
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
     def _build_model(self, module: MegatronLightningModule) -> None:
@@ -274,8 +272,8 @@ class MegatronStrategy(ParallelStrategy):
         chunks = list(module.model)
         for hook in self._pre_wrap_hooks:
             hook(chunks)
-        if trainer.state.fn == TrainerFn.FITTING:  # before DDP: the fit's stream changes with it (cuda_graphs/)
-            self._graph = full_iteration.training_graph(self.cuda_graph, self.cuda_graph_sequences_per_row, chunks)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.cuda_graphs.make(chunks)  # before DDP wraps them: the fit's stream changes with the graph
         self.model_chunks = schedule.wrap_chunks(
             chunks, bf16=self.precision == "bf16", train=trainer.state.fn == TrainerFn.FITTING,
             grad_reduce_in_fp32=self.grad_reduce_in_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
@@ -344,7 +342,7 @@ class MegatronStrategy(ParallelStrategy):
         metrics = schedule.run_schedule(
             self.model_chunks, microbatches, forward_step, loss_func, forward_only=forward_only,
             cut_for_context_parallel=not module.cuts_context_parallel_in_model, device=self.root_device,
-            graph=self._graph)
+            graph=self.cuda_graphs.graph)
         if not forward_only and self._train_batches is not None:
             self._train_batches.consumed += 1
         return metrics
@@ -459,7 +457,7 @@ class MegatronStrategy(ParallelStrategy):
         fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
         self._train_batches = None
         self._saves.abort()  # only an exception leaves a save in flight here: on_train_end waited for it
-        full_iteration.release(self._graph)  # its memory, and the stream the fit ran on
+        self.cuda_graphs.release()  # the graph's memory, and the stream the fit ran on
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
