@@ -9,9 +9,10 @@ three layouts of rows of `--seq` tokens (one row per microbatch):
 - `full`: unpadded `--seq`-token rows (causal SDPA), as many as the real tokens fill.
 Each layout runs as `bench.packing_profile`'s candidate of that name (`--layouts` picks some; `packed_before` is the
 packed path before issue 29). `full_graph` and `packed_graph` (GPU only; skipped with the reason on the CPU) run the
-same rows through `MegatronStrategy(cuda_graph="full_iteration")`'s code path (`lightning_megatron.full_graph`): the
-step's forward-backward captured once and replayed, full rows through flex_attention because cuDNN SDPA's backward
-cannot be captured. A layout that fails records its error and the others still run. Reported per layout:
+same rows through `MegatronStrategy(cuda_graph="full_iteration")`'s code path
+(`lightning_megatron.cuda_graphs.full_iteration`): the step's forward-backward captured once and replayed, full rows
+through flex_attention because cuDNN SDPA's backward cannot be captured. A layout that fails records its error and
+the others still run. Reported per layout:
 real (non-pad) tokens/s, step time, peak memory, the GPU-busy fraction of the step (device activity from one
 `torch.profiler` step over the un-profiled step time), kernel launches, host syncs (and the Python lines that made
 them), the CPU time of the microbatch's host work and the top kernels and CPU operators (`--markdown` writes those

@@ -43,8 +43,9 @@ from bench.packing import TINY as PACKING_TINY
 from bench.packing import layouts, sft_sequences
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
+from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
+from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW
 from lightning_megatron.distributed import init_single_process
-from lightning_megatron.full_graph import SEQUENCES_PER_ROW, FullIterationGraph
 from lightning_megatron.schedule import run_schedule
 
 TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
@@ -137,7 +138,7 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
     target = device()
     with _cudagraphable_rng() if mode in GRAPH_MODES else contextlib.nullcontext():
         config, model = gpt_model(args, "sdpa", **overrides)
-    # made before DDP wraps the model, as the strategy does: the fit's stream changes with it (full_graph.py)
+    # made before DDP wraps the model, as the strategy does: the fit's stream changes with it (cuda_graphs/)
     graph = FullIterationGraph([model], SEQUENCES_PER_ROW) if mode == "graph" else None
     model, optimizer = trainable(config, model, bf16=args.dtype == "bf16")
     on_device = [{k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in microbatches]

@@ -7,7 +7,8 @@ scheduler's writes reach the real groups) and runs Megatron's step, which unscal
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +47,14 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.megatron_optimizer.state = value
 
+    def step_metrics(self) -> dict[str, float]:
+        """What the last step reports: `grad_norm`, `grad_norm_<group>` per group Megatron clips apart, `lr`."""
+        metrics = {} if self.last_grad_norm is None else {"grad_norm": self.last_grad_norm}
+        metrics.update({f"grad_norm_{group}": norm for group, norm in self.last_grad_norms_by_group.items()})
+        if self.param_groups:
+            metrics["lr"] = self.param_groups[0]["lr"]
+        return metrics
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.megatron_optimizer.zero_grad(set_to_none)
 
@@ -73,3 +82,26 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"MegatronOptimizerAdapter({type(self.megatron_optimizer).__name__})"
+
+
+def megatron_optimizer(config: Any, chunks: list[torch.nn.Module], *, bf16: bool, use_distributed_optimizer: bool,
+                       clip_grad: float) -> MegatronOptimizerAdapter:
+    """Megatron's optimizer for the wrapped `chunks`: the hyperparameters of `config` (an `OptimizerConfig`), the
+    precision, distribution and clipping given; the model's loss scaling follows it."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.utils import get_model_config
+
+    config = dataclasses.replace(config, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                                 use_distributed_optimizer=use_distributed_optimizer, clip_grad=clip_grad)
+    optimizer = get_megatron_optimizer(config, chunks)
+    get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
+    return MegatronOptimizerAdapter(optimizer)
+
+
+def check_megatron_optimizers(optimizers: Sequence[object]) -> None:
+    """Raise unless every optimizer is the one `megatron_optimizer` made (it owns the DDP gradient buffers)."""
+    if not all(isinstance(optimizer, MegatronOptimizerAdapter) for optimizer in optimizers):
+        raise TypeError("configure_optimizers must return the optimizer from "
+                        "trainer.strategy.megatron_optimizer(OptimizerConfig(...)) (Megatron's optimizer "
+                        "owns the DDP gradient buffers); do not configure it through LightningCLI's "
+                        "optimizer: group")

@@ -6,7 +6,7 @@ name these types without importing each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -37,6 +37,19 @@ class ModelOptions:
     attention_backend: AttentionBackend = "auto"
     config_overrides: dict[str, Any] = field(default_factory=dict)
     random_weights: bool = False
+
+    def under_strategy(self, *, precision: str, sequence_parallel: bool,
+                       attention_backend: AttentionBackend) -> ModelOptions:
+        """These options with what `MegatronStrategy` decides: the parameters' dtype, sequence parallelism, the core
+        attention, and `TransformerConfig` fields of its own (the module's `config_overrides` win)."""
+        overrides: dict[str, Any] = {"calculate_per_token_loss": True}  # token-weighted over microbatches and DP x CP
+        if precision == "fp32":
+            # megatron-core's fused ("native") cross-entropy returns bf16 logit gradients whatever the dtype
+            # (fusions/fused_cross_entropy.py:73); megatron-bridge turns it on by default
+            overrides["cross_entropy_loss_fusion"] = False
+        return replace(self, params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                       sequence_parallel=sequence_parallel, attention_backend=attention_backend,
+                       config_overrides={**overrides, **self.config_overrides})
 
 
 def check_strategy_options(*, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,

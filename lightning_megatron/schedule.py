@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning_megatron.microbatch import LossOutput, Microbatch, check_microbatch, split_for_context_parallel
 
 if TYPE_CHECKING:
-    from lightning_megatron.full_graph import FullIterationGraph
+    from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
 
 
 def microbatches_per_global_batch(global_batch_size: int | None, micro_batch_size: int,
@@ -155,7 +155,7 @@ def run_schedule(
     `cut_for_context_parallel`: hand `forward_step` this rank's part of each microbatch (False when the model cuts
     the sequence itself). Metrics are summed over microbatches and data-parallel x context-parallel ranks, then
     divided by their token counts, and are the same on every rank (pipeline stages without the loss receive it).
-    `graph`: a training batch (not `forward_only`) runs through this whole-iteration CUDA graph (`full_graph.py`).
+    `graph`: a training batch (not `forward_only`) runs through this whole-iteration CUDA graph (`cuda_graphs/`).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -17,7 +17,6 @@ Lifecycle (the order Lightning calls us in):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -35,15 +34,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_megatron import checkpoint as megatron_checkpoint
-from lightning_megatron import full_graph, schedule
+from lightning_megatron import schedule
 from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
 from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, PreWrapHook
 from lightning_megatron.data.settings import DataSettings, hand_data_settings
+from lightning_megatron.cuda_graphs.full_iteration import StrategyCudaGraphs
+from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW, CudaGraph
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.moe import check_expert_parallel_world
-from lightning_megatron.optimizer import MegatronOptimizerAdapter
+from lightning_megatron.optimizer import MegatronOptimizerAdapter, check_megatron_optimizers, megatron_optimizer
 from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
 
 
@@ -93,8 +94,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         async_save: bool = False,
-        cuda_graph: full_graph.CudaGraph = "none",
-        cuda_graph_sequences_per_row: int = full_graph.SEQUENCES_PER_ROW,
+        cuda_graph: CudaGraph = "none",
+        cuda_graph_sequences_per_row: int = SEQUENCES_PER_ROW,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
         accelerator: Accelerator | None = None,
@@ -113,8 +114,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
             global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
             clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
-        full_graph.check_cuda_graph_options(cuda_graph, cuda_graph_sequences_per_row, pipeline_model_parallel_size,
-                                            context_parallel_size, expert_model_parallel_size)
+        self.cuda_graphs = StrategyCudaGraphs(cuda_graph, cuda_graph_sequences_per_row, ParallelSizes(
+            pipeline=pipeline_model_parallel_size, context=context_parallel_size, expert=expert_model_parallel_size))
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
         self.hf_checkpoint = hf_checkpoint
         self.bridge_type = bridge_type
@@ -137,8 +138,6 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         self.trust_remote_code = trust_remote_code
         self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
         self._saves = BackgroundSaves(enabled=async_save)
-        self.cuda_graph, self.cuda_graph_sequences_per_row = cuda_graph, cuda_graph_sequences_per_row
-        self._graph: full_graph.FullIterationGraph | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
         self._num_nodes = 1
@@ -225,7 +224,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         check_trainer_options(module.trainer)
         if self.hf_checkpoint is None:
             raise ValueError("hf_checkpoint: MegatronStrategy needs the HF checkpoint folder to build the model from")
-        full_graph.check_cuda_graph_device(self.cuda_graph, self.root_device)
+        self.cuda_graphs.check_device(self.root_device)
         prepare_megatron_core()
         self._init_parallel_state()
         self._build_model(module)
@@ -242,18 +241,13 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         )
         check_expert_parallel_world(self.world_size, sizes.expert, sizes.expert_tensor, sizes.pipeline)
         sizes.initialize(timeout_minutes=int(self._timeout.total_seconds() // 60))
-        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graph != "none")
+        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graphs.options.full_iteration)
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
     def _build_model(self, module: MegatronLightningModule) -> None:
-        options = module.model_options()
-        options = dataclasses.replace(
-            options,
-            params_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
-            sequence_parallel=self.sequence_parallel,
-            attention_backend=self.attention_backend,
-            config_overrides={**self._config_overrides(), **options.config_overrides},
-        )
+        options = module.model_options().under_strategy(
+            precision=self.precision, sequence_parallel=self.sequence_parallel,
+            attention_backend=self.attention_backend)
         bridge = create_bridge(self.bridge_type, self.hf_checkpoint, trust_remote_code=self.trust_remote_code)
         self._bridge = bridge
         for callback in module.trainer.callbacks:
@@ -263,14 +257,6 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
             self.hf_checkpoint, self.micro_batch_size, ParallelSizes.current(), mtp_head=options.mtp))
         chunks = bridge.build(options)  # validates the options first
         module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in chunks)
-
-    def _config_overrides(self) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"calculate_per_token_loss": True}  # token-weighted over microbatches and DP x CP
-        if self.precision == "fp32":
-            # megatron-core's fused ("native") cross-entropy returns bf16 logit gradients whatever the dtype
-            # (fusions/fused_cross_entropy.py:73); megatron-bridge turns it on by default
-            overrides["cross_entropy_loss_fusion"] = False
-        return overrides
 
     # ------------------------------------------------------------------ setup: pre-wrap hooks, DDP, optimizer
 
@@ -286,8 +272,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         chunks = list(module.model)
         for hook in self._pre_wrap_hooks:
             hook(chunks)
-        if trainer.state.fn == TrainerFn.FITTING:  # made before DDP: the fit's stream changes with it (full_graph.py)
-            self._graph = full_graph.training_graph(self.cuda_graph, self.cuda_graph_sequences_per_row, chunks)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.cuda_graphs.make(chunks)  # before DDP wraps them: the fit's stream changes with the graph
         self.model_chunks = schedule.wrap_chunks(
             chunks, bf16=self.precision == "bf16", train=trainer.state.fn == TrainerFn.FITTING,
             grad_reduce_in_fp32=self.grad_reduce_in_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
@@ -298,11 +284,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if not all(isinstance(optimizer, MegatronOptimizerAdapter) for optimizer in self.optimizers):
-                raise TypeError("configure_optimizers must return the optimizer from "
-                                "trainer.strategy.megatron_optimizer(OptimizerConfig(...)) (Megatron's optimizer "
-                                "owns the DDP gradient buffers); do not configure it through LightningCLI's "
-                                "optimizer: group")
+            check_megatron_optimizers(self.optimizers)
         self.setup_precision_plugin()
 
     def megatron_optimizer(self, config: Any) -> MegatronOptimizerAdapter:
@@ -311,19 +293,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         Call it from `configure_optimizers` with an `megatron.core.optimizer.OptimizerConfig` carrying the
         optimizer's own hyperparameters (lr, betas, weight decay).
         """
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.utils import get_model_config
-
-        config = dataclasses.replace(
-            config,
-            bf16=self.precision == "bf16",
-            params_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            clip_grad=self.clip_grad,
-        )
-        optimizer = get_megatron_optimizer(config, self.model_chunks)
-        get_model_config(self.model_chunks[0]).grad_scale_func = optimizer.scale_loss
-        return MegatronOptimizerAdapter(optimizer)
+        return megatron_optimizer(config, self.model_chunks, bf16=self.precision == "bf16",
+                                  use_distributed_optimizer=self.use_distributed_optimizer, clip_grad=self.clip_grad)
 
     # ------------------------------------------------------------------ data
 
@@ -371,7 +342,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         metrics = schedule.run_schedule(
             self.model_chunks, microbatches, forward_step, loss_func, forward_only=forward_only,
             cut_for_context_parallel=not module.cuts_context_parallel_in_model, device=self.root_device,
-            graph=self._graph)
+            graph=self.cuda_graphs.graph)
         if not forward_only and self._train_batches is not None:
             self._train_batches.consumed += 1
         return metrics
@@ -389,13 +360,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if isinstance(optimizer, MegatronOptimizerAdapter):
-            module = self.lightning_module
-            if optimizer.last_grad_norm is not None:
-                module.log("grad_norm", optimizer.last_grad_norm, on_step=True, on_epoch=False)
-            for group, norm in optimizer.last_grad_norms_by_group.items():
-                module.log(f"grad_norm_{group}", norm, on_step=True, on_epoch=False)
-            if optimizer.param_groups:
-                module.log("lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+            for name, value in optimizer.step_metrics().items():
+                self.lightning_module.log(name, value, on_step=True, on_epoch=False)
         return output
 
     # ------------------------------------------------------------------ collectives
@@ -491,7 +457,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
         self._train_batches = None
         self._saves.abort()  # only an exception leaves a save in flight here: on_train_end waited for it
-        full_graph.release(self._graph)  # its memory, and the stream the fit ran on
+        self.cuda_graphs.release()  # the graph's memory, and the stream the fit ran on
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -5,7 +5,7 @@ so they only ever see the MTP parameters) every non-MTP parameter is frozen, sha
 projection included. The main SFT loss stays in the graph (and is logged as `lm_loss`): Megatron-Core's MTP loss
 backward hangs off it; by default its values are computed only on the steps that log them and its own backward is
 skipped (`mtp.skip_main_head`); on a GPU the frozen trunk's forward is replayed from CUDA graphs
-(`mtp.trunk_graph`). At the end of fit an audit compares a checksum of every frozen tensor with its
+(`cuda_graphs.frozen_trunk`). At the end of fit an audit compares a checksum of every frozen tensor with its
 value when training started (after the wrap and any checkpoint restore, before the first step; no copy of the
 weights is kept) and writes the result as JSON; a frozen tensor that changed fails the run.
 """
@@ -13,6 +13,7 @@ weights is kept) and writes the result as JSON; a frozen tensor that changed fai
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,14 +23,16 @@ import torch.distributed as dist
 
 from lightning_megatron.bridges import capable_backends
 from lightning_megatron.contract import MegatronLightningModule
+from lightning_megatron.cuda_graphs.frozen_trunk import graph_frozen_trunk
+from lightning_megatron.cuda_graphs.options import CudaGraphOptions
+from lightning_megatron.cuda_graphs.refusals import Setting, check_setting
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters, mtp_parameter_flags
 from lightning_megatron.mtp.skip_main_head import MainLossOnDemand, skip_main_lm_head_backward
 from lightning_megatron.mtp.trunk_cache import TrunkCache, close_trunk_cache, open_trunk_cache
-from lightning_megatron.mtp.trunk_graph import graph_frozen_trunk
 
 if TYPE_CHECKING:
-    from lightning_megatron.graphed_forward import GraphedForward
+    from lightning_megatron.cuda_graphs.graphed_forward import GraphedForward
     from lightning_megatron.strategy import MegatronStrategy
 
 
@@ -62,8 +65,9 @@ class MTPOnlyCallback(pl.Callback):
     changes (e.g. during RL).
     `cuda_graph_trunk`: replay the frozen trunk's forward (every decoder layer and the final norm) from CUDA graphs,
     one per input shape, instead of launching its kernels (over a thousand per microbatch at 28 layers) one by one
-    from the host (`mtp.trunk_graph`; the same values). Null (auto): on where it applies: the model on a CUDA device, full or padded rows, no tensor,
-    context or sequence parallelism, the first pipeline stage (its `mtp.trunk_graph` docstring lists the rest);
+    from the host (`cuda_graphs.frozen_trunk`; the same values). Null (auto): on where it applies: the model on a
+    CUDA device, full or padded rows, no tensor, context or sequence parallelism, the first pipeline stage (the
+    `cuda_graphs.refusals` table lists the rest);
     elsewhere, and for inputs it does not cover (packed or tree rows), the trunk runs eagerly, logged once. True:
     the same, but a CPU run is refused and chunks left eager are warned about; false: always eager.
     """
@@ -87,7 +91,8 @@ class MTPOnlyCallback(pl.Callback):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.trunk_cache_dir = trunk_cache_dir
         self.trunk_cache: TrunkCache | None = None
-        self.cuda_graph_trunk = cuda_graph_trunk
+        # joined to the strategy's options in validate_megatron_setup
+        self.cuda_graph_options = CudaGraphOptions.parse(cuda_graph_trunk=cuda_graph_trunk)
         self.trunk_graphs: list[GraphedForward] = []  # kept after fit: their counts stay readable
         self.trainable: list[str] = []
         self._frozen_checksums: dict[str, tuple[int, int]] = {}
@@ -95,10 +100,10 @@ class MTPOnlyCallback(pl.Callback):
 
     def validate_megatron_setup(self, strategy: MegatronStrategy, module: MegatronLightningModule) -> None:
         """Called by MegatronStrategy before the model is built, so a bad combination costs no weight loading."""
-        if strategy.cuda_graph != "none":
-            raise ValueError(f"cuda_graph: {strategy.cuda_graph} does not serve MTPOnlyCallback (it decides in Python, "
-                             "step by step, whether the main head runs; replays would repeat one choice): set the "
-                             "strategy's cuda_graph: none (MTPOnlyCallback's cuda_graph_trunk graphs the frozen trunk)")
+        # the run's CUDA graph options: the strategy's, with this callback's cuda_graph_trunk
+        self.cuda_graph_options = replace(strategy.cuda_graphs.options,
+                                          frozen_trunk=self.cuda_graph_options.frozen_trunk)
+        check_setting(Setting(self.cuda_graph_options, mtp_only=True))
         bridge = strategy.bridge
         if not bridge.supports_mtp_training:
             capable = capable_backends(lambda backend: backend.supports_mtp_training)
@@ -107,9 +112,7 @@ class MTPOnlyCallback(pl.Callback):
         if not module.enable_mtp_training:
             raise ValueError("MTPOnlyCallback trains the MTP head: set SFTModule(enable_mtp=True) "
                              "(enable_mtp_training then defaults to true)")
-        if self.cuda_graph_trunk and strategy.root_device.type != "cuda":
-            raise ValueError(f"cuda_graph_trunk: true needs the model on a CUDA device (this run's is "
-                             f"{strategy.root_device}); set cuda_graph_trunk: null (on where it applies) or false")
+        check_setting(Setting(self.cuda_graph_options, device=strategy.root_device, mtp_only=True))
         every, logged_every = self.log_lm_loss_every_n_steps, module.trainer.log_every_n_steps
         if every is not None and logged_every % every:
             raise ValueError(f"log_lm_loss_every_n_steps: {every} must divide the trainer's log_every_n_steps "
@@ -130,8 +133,7 @@ class MTPOnlyCallback(pl.Callback):
         if self.skip_main_head_backward:
             self._hook_handles = skip_main_lm_head_backward(chunks, chunk_tokens=self.loss_chunk_tokens,
                                                             on_demand=self._main_loss)
-        if self.cuda_graph_trunk is not False and next(chunks[0].parameters()).device.type == "cuda":
-            self.trunk_graphs = graph_frozen_trunk(chunks, required=bool(self.cuda_graph_trunk))
+        self.trunk_graphs = graph_frozen_trunk(chunks, self.cuda_graph_options)
 
     @property
     def main_head_runs(self) -> bool:

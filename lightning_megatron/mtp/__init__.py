@@ -5,7 +5,6 @@
 - `chunked_cross_entropy`: Megatron-Core's vocabulary-parallel cross-entropy, a chunk of tokens at a time.
 - `self_distill`: the self-distillation MTP loss (KL to the detached main head) and the per-depth loss override.
 - `trunk_cache`: later epochs of MTP-only training from a cache of the frozen trunk's output.
-- `trunk_graph`: the frozen trunk's forward replayed from CUDA graphs (`graphed_forward`).
 - `acceptance`: the teacher-forced acceptance metrics logged in validation (greedy agreement, sampled `alpha`).
 - `restore`: put an MTP head back into an HF checkpoint exported without one (safetensors only).
 

@@ -1,20 +1,27 @@
-"""`MegatronStrategy(cuda_graph="full_iteration")`: what it refuses, that the fixed `cu_seqlens` count it pads packed
-rows to changes no loss and no gradient (the part of the graph path the CPU can check), and on a GPU that a tiny
-Qwen3+MTP trains packed and full rows through the captured graph as it does eagerly (captured once, replayed without
-a host sync)."""
+"""`MegatronStrategy(cuda_graph="full_iteration")`: the CUDA-graph options object, what the refusal table refuses
+(each row's reason and fix), that the fixed `cu_seqlens` count it pads packed rows to changes no loss and no
+gradient (the part of the graph path the CPU can check), and on a GPU that a tiny Qwen3+MTP trains packed and full
+rows through the captured graph as it does eagerly (captured once, replayed without a host sync)."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import re
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron.full_graph import FullIterationGraph
+from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
+from lightning_megatron.cuda_graphs.options import CudaGraphOptions, TrunkGraphs
+from lightning_megatron.cuda_graphs.refusals import Mechanism, Setting, check_setting, reason
+from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.microbatch import with_fixed_sequence_count
 from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
@@ -28,6 +35,90 @@ ROW, STEPS = 128, 4  # 2 microbatches a step: warm-up, capture, 2 replays
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("full_graph") / "qwen3_mtp", "qwen3", mtp=True)
+
+
+def test_the_options_are_parsed_once_into_one_frozen_object():
+    from lightning_megatron.callbacks import MTPOnlyCallback
+
+    assert CudaGraphOptions.parse() == CudaGraphOptions(False, 256, TrunkGraphs.AUTO)
+    options = CudaGraphOptions.parse("full_iteration", 16, cuda_graph_trunk=False)
+    assert options == CudaGraphOptions(full_iteration=True, sequences_per_row=16, frozen_trunk=TrunkGraphs.OFF)
+    assert CudaGraphOptions.parse(cuda_graph_trunk=True).frozen_trunk is TrunkGraphs.REQUIRED
+    assert CudaGraphOptions.parse("none", 0).sequences_per_row == 0  # only the graph reads it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.full_iteration = False  # type: ignore[misc]
+    strategy = MegatronStrategy(hf_checkpoint="unused", cuda_graph="full_iteration", cuda_graph_sequences_per_row=8)
+    assert strategy.cuda_graphs.options == CudaGraphOptions(full_iteration=True, sequences_per_row=8)
+    assert MTPOnlyCallback(cuda_graph_trunk=False).cuda_graph_options.frozen_trunk is TrunkGraphs.OFF
+
+
+def test_the_options_keep_their_names_types_and_defaults():
+    """LightningCLI reads these signatures' type hints; configs and user code name the parameters."""
+    from lightning_megatron.callbacks import MTPOnlyCallback
+
+    hints = typing.get_type_hints(MegatronStrategy.__init__)
+    assert hints["cuda_graph"] == Literal["none", "full_iteration"]
+    assert hints["cuda_graph_sequences_per_row"] is int
+    parameters = inspect.signature(MegatronStrategy).parameters
+    assert (parameters["cuda_graph"].default, parameters["cuda_graph_sequences_per_row"].default) == ("none", 256)
+    assert typing.get_type_hints(MTPOnlyCallback.__init__)["cuda_graph_trunk"] == bool | None
+    assert inspect.signature(MTPOnlyCallback).parameters["cuda_graph_trunk"].default is None
+
+
+FULL = CudaGraphOptions(full_iteration=True)
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    (Setting(FULL, ParallelSizes(pipeline=2)), "cuda_graph: full_iteration needs pipeline_model_parallel_size: 1, "
+     "got 2 (the pipeline schedule is not captured); set cuda_graph: none"),
+    (Setting(FULL, ParallelSizes(context=2)), "cuda_graph: full_iteration needs context_parallel_size: 1, got 2 "
+     "(the CP cut reads cu_seqlens on the host in the step); set cuda_graph: none"),
+    (Setting(FULL, ParallelSizes(expert=4)), "cuda_graph: full_iteration needs expert_model_parallel_size: 1, got 4 "
+     "(MoE routing has data-dependent shapes); set cuda_graph: none"),
+    (Setting(FULL, device=CPU), "cuda_graph: full_iteration needs the model on a CUDA device, got cpu; set "
+     "cuda_graph: none (or train on a GPU)"),
+    (Setting(FULL, mtp_only=True), "cuda_graph: full_iteration does not serve MTPOnlyCallback (it decides in Python, "
+     "step by step, whether the main head runs; replays would repeat one choice); set the strategy's cuda_graph: none "
+     "(MTPOnlyCallback's cuda_graph_trunk graphs the frozen trunk)"),
+    (Setting(CudaGraphOptions(frozen_trunk=TrunkGraphs.REQUIRED), device=CPU, mtp_only=True),
+     "cuda_graph_trunk: true needs the model on a CUDA device (this run's is cpu); set cuda_graph_trunk: null (on "
+     "where it applies) or false"),
+], ids=["pipeline", "context", "experts", "cpu", "mtp_only", "trunk_on_cpu"])
+def test_each_refusal_of_the_options_names_the_option_and_the_fix(setting, message):
+    with pytest.raises(ValueError) as raised:
+        check_setting(setting)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("setting", [
+    Setting(CudaGraphOptions(), ParallelSizes(pipeline=2, context=2, expert=2), CPU, mtp_only=True),
+    Setting(CudaGraphOptions(frozen_trunk=TrunkGraphs.OFF), device=CPU, mtp_only=True),
+    Setting(FULL, ParallelSizes(tensor=2, data=4), torch.device("cuda", 0)),
+    Setting(FULL),
+], ids=["nothing_asked", "trunk_off", "one_gpu_per_replica", "nothing_known_yet"])
+def test_what_the_options_can_serve_is_not_refused(setting):
+    check_setting(setting)
+
+
+def test_the_whole_iteration_graph_refuses_moe_models_and_other_attention_cores(model_parallel):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from tests.test_attention import _config, _tiny_mtp_gpt
+
+    model = _tiny_mtp_gpt()
+    assert reason(Mechanism.FULL_ITERATION, model) is None
+    local = GPTModel(_config(), get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=ROW)
+    with pytest.raises(ValueError, match=re.escape(
+            "cuda_graph: full_iteration needs the SDPAttention core (attention_backend: sdpa, or auto without "
+            "Transformer Engine); set cuda_graph: none or attention_backend: sdpa")):
+        FullIterationGraph([local], sequences_per_row=4)
+    model.config.num_moe_experts = 2  # what a MoE model's config says
+    with pytest.raises(ValueError, match=re.escape(
+            "cuda_graph: full_iteration does not serve Mixture of Experts models (token routing has data-dependent "
+            "shapes); set cuda_graph: none")):
+        FullIterationGraph([model], sequences_per_row=4)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -144,8 +235,9 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
                                  default_root_dir=Path(root) / name, callbacks=[snapshot])
             try:
                 trainer.fit(SFTModule(enable_mtp=True, lr=1e-4), data(2 * STEPS * micro_batch_size))
+                graph = strategy.cuda_graphs.graph
                 results[name] = {"metrics": snapshot.metrics, "after": {k: v.cpu() for k, v in snapshot.after.items()},
-                                 "graph": None if strategy._graph is None else strategy._graph.counts()}
+                                 "graph": None if graph is None else graph.counts()}
             except Exception as error:  # a failure is this setting's result; the others still run
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
     results["checked"] = checked

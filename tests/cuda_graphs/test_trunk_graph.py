@@ -1,14 +1,16 @@
-"""The frozen trunk replayed from CUDA graphs in MTP-only training (`mtp.trunk_graph`, `graphed_forward`).
+"""The frozen trunk replayed from CUDA graphs in MTP-only training (`cuda_graphs.frozen_trunk`, `graphed_forward`).
 
 On a GPU, a tiny Qwen3+MTP model in bf16, two epochs of MTP-only steps: with the graph, every logged metric
 (`mtp_loss`, `mtp_accuracy`, `lm_loss`, ...), every step's MTP gradients and the final MTP weights equal the eager
 run's bit for bit (a replay runs the kernels the eager forward ran, on the same inputs), with and without the trunk
 cache; the graph is captured once and replayed for every later microbatch, and a replayed trunk makes no host sync.
-On the CPU: auto leaves the run eager (tests/mtp/test_trunk_cache.py), an explicit true is refused naming the option.
+On the CPU: auto leaves the run eager (tests/mtp/test_trunk_cache.py), an explicit true is refused naming the option, and
+each row of the refusal table that leaves a chunk's trunk or a decoder call eager gives its reason (logged).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_megatron.cuda_graphs.frozen_trunk import graph_frozen_trunk
+from lightning_megatron.cuda_graphs.options import CudaGraphOptions, TrunkGraphs
+from lightning_megatron.cuda_graphs.refusals import REFUSALS, Mechanism, TrunkCall, reason
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_in_fresh_process
 from tests.mtp.test_trunk_cache import _assert_equal_runs, _fit
@@ -102,3 +107,75 @@ def test_the_graphed_trunk_trains_exactly_like_eager_with_and_without_the_cache(
 def test_an_explicit_cuda_graph_trunk_on_the_cpu_is_refused(process_group, checkpoint, tmp_path):
     with pytest.raises(ValueError, match="cuda_graph_trunk: true needs the model on a CUDA device"):
         _fit(tmp_path, checkpoint, cache=None, cuda_graph_trunk=True)
+
+
+def _trunk_reasons(subject: object) -> list[str]:
+    """Every frozen-trunk refusal that applies to `subject`, in table order (`reason` gives the first)."""
+    return [row.message(subject) for row in REFUSALS if row.mechanism is Mechanism.FROZEN_TRUNK
+            and isinstance(subject, row.subject) and row.applies(subject)]
+
+
+def test_each_refusal_of_a_model_chunk_leaves_its_trunk_eager_with_its_reason(model_parallel):
+    from tests.test_attention import _tiny_mtp_gpt
+
+    assert reason(Mechanism.FROZEN_TRUNK, torch.nn.Linear(2, 2)) == "no decoder on this chunk"
+    model = _tiny_mtp_gpt()
+    assert _trunk_reasons(model) == ["the model is not on a CUDA device", "trainable decoder parameters"]
+    for parameter in model.decoder.parameters():
+        parameter.requires_grad_(False)
+    config = model.config
+    for field, value, expected in (
+        ("tensor_model_parallel_size", 2, "tensor parallelism"),
+        ("context_parallel_size", 2, "context parallelism"),
+        ("sequence_parallel", True, "sequence parallelism"),
+        ("recompute_granularity", "full", "recompute_granularity: full"),
+        ("fp8", "hybrid", "FP8/FP4"),
+        ("num_moe_experts", 2, "MoE layers (data-dependent token routing)"),
+        ("cpu_offloading", True, "activation offloading"),
+        ("cuda_graph_impl", "local", "Megatron-Core's own CUDA graphs (cuda_graph_impl)"),
+    ):
+        before = getattr(config, field)
+        setattr(config, field, value)
+        assert _trunk_reasons(model) == ["the model is not on a CUDA device", expected], field
+        setattr(config, field, before)
+    model.decoder.pre_process = False
+    assert _trunk_reasons(model) == ["the model is not on a CUDA device",
+                                     "a later pipeline stage (its decoder reads the received input_tensor)"]
+
+
+def test_each_refusal_of_a_decoder_call_runs_it_eagerly_with_its_reason(model_parallel):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from tests.test_attention import _tiny_mtp_gpt
+
+    decoder = _tiny_mtp_gpt().decoder.eval()
+    hidden = torch.zeros(4, 1, decoder.config.hidden_size)
+
+    def call(**arguments: Any) -> str | None:
+        return reason(Mechanism.FROZEN_TRUNK, TrunkCall(decoder, {"hidden_states": hidden, "attention_mask": None,
+                                                                  **arguments}))
+
+    assert call() is None
+    assert call(packed_seq_params=PackedSeqParams(qkv_format="thd")) == "packed rows (packed_seq_params)"
+    assert call(attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool)) == ("an attention mask (tree rows or an "
+                                                                              "explicit mask)")
+    for name in ("context", "context_mask", "attention_bias", "inference_context", "inference_params"):
+        assert call(**{name: hidden}) == f"{name} given"
+    assert call(extract_layer_indices=[0]) == "extract_layer_indices given"
+    decoder.train()
+    assert call() is None  # no dropout configured
+    decoder.config.hidden_dropout = 0.1
+    assert call() == "dropout while training"
+
+
+def test_a_chunk_left_eager_is_logged_with_its_reason_and_warned_about_when_asked_for(model_parallel, caplog):
+    from tests.test_attention import _tiny_mtp_gpt
+
+    model = _tiny_mtp_gpt()
+    with caplog.at_level(logging.INFO, logger="lightning_megatron.cuda_graphs.frozen_trunk"):
+        for trunk in (TrunkGraphs.AUTO, TrunkGraphs.REQUIRED, TrunkGraphs.OFF):
+            assert graph_frozen_trunk([model], CudaGraphOptions(frozen_trunk=trunk)) == []
+    message = "cuda_graph_trunk: model chunk 0's trunk stays eager: the model is not on a CUDA device"
+    logged = [(record.levelno, record.getMessage()) for record in caplog.records
+              if record.name == graph_frozen_trunk.__module__]
+    assert logged == [(logging.INFO, message), (logging.WARNING, message)]

@@ -31,53 +31,47 @@ What it covers, and how:
   side effects inside them do not repeat.
 - The graph-safe RNG tracker of Megatron-Core (`use_cudagraphable_rng`): the capture registers its generators.
 
-Refused, naming the option: no CUDA device; pipeline parallelism (its send/receive schedule is not captured here);
-context parallelism (the CP cut reads `cu_seqlens` on the host inside the step); Mixture of Experts (token routing
-has data-dependent shapes and host reads); tree rows (`subtree_end`); a core attention other than `SDPAttention`.
+Refused, naming the option (the `FULL_ITERATION` rows of `refusals.REFUSALS`): no CUDA device; pipeline parallelism
+(its send/receive schedule is not captured here); context parallelism (the CP cut reads `cu_seqlens` on the host
+inside the step); Mixture of Experts (token routing has data-dependent shapes and host reads); tree rows
+(`subtree_end`); a core attention other than `SDPAttention`; MTP-only training (`MTPOnlyCallback` chooses in Python,
+step by step, whether the main head runs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from lightning_megatron.microbatch import CU_SEQLENS, MAX_SEQLEN, SUBTREE_END, Microbatch, with_fixed_sequence_count
-
-CudaGraph = Literal["none", "full_iteration"]
-CUDA_GRAPHS = ("none", "full_iteration")
-SEQUENCES_PER_ROW = 256  # packed rows' fixed count of cu_seqlens sequences (empty ones are nearly free)
-
-
-def check_cuda_graph_options(cuda_graph: str, sequences_per_row: int, pipeline_model_parallel_size: int,
-                             context_parallel_size: int, expert_model_parallel_size: int) -> None:
-    """Raise, naming the option and the fix, on what `cuda_graph` cannot serve (known at construction)."""
-    if cuda_graph not in CUDA_GRAPHS:
-        raise ValueError(f"cuda_graph: {cuda_graph!r} is not one of {', '.join(map(repr, CUDA_GRAPHS))}")
-    if cuda_graph == "none":
-        return
-    if sequences_per_row < 1:
-        raise ValueError(f"cuda_graph_sequences_per_row: {sequences_per_row} must be at least 1")
-    for name, size, why in (
-        ("pipeline_model_parallel_size", pipeline_model_parallel_size, "the pipeline schedule is not captured"),
-        ("context_parallel_size", context_parallel_size, "the CP cut reads cu_seqlens on the host in the step"),
-        ("expert_model_parallel_size", expert_model_parallel_size, "MoE routing has data-dependent shapes"),
-    ):
-        if size != 1:
-            raise ValueError(f"cuda_graph: full_iteration needs {name}: 1, got {size} ({why}); set cuda_graph: none")
+from lightning_megatron.cuda_graphs.options import CudaGraphOptions
+from lightning_megatron.cuda_graphs.refusals import Mechanism, Setting, check_setting, refuse
+from lightning_megatron.distributed import ParallelSizes
+from lightning_megatron.microbatch import CU_SEQLENS, MAX_SEQLEN, Microbatch, with_fixed_sequence_count
 
 
-def check_cuda_graph_device(cuda_graph: str, device: torch.device) -> None:
-    if cuda_graph != "none" and device.type != "cuda":
-        raise ValueError(f"cuda_graph: {cuda_graph} needs the model on a CUDA device, got {device.type}; set "
-                         "cuda_graph: none (or train on a GPU)")
+class StrategyCudaGraphs:
+    """`MegatronStrategy`'s CUDA graphs: its options, parsed and checked when the strategy is made and checked
+    against the device in `setup_environment`; a fit's whole-iteration graph (`graph`, None: eager), made before
+    DDP wraps the model (the fit's stream changes with it) and released at teardown (its counts stay readable)."""
 
+    def __init__(self, cuda_graph: str, sequences_per_row: int, parallel: ParallelSizes) -> None:
+        self.options = CudaGraphOptions.parse(cuda_graph, sequences_per_row)
+        check_setting(Setting(self.options, parallel))
+        self.graph: FullIterationGraph | None = None
 
-def training_graph(cuda_graph: str, sequences_per_row: int, chunks: list[torch.nn.Module]
-                   ) -> FullIterationGraph | None:
-    """The graph a fit's training steps run through (None: eager); make it before DDP wraps `chunks`."""
-    return FullIterationGraph(chunks, sequences_per_row) if cuda_graph == "full_iteration" else None
+    def check_device(self, device: torch.device) -> None:
+        check_setting(Setting(self.options, device=device))
+
+    def make(self, chunks: list[torch.nn.Module]) -> None:
+        """The graph of a fit's training steps over `chunks` (not yet wrapped by DDP), if the options ask for it."""
+        self.graph = FullIterationGraph(chunks, self.options.sequences_per_row) if self.options.full_iteration else None
+
+    def release(self) -> None:
+        """Free the graph's memory and put back the stream the fit ran on."""
+        if self.graph is not None:
+            self.graph.release()
 
 
 def _use_capture_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -108,19 +102,15 @@ class FullIterationGraph:
     """One training batch signature's forward-backward, captured once and replayed (see the module docstring)."""
 
     def __init__(self, chunks: list[torch.nn.Module], sequences_per_row: int) -> None:
-        from megatron.core.utils import get_model_config
+        from megatron.core.utils import unwrap_model
 
         from lightning_megatron.attention import SDPAttention
 
-        if getattr(get_model_config(chunks[0]), "num_moe_experts", None):
-            raise ValueError("cuda_graph: full_iteration does not serve Mixture of Experts models (token routing "
-                             "has data-dependent shapes); set cuda_graph: none")
-        attentions = [module for chunk in chunks for module in chunk.modules() if isinstance(module, SDPAttention)]
-        if not attentions:
-            raise ValueError("cuda_graph: full_iteration needs the SDPAttention core (attention_backend: sdpa, or "
-                             "auto without Transformer Engine); set cuda_graph: none or attention_backend: sdpa")
-        for attention in attentions:
-            attention.causal_rows_through_layout = True
+        for chunk in chunks:
+            refuse(Mechanism.FULL_ITERATION, unwrap_model(chunk))
+        for module in (module for chunk in chunks for module in chunk.modules()):
+            if isinstance(module, SDPAttention):
+                module.causal_rows_through_layout = True
         self.sequences_per_row = sequences_per_row
         self._signature: tuple | None = None
         self._wrapper: Any = None
@@ -135,9 +125,7 @@ class FullIterationGraph:
         """Packed rows with the fixed sequence count and rotary length; tree rows refused."""
         fixed = []
         for microbatch in microbatches:
-            if SUBTREE_END in microbatch:
-                raise ValueError("cuda_graph: full_iteration does not serve tree rows (subtree_end); set "
-                                 "cuda_graph: none")
+            refuse(Mechanism.FULL_ITERATION, microbatch)
             if CU_SEQLENS not in microbatch:  # full or padded rows
                 fixed.append(microbatch)
                 continue
@@ -189,12 +177,6 @@ class FullIterationGraph:
         self._wrapper = None
         _restore_stream(self._stream_before)
         self._stream_before = None
-
-
-def release(graph: FullIterationGraph | None) -> None:
-    """Free a fit's graph (None: nothing to free)."""
-    if graph is not None:
-        graph.release()
 
 
 def release_megatron_graph() -> None:
