@@ -98,7 +98,7 @@ def _cp_worker(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     prepare_megatron_core()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
-    small = argparse.Namespace(**{**vars(args), **{key: value for key, value in TINY.items() if key != "seq"},
+    small = argparse.Namespace(**{**vars(args), **{key: value for key, value in P5_TINY.items() if key != "seq"},
                                   "seq": args.cp_seq, "dtype": "fp32"})
     small.min_length, small.max_length = 2 * world_size, args.cp_seq // 2
     _, model = gpt_model(small, "sdpa")
