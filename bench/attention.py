@@ -65,7 +65,8 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _random_microbatches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+def random_microbatches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    """`--microbatches` microbatches of random tokens, the same on every run (and in every arm of a comparison)."""
     generator = torch.Generator().manual_seed(0)
     microbatches = []
     for _ in range(args.microbatches):
@@ -79,7 +80,7 @@ def _shape(args: argparse.Namespace) -> ModelShape:
                       head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab, mtp_layers=0)
 
 
-def _measure(step: Callable[[], float], args: argparse.Namespace) -> dict[str, Any]:
+def measure_steps(step: Callable[[], float], args: argparse.Namespace) -> dict[str, Any]:
     """Median step time after warm-up, its throughput, and the peak memory since the model was built (the caller
     resets it)."""
     times, loss = [], float("nan")
@@ -150,7 +151,7 @@ def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
 
     fresh_memory()
     model, optimizer = trainable(*gpt_model(args, backend), bf16=args.dtype == "bf16")
-    microbatches = _random_microbatches(args)
+    microbatches = random_microbatches(args)
     positions = torch.arange(args.seq, device=device()).expand(args.micro_batch, args.seq)
 
     def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -172,7 +173,7 @@ def megatron_step(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         optimizer.step()
         return statistics.mean(float(loss["lm loss"]) for loss in losses)
 
-    result = _measure(step, args)
+    result = measure_steps(step, args)
     del model, optimizer
     # The local attention keeps its [b * heads, sq, sk] score buffer in Megatron's global memory buffer.
     parallel_state.destroy_global_memory_buffer()
@@ -194,7 +195,7 @@ def hf_step(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to(device()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
-    microbatches = _random_microbatches(args)
+    microbatches = random_microbatches(args)
     autocast = functools.partial(torch.autocast, device().type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     def step() -> float:
@@ -210,7 +211,7 @@ def hf_step(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return statistics.mean(losses)
 
-    result = _measure(step, args)
+    result = measure_steps(step, args)
     del model, optimizer
     fresh_memory()
     return result

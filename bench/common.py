@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
+
 H200_DENSE_BF16_TFLOPS = 989.4
 PACKAGES = ("torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning")
 
@@ -116,19 +118,20 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     shard by shard and written with the package's threaded safetensors writer.
     """
     from lightning_megatron.hf_io import plan_shards, shard_file_names, write_index, write_shard_files
-    from lightning_megatron.testing.checkpoints import _Shape, _tensor_shapes, make_tiny_checkpoint
+    from lightning_megatron.testing.checkpoints import CheckpointShape, make_tiny_checkpoint, tensor_shapes
 
     path = Path(path)
     if (path / "config.json").is_file():
         return path
     shape = {**QWEN3_0_6B, **shape}
-    shapes = _tensor_shapes("qwen3", mtp, tied, _Shape(**shape))
+    shapes = tensor_shapes("qwen3", mtp, tied, CheckpointShape(**shape))
     sizes = {name: math.prod(dims) * torch.empty((), dtype=dtype).element_size() for name, dims in shapes.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in path.parent.glob(f".{path.name}.partial-*"):  # write_atomically's folder of a killed run (17 GB)
+        remove_folder(leftover, ignore_errors=True)
     require_free_space(path.parent, int(1.02 * sum(sizes.values())), f"checkpoint {path}")
-    staging = path.with_name(f".{path.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+
+    def write(staging: Path) -> None:
         small = make_tiny_checkpoint(staging, "qwen3", mtp=mtp, tied=tied, dtype=dtype)  # config layout, tokenizer
         reshape_config(small, shape)
         (small / "model.safetensors").unlink()
@@ -143,9 +146,8 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
                 tensors[name] = values.to(dtype).cpu()
             write_shard_files(small, {file: tensors})
         write_index(small, shards, sizes)
-        staging.rename(path)
-    finally:  # a failed write leaves no partial copy behind (17 GB at 8B)
-        shutil.rmtree(staging, ignore_errors=True)
+
+    write_atomically(path, write)  # a failed write leaves no partial copy behind
     return path
 
 
@@ -412,5 +414,4 @@ def emit(result: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(result, indent=2) + "\n"
     print(text, end="")
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        write_text_atomically(out, text)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.attention import _measure, _random_microbatches, device, trainable
+from bench.attention import device, measure_steps, random_microbatches, trainable
 from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny
 from lightning_megatron.distributed import init_single_process
 
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
     experts = type(unwrap_model(model).decoder.layers[0].mlp).__name__
     if moe:
         experts = type(unwrap_model(model).decoder.layers[0].mlp.experts).__name__
-    microbatches = _random_microbatches(args)
+    microbatches = random_microbatches(args)
     positions = torch.arange(args.seq, device=device()).expand(args.micro_batch, args.seq)
     forward_backward = get_forward_backward_func()
 
@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
         get_moe_metrics_tracker().clear()
         return statistics.mean(float(value["lm loss"]) for value in losses)
 
-    result = {**_measure(step, args), "parameters": parameters, "mlp_backend": experts}
+    result = {**measure_steps(step, args), "parameters": parameters, "mlp_backend": experts}
     del model, optimizer
     fresh_memory()
     return result

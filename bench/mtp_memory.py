@@ -76,6 +76,7 @@ from bench.common import (
 )
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
 from bench.packing_profile import profile_figures, profiler
+from lightning_megatron.atomic import write_text_atomically
 
 GIB = 1024**3
 MARKER_BYTES = 3 * 1024**2 + 7 * 512  # one allocation of this size marks where training starts in the trace
@@ -391,8 +392,7 @@ def main() -> None:
     emit(result, args.out)
     markdown_path = args.breakdown_md or (args.out.with_name("mtp_memory_breakdown.md") if args.out else None)
     if markdown_path is not None and breakdowns:
-        markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        markdown_path.write_text(breakdown_markdown(breakdowns, result["command"]))
+        write_text_atomically(markdown_path, breakdown_markdown(breakdowns, result["command"]))
 
 
 if __name__ == "__main__":

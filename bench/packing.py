@@ -48,12 +48,10 @@ import torch.multiprocessing as mp
 
 from bench.attention import add_shape_options, gpt_model
 from bench.common import TINY_SCRATCH_BYTES, emit, environment, parse_with_tiny, scratch_dir
+from bench.packing_profile import CANDIDATES, P5_TINY, layouts, markdown, run_candidate, sft_sequences
 from lightning_megatron._compat import packed_rope
+from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.distributed import init_single_process
-
-TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=128, min_length=8,
-            max_length=64, sequences=12, steps=2, warmup=1, dtype="fp32")
-
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -79,36 +77,7 @@ def _parse_args() -> argparse.Namespace:
                         help="also the two-process gloo CP communication check (CPU, ~20 s)")
     parser.add_argument("--cp-seq", type=int, default=256, help="row length of the gloo CP run")
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8], help="CP sizes of the scaling table")
-    return parse_with_tiny(parser, TINY)
-
-
-def sft_sequences(args: argparse.Namespace) -> list[torch.Tensor]:
-    """Random token sequences with SFT-like lengths, the same on every run."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=generator)
-    return [torch.randint(0, args.vocab, (int(n),), generator=generator) for n in lengths]
-
-
-def layouts(args: argparse.Namespace, sequences: list[torch.Tensor]) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """The microbatches (one row each) of every layout, built by the data pipeline's own packing and padding."""
-    from lightning_megatron.data.packing import collate_packed, first_fit, pack_examples, pad_example
-    from lightning_megatron.data.tokenize import TokenizedExample
-
-    examples = [TokenizedExample("bench", ids, torch.ones_like(ids, dtype=torch.bool)) for ids in sequences]
-    packed = [collate_packed([pack_examples([examples[i] for i in members], args.seq, pad_id=0)])
-              for members in first_fit([len(e) for e in examples], args.seq)]
-    padded = [{key: value[None] for key, value in pad_example(example, args.seq, pad_id=0).items()}
-              for example in examples]
-    real_tokens = sum(len(e) for e in examples)
-    stream = torch.cat(sequences)
-    full_rows = max(1, round(real_tokens / args.seq))
-    stream = stream.repeat(-(-full_rows * args.seq // stream.numel()))[: full_rows * args.seq + 1]
-    full = []
-    for row in range(full_rows):
-        tokens = stream[row * args.seq: (row + 1) * args.seq + 1]
-        full.append({"input_ids": tokens[None, :-1], "labels": tokens[None, 1:],
-                     "loss_mask": torch.ones(1, args.seq), "position_ids": torch.arange(args.seq)[None]})
-    return {"packed": packed, "padded": padded, "full": full}
+    return parse_with_tiny(parser, P5_TINY)
 
 
 def cp_bytes_formula(tokens: int, cp: int, kv_groups: int, head_dim: int, element_bytes: int) -> float:
@@ -130,7 +99,7 @@ def _cp_worker(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     prepare_megatron_core()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
-    small = argparse.Namespace(**{**vars(args), **{key: value for key, value in TINY.items() if key != "seq"},
+    small = argparse.Namespace(**{**vars(args), **{key: value for key, value in P5_TINY.items() if key != "seq"},
                                   "seq": args.cp_seq, "dtype": "fp32"})
     small.min_length, small.max_length = 2 * world_size, args.cp_seq // 2
     _, model = gpt_model(small, "sdpa")
@@ -189,7 +158,6 @@ def main() -> None:
     real_tokens = sum(int(s.numel()) for s in sequences)
     rows = layouts(args, sequences)
     init_single_process()
-    from bench.packing_profile import CANDIDATES, markdown, run_candidate
 
     (vectorized_rope,) = packed_rope.ADJUSTMENTS
     names = list(args.layouts) + (["packed_upstream_rope"] if vectorized_rope.active and args.upstream_rope else [])
@@ -220,8 +188,7 @@ def main() -> None:
                          "real_tokens_per_s": tokens / run["step_s"]}
         print(f"{name}: {results[name]['real_tokens_per_s']:.0f} real tokens/s", flush=True)
     if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown(results))
+        write_text_atomically(args.markdown, markdown(results))
     padding_fraction = 1 - real_tokens / (len(rows["padded"]) * args.seq)
     emit({**environment(), "benchmark": "P5 packing", "shape": {key: getattr(args, key) for key in (
         "hidden", "layers", "heads", "kv_groups", "head_dim", "ffn", "vocab", "seq", "dtype")},

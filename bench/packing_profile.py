@@ -1,7 +1,8 @@
 """Where a training step's time goes for full, packed and padded rows, and what takes the host's share away.
 
-P5's model and rows (`bench.packing`: Qwen3-0.6B shape, rows of 4096, 48 SFT-like sequences of 128-2048 tokens,
-bf16, one Megatron-Core training step over all rows), one candidate after another in one process:
+P5's model and rows (Qwen3-0.6B shape, rows of 4096, 48 SFT-like sequences of 128-2048 tokens, bf16, one
+Megatron-Core training step over all rows; the rows are made here, `sft_sequences` and `layouts`, and `bench.packing`
+runs these candidates), one candidate after another in one process:
 
 | candidate | rows | what it changes |
 |---|---|---|
@@ -39,16 +40,18 @@ import torch
 
 from bench.attention import add_shape_options, device, gpt_model, trainable
 from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib, release_model
-from bench.packing import TINY as PACKING_TINY
-from bench.packing import layouts, sft_sequences
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
+from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
 from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW
 from lightning_megatron.distributed import init_single_process
 from lightning_megatron.schedule import run_schedule
 
-TINY = {**PACKING_TINY, "steps": 1, "warmup": 1}
+P5_TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=128,
+               min_length=8, max_length=64, sequences=12, steps=2, warmup=1, dtype="fp32")
+"""`bench.packing`'s tiny CPU mode (`--tiny`)."""
+TINY = {**P5_TINY, "steps": 1, "warmup": 1}
 CANDIDATES = {  # name: (rows, mode), in the order they run
     "full": ("full", "eager"),
     "packed": ("packed", "eager"),
@@ -78,6 +81,35 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=None, help="skip candidates that would end past this")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     return parse_with_tiny(parser, TINY)
+
+
+def sft_sequences(args: argparse.Namespace) -> list[torch.Tensor]:
+    """Random token sequences with SFT-like lengths, the same on every run."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=generator)
+    return [torch.randint(0, args.vocab, (int(n),), generator=generator) for n in lengths]
+
+
+def layouts(args: argparse.Namespace, sequences: list[torch.Tensor]) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The microbatches (one row each) of every layout, built by the data pipeline's own packing and padding."""
+    from lightning_megatron.data.packing import collate_packed, first_fit, pack_examples, pad_example
+    from lightning_megatron.data.tokenize import TokenizedExample
+
+    examples = [TokenizedExample("bench", ids, torch.ones_like(ids, dtype=torch.bool)) for ids in sequences]
+    packed = [collate_packed([pack_examples([examples[i] for i in members], args.seq, pad_id=0)])
+              for members in first_fit([len(e) for e in examples], args.seq)]
+    padded = [{key: value[None] for key, value in pad_example(example, args.seq, pad_id=0).items()}
+              for example in examples]
+    real_tokens = sum(len(e) for e in examples)
+    stream = torch.cat(sequences)
+    full_rows = max(1, round(real_tokens / args.seq))
+    stream = stream.repeat(-(-full_rows * args.seq // stream.numel()))[: full_rows * args.seq + 1]
+    full = []
+    for row in range(full_rows):
+        tokens = stream[row * args.seq: (row + 1) * args.seq + 1]
+        full.append({"input_ids": tokens[None, :-1], "labels": tokens[None, 1:],
+                     "loss_mask": torch.ones(1, args.seq), "position_ids": torch.arange(args.seq)[None]})
+    return {"packed": packed, "padded": padded, "full": full}
 
 
 def _forward_step_func(rows: str, mode: str) -> Any:
@@ -427,8 +459,7 @@ def _write(args: argparse.Namespace, results: dict[str, Any], real_tokens: int, 
               "candidates": results}
     for path, text in ((args.markdown, markdown(results)), (args.out, json.dumps(result, indent=2) + "\n")):
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            write_text_atomically(path, text)
     return result
 
 

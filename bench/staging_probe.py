@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from bench.common import QWEN3_8B, environment, import_megatron_bridge_first
+from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.background_save import HostStaging
 
 SAMPLE_BYTES = 4 * 2**20  # compared per sampled tensor after the child wrote it
@@ -273,8 +274,7 @@ def main() -> None:
     line = json.dumps({"benchmark": "staging_probe", **environment(), **results})
     print(line, flush=True)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
+        write_text_atomically(args.out, line + "\n")
 
 
 if __name__ == "__main__":

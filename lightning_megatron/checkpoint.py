@@ -98,8 +98,10 @@ def save(path: Path, model_chunks: list[torch.nn.Module], optimizer: Any | None,
     agree_on_failure(error, error_type=CheckpointError)
     metadata = {**SHARDED_METADATA, "distrib_optim_sharding_type": optimizer_sharding}
     sharded = _sharded_state_dict(model_chunks, optimizer, metadata, is_loading=False)
-    request = dist_checkpointing.save(sharded, str(staging / "megatron"), content_metadata=metadata,
-                                      async_sharded_save=background, async_strategy="mcore")
+    # in the background through megatron-core's own asynchronous writer (its default, nvidia-resiliency-ext's, is no
+    # dependency); a synchronous save takes no option of it
+    writer = dict(async_sharded_save=True, async_strategy="mcore") if background else {}
+    request = dist_checkpointing.save(sharded, str(staging / "megatron"), content_metadata=metadata, **writer)
     torch.save(_rng_states(), staging / "rng" / f"rank{rank}.pt")
     if rank == 0:
         lightning_part = {key: value for key, value in checkpoint.items()

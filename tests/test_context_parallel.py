@@ -28,9 +28,10 @@ from lightning_megatron.module import SFTModule
 from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
 
-VOCAB, ROW, STEPS = 384, 32, 5
+VOCAB, ROW, STEPS, LR = 384, 32, 5, 1e-2
 (MTP_TOKEN_COUNTS,) = CONTEXT_PARALLEL_ADJUSTMENTS
 
 
@@ -98,9 +99,9 @@ def _fit(workdir: Path, hf_checkpoint: str, dataset: Dataset, *, steps: int = ST
                          num_sanity_val_steps=0, default_root_dir=workdir,
                          callbacks=[recorder, *([MTPOnlyCallback()] if mtp_only else [])])
     collate = collate_packed if getattr(dataset, "packed", False) else None
-    # Adam's eps large enough that gradient entries at rounding level (summed in another order under CP) cannot flip
-    # the sign of an update: Adam then steps like SGD for them, and the weights stay comparable at 1e-5
-    module = SFTModule(enable_mtp=mtp, lr=1e-2, adam_eps=0.1)
+    # Adam's steps Lipschitz in the gradients, which CP sums in another order: the weights stay comparable at 1e-5
+    # (tests/_adam.py)
+    module = SFTModule(enable_mtp=mtp, lr=LR, adam_eps=comparable_adam_eps(LR))
     trainer.fit(module, DataLoader(dataset, batch_size=1, collate_fn=collate))
     exported = strategy.export_hf(workdir / "export") if export else None
     return {"metrics": recorder.metrics, "mtp_grads": recorder.mtp_grads, "before": recorder.before,

@@ -24,6 +24,7 @@ from lightning_megatron.options import ModelOptions
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
+from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
 from tests.test_strategy import StopAfter
 
@@ -232,6 +233,13 @@ def test_a_dense_model_logs_no_load_balancing_loss(process_group, checkpoints, t
     assert "moe_aux_loss" not in metrics.steps[0]
 
 
+def _comparable_module() -> SFTModule:
+    """The module of the fits whose exports are compared across layouts: its Adam steps are a Lipschitz function of
+    the gradients, so the layouts' rounding differences stay far below the 1e-5 the exports are held to
+    (tests/_adam.py; with the default eps, three steps left 3.5e-5 between them on one CPU)."""
+    return SFTModule(lr=LR, warmup_steps=1, adam_eps=comparable_adam_eps(LR))
+
+
 def _mtp_only_module() -> SFTModule:
     return SFTModule(enable_mtp=True, lr=1e-2)
 
@@ -301,17 +309,18 @@ def _expert_parallel_case(rank: int, world_size: int, tmp: str, paths: dict[str,
     for bridge_type in BRIDGES:
         for ep in (1, 2):
             metrics = _fit(root / f"{bridge_type}_ep{ep}", checkpoint, steps, world_size, bridge_type=bridge_type,
-                           expert_model_parallel_size=ep, export=root / f"{bridge_type}_ep{ep}_export")
+                           expert_model_parallel_size=ep, export=root / f"{bridge_type}_ep{ep}_export",
+                           module=_comparable_module())
             result[bridge_type, ep] = metrics.steps
         result[bridge_type, "export"] = _max_difference(root / f"{bridge_type}_ep1_export",
                                                         root / f"{bridge_type}_ep2_export")
 
     # resume at EP=2, from a checkpoint written mid-run, against the uninterrupted EP=2 run above
     saver = pl.callbacks.ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=3, save_top_k=-1)
-    _fit(root / "first", checkpoint, steps, world_size, callbacks=(StopAfter(3), saver),
+    _fit(root / "first", checkpoint, steps, world_size, callbacks=(StopAfter(3), saver), module=_comparable_module(),
          trainer_kwargs=dict(enable_checkpointing=True), expert_model_parallel_size=2)
     saved = root / "ckpts" / "epoch=0-step=3.ckpt"
-    resumed = _fit(root / "resumed", checkpoint, steps, world_size, ckpt_path=str(saved),
+    resumed = _fit(root / "resumed", checkpoint, steps, world_size, ckpt_path=str(saved), module=_comparable_module(),
                    export=root / "resumed_export", expert_model_parallel_size=2)
     result["resumed"] = [step["lm_loss"] for step in resumed.steps]
     result["resumed_export_unequal"] = _same_tensors(root / "mbridge_ep2_export", root / "resumed_export")
@@ -385,14 +394,16 @@ def _expert_tensor_and_pipeline_case(rank: int, world_size: int, tmp: str, hf_ch
     result["build"] = {bridge_type: _build_check_and_export(bridge_type, checkpoint, root / f"tp2ep2_{bridge_type}")
                        for bridge_type in BRIDGES}
     steps, batches = 3, dict(micro_batch_size=1, global_batch_size=4)
-    reference = _fit(root / "dp4", checkpoint, steps, world_size, export=root / "dp4_export", **batches)
+    reference = _fit(root / "dp4", checkpoint, steps, world_size, export=root / "dp4_export",
+                     module=_comparable_module(), **batches)
     result["reference"] = [step["lm_loss"] for step in reference.steps]
     for bridge_type in BRIDGES:
         for name, parallel in (("tp2_ep2", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
                                ("pp2_ep2", dict(pipeline_model_parallel_size=2))):
             export = root / f"{bridge_type}_{name}_export"
             metrics = _fit(root / f"{bridge_type}_{name}", checkpoint, steps, world_size, bridge_type=bridge_type,
-                           expert_model_parallel_size=2, export=export, **parallel, **batches)
+                           expert_model_parallel_size=2, export=export, module=_comparable_module(), **parallel,
+                           **batches)
             result[bridge_type, name] = [step["lm_loss"] for step in metrics.steps]
             result[bridge_type, name, "aux"] = [step["moe_aux_loss"] for step in metrics.steps]
             result[bridge_type, name, "export"] = _max_difference(root / "dp4_export", export)
@@ -413,7 +424,7 @@ def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_p
             assert result["build"][bridge_type]["export_unequal"] == []
             for name in ("tp2_ep2", "pp2_ep2"):
                 assert result[bridge_type, name] == pytest.approx(result["reference"], abs=1e-5)
-                assert result[bridge_type, name, "export"] <= 1e-5
+                assert result[bridge_type, name, "export"] <= 1e-5  # sound with _comparable_module's Adam
                 assert all(value > 0.9 for value in result[bridge_type, name, "aux"])
 
 

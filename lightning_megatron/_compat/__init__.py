@@ -29,10 +29,12 @@ from lightning_megatron._compat._adjustment import Adjustment
 def prepare_megatron_core() -> list[str]:
     """Make Megatron-Core runnable on this machine; returns the names of the active adjustments.
 
-    The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too).
+    The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too);
+    megatron-core's notice that its own checkpoint writer is deprecated is dropped wherever it still logs it.
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
-                   *moe.MEGATRON_CORE_ADJUSTMENTS, *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS)
+                   *moe.MEGATRON_CORE_ADJUSTMENTS, *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
+                   *quiet.SAVE_ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 

@@ -1,14 +1,20 @@
-"""Import-time messages about conditions the rest of `_compat` handles, dropped so that every command starts quietly.
+"""Messages about conditions the package handles, dropped so that commands and fits run quietly.
 
-Each message reports a missing piece that the other adjustments already work around: torch's "No CUDA runtime is
-found" (the CPU adjustments, `cpu.py`) and megatron-core's "Transformer Engine and Apex are not installed" (the
-torch optimizers and the `no_te.py` adjustments). Only those exact messages from those exact modules are dropped;
-every other warning and log record still shows. The commands install these before they import megatron-core.
+At import (`ADJUSTMENTS`), each reports a missing piece that the other adjustments already work around: torch's "No
+CUDA runtime is found" (the CPU adjustments, `cpu.py`) and megatron-core's "Transformer Engine and Apex are not
+installed" (the torch optimizers and the `no_te.py` adjustments); the commands install these before they import
+megatron-core. At the first checkpoint save (`SAVE_ADJUSTMENTS`, installed by `prepare_megatron_core`),
+megatron-core's "MCore's async save is deprecated ... set `async_strategy` to `nvrx`": its own synchronous save
+writes through that writer (`TorchDistSaveShardedStrategy.save` calls `async_save(..., async_strategy="mcore")`), so
+every save logs it, and the package's background saves use that writer too (nvidia-resiliency-ext is no
+dependency), so the advice is nothing a user can follow. Only those exact messages from those exact modules are
+dropped; every other warning and log record still shows.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import re
 import sys
@@ -27,14 +33,19 @@ def _cpp_extension_would_report_no_cuda_runtime() -> bool:
     return _CPP_EXTENSION not in sys.modules and _no_cuda()
 
 
-def _drop_no_cuda_runtime_record(patches: Patches) -> None:
-    logger = logging.getLogger(_CPP_EXTENSION)
+def _drop_warning_records(patches: Patches, logger_name: str, message_start: str) -> None:
+    """Drop `logger_name`'s WARNING records whose message starts with `message_start`."""
+    logger = logging.getLogger(logger_name)
 
     def keep(record: logging.LogRecord) -> bool:
-        return not (record.levelno == logging.WARNING and str(record.msg).startswith(_NO_CUDA_RUNTIME))
+        return not (record.levelno == logging.WARNING and str(record.msg).startswith(message_start))
 
     logger.addFilter(keep)
     patches.on_revert(lambda: logger.removeFilter(keep))
+
+
+def _drop_no_cuda_runtime_record(patches: Patches) -> None:
+    _drop_warning_records(patches, _CPP_EXTENSION, _NO_CUDA_RUNTIME)
 
 
 _TORCH_ADJUSTMENT = Adjustment(
@@ -81,3 +92,32 @@ _MEGATRON_CORE_ADJUSTMENT = Adjustment(
 )
 
 ADJUSTMENTS = (_TORCH_ADJUSTMENT, _MEGATRON_CORE_ADJUSTMENT)
+
+
+# megatron-core's checkpoint saves -------------------------------------------------------------------------------
+
+_TORCH_DIST_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
+MCORE_ASYNC_SAVE_DEPRECATED = "MCore's async save is deprecated"
+
+
+def _save_logs_the_mcore_async_notice() -> bool:
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return MCORE_ASYNC_SAVE_DEPRECATED in inspect.getsource(TorchDistSaveShardedStrategy.async_save)
+
+
+def _drop_mcore_async_notice(patches: Patches) -> None:
+    _drop_warning_records(patches, _TORCH_DIST_STRATEGY, MCORE_ASYNC_SAVE_DEPRECATED)
+
+
+_SAVE_ADJUSTMENT = Adjustment(
+    "megatron_core.quiet_mcore_async_save_notice",
+    "megatron/core/dist_checkpointing/strategies/torch.py:749 logs 'MCore's async save is deprecated ... setting "
+    "`async_strategy` to `nvrx`' at the first save of a process; the synchronous save itself writes through that "
+    "writer (:727, in `save`, calls `async_save(..., async_strategy=\"mcore\")`), the package's background save "
+    "uses it too, and nvidia-resiliency-ext is no dependency",
+    _save_logs_the_mcore_async_notice,
+    _drop_mcore_async_notice,
+)
+
+SAVE_ADJUSTMENTS = (_SAVE_ADJUSTMENT,)

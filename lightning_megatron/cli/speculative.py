@@ -39,12 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="float32 keeps both decoders' argmax identical; lower precision may break ties apart")
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=list(DRAFT_TOKENS), metavar="K",
                         help="draft tokens per step to report (the MTP head reapplied to its own output)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled runs")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature of the sampled runs; 0: greedy verification (a draft stands iff "
+                        "it is the target's greedy token, so the sampled runs equal the greedy ones)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled runs (1.0: all tokens)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
     args = parser.parse_args(argv)
-    if args.temperature <= 0:
-        parser.error(f"--temperature {args.temperature} must be > 0 (the greedy runs are always reported)")
+    if args.temperature < 0:
+        parser.error(f"--temperature {args.temperature} must be >= 0 (0: greedy verification)")
 
     report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
                                 device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,

@@ -95,7 +95,7 @@ def make_tiny_checkpoint(
     """
     if (family, mtp) not in FAMILIES:
         raise ValueError(f"unsupported (family, mtp)=({family!r}, {mtp}); supported: {FAMILIES}")
-    shape = _Shape(
+    shape = CheckpointShape(
         num_layers=num_layers,
         hidden_size=hidden_size,
         vocab_size=vocab_size,
@@ -119,7 +119,7 @@ def make_tiny_checkpoint(
 
     def write(folder: Path) -> None:
         config = _model_config(family, mtp, tied, dtype, shape, ids, moe)
-        shapes = _with_experts(family, _tensor_shapes(family, mtp, tied, shape), moe, shape)
+        shapes = _with_experts(family, tensor_shapes(family, mtp, tied, shape), moe, shape)
         tensors = {name: random_tensor(name, tensor_shape, seed).to(dtype) for name, tensor_shape in shapes.items()}
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         write_json(folder / "config.json", config)
@@ -144,7 +144,9 @@ def make_tiny_checkpoint(
 
 
 @dataclass(frozen=True)
-class _Shape:
+class CheckpointShape:
+    """A dense checkpoint's sizes, `make_tiny_checkpoint`'s shape arguments with their defaults filled in."""
+
     num_layers: int
     hidden_size: int
     vocab_size: int
@@ -155,7 +157,7 @@ class _Shape:
     max_position_embeddings: int
 
 
-def _check_shape(family: Family, shape: _Shape, *, explicit_head_dim: bool) -> None:
+def _check_shape(family: Family, shape: CheckpointShape, *, explicit_head_dim: bool) -> None:
     """Refuse shapes the HF classes or Megatron would reject later with a less clear message."""
     if shape.num_key_value_heads <= 0 or shape.num_attention_heads % shape.num_key_value_heads != 0:
         raise ValueError(
@@ -182,7 +184,7 @@ def _model_config(
     mtp: bool,
     tied: bool,
     dtype: torch.dtype,
-    shape: _Shape,
+    shape: CheckpointShape,
     special_ids: dict[str, int],
     moe: MoEShape | None = None,
 ) -> dict[str, Any]:
@@ -225,8 +227,9 @@ def _model_config(
     return config
 
 
-def _tensor_shapes(family: Family, mtp: bool, tied: bool, shape: _Shape) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the checkpoint with its shape, in HF naming."""
+def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the checkpoint with its shape, in HF naming (without the experts of the MoE families):
+    what a writer of another checkpoint of the same layout draws (`bench.common.make_large_checkpoint`)."""
     hidden_size, vocab_size = shape.hidden_size, shape.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (vocab_size, hidden_size),
@@ -244,7 +247,7 @@ def _tensor_shapes(family: Family, mtp: bool, tied: bool, shape: _Shape) -> dict
     return shapes
 
 
-def _decoder_layer_shapes(prefix: str, family: Family, shape: _Shape) -> dict[str, tuple[int, ...]]:
+def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape) -> dict[str, tuple[int, ...]]:
     """One decoder layer's tensors: Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v biases."""
     hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q_size, kv_size = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
@@ -316,7 +319,7 @@ def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
     return moe
 
 
-def _moe_config_fields(family: Family, moe: MoEShape, shape: _Shape) -> dict[str, Any]:
+def _moe_config_fields(family: Family, moe: MoEShape, shape: CheckpointShape) -> dict[str, Any]:
     expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
     fields: dict[str, Any] = dict(
         num_experts=moe.num_experts,
@@ -332,13 +335,13 @@ def _moe_config_fields(family: Family, moe: MoEShape, shape: _Shape) -> dict[str
     return fields
 
 
-def _moe_intermediate_sizes(moe: MoEShape, shape: _Shape) -> tuple[int, int]:
+def _moe_intermediate_sizes(moe: MoEShape, shape: CheckpointShape) -> tuple[int, int]:
     expert = shape.hidden_size // 2 if moe.intermediate_size is None else moe.intermediate_size
     shared = shape.hidden_size if moe.shared_expert_intermediate_size is None else moe.shared_expert_intermediate_size
     return expert, shared
 
 
-def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoEShape | None, shape: _Shape
+def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoEShape | None, shape: CheckpointShape
                   ) -> dict[str, tuple[int, ...]]:
     """Every dense MLP (``<layer>.mlp.{gate,up,down}_proj``) replaced by a router and routed experts, in HF naming."""
     if moe is None:

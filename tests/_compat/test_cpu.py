@@ -13,6 +13,7 @@ from lightning_megatron._compat import (
     packed_mtp_roll,
     packed_rope,
     prepare_megatron_core,
+    quiet,
 )
 from tests._megatron import tiny_gpt, token_batch
 
@@ -46,7 +47,8 @@ def test_all_apply_once_and_are_idempotent(process_group):
                                                                     *context_parallel.ADJUSTMENTS,
                                                                     *moe.MEGATRON_CORE_ADJUSTMENTS,
                                                                     *packed_rope.ADJUSTMENTS,
-                                                                    *packed_mtp_roll.ADJUSTMENTS))]
+                                                                    *packed_mtp_roll.ADJUSTMENTS,
+                                                                    *quiet.SAVE_ADJUSTMENTS))]
     assert prepare_megatron_core() == expected
     assert prepare_megatron_core() == expected
     assert len(torch.overrides._get_current_function_mode_stack()) == stack_depth

@@ -1,17 +1,26 @@
 """`_compat/quiet.py`: commands start without the import-time warnings about what `_compat` handles (no CUDA runtime,
-no Transformer Engine or Apex), the warnings show without it, and every other warning still shows. Each case runs in
-a fresh interpreter, since the messages come once, at import."""
+no Transformer Engine or Apex), the warnings show without it, and every other warning still shows; each of those
+cases runs in a fresh interpreter, since the messages come once, at import. A fit that saves checkpoints logs no
+deprecation notice from Megatron-Core's checkpointing, which its own synchronous save logs without the adjustment
+(once per process: the tests reset its flag)."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+
+from lightning_megatron import checkpoint as megatron_checkpoint
+from lightning_megatron._compat import quiet
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA_RUNTIME = "No CUDA runtime is found"
@@ -70,3 +79,44 @@ def test_only_those_messages_are_dropped_and_reverting_brings_them_back() -> Non
     assert "a different cpp_extension record" in output
     assert f"{NO_TE_OR_APEX} (after revert)" in output
     assert output.count(NO_TE_OR_APEX) == 1
+
+
+def _checkpointing_deprecations(records: list[logging.LogRecord], caught: list[warnings.WarningMessage]) -> list[str]:
+    """The deprecation notices Megatron-Core's checkpointing logged or warned."""
+    logged = [record.getMessage() for record in records if record.name.startswith("megatron.core.dist_checkpointing")]
+    warned = [str(warning.message) for warning in caught if "dist_checkpointing" in warning.filename]
+    return [message for message in logged + warned if "deprecat" in message.lower()]
+
+
+@pytest.fixture
+def fresh_save_notice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-Core logs its async-save notice at the first save of a process only: as if none had saved yet."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    monkeypatch.setattr(torch_strategy, "_logged_mcore_async_deprecation", False)
+
+
+def test_megatron_cores_own_synchronous_save_logs_the_notice_without_the_adjustment(process_group, fresh_save_notice,
+                                                                                    tmp_path, caplog) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    sharded = {"weight": ShardedTensor.from_rank_offsets("weight", torch.ones(4))}
+    with quiet.SAVE_ADJUSTMENTS[0].suspended(), caplog.at_level(logging.WARNING):
+        dist_checkpointing.save(sharded, str(tmp_path))  # synchronous, no async option passed
+    notices = _checkpointing_deprecations(caplog.records, [])
+    assert len(notices) == 1 and notices[0].startswith(quiet.MCORE_ASYNC_SAVE_DEPRECATED)
+
+
+def test_a_fit_saving_checkpoints_without_async_save_logs_no_checkpointing_deprecation(process_group,
+                                                                                     fresh_save_notice, tmp_path,
+                                                                                     caplog) -> None:
+    from tests.test_strategy import _fit
+
+    hf_checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(tmp_path / "fit", hf_checkpoint, 2, callbacks=(saver,), trainer_kwargs=dict(enable_checkpointing=True))
+    assert megatron_checkpoint.is_complete(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
+    assert _checkpointing_deprecations(caplog.records, caught) == []

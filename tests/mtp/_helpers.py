@@ -19,7 +19,12 @@ from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.datasets import RandomTokenDataset
 
-SEQ, VOCAB, SAMPLES = 16, 384, 32
+from tests._adam import comparable_adam_eps
+
+SEQ, VOCAB, SAMPLES, LR = 16, 384, 32, 1e-2
+# the fits whose weights are compared with another computation's after their steps (chunked and whole logits):
+# Adam's steps Lipschitz in the gradients, so the rounding differences stay below 1e-6 (tests/_adam.py)
+COMPARABLE = {"adam_eps": comparable_adam_eps(LR)}
 
 
 class Snapshot(pl.Callback):
@@ -77,7 +82,7 @@ def named_parameters(pl_module: pl.LightningModule, keep: bool = False) -> dict[
 
 
 def fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = True, devices: int = 1,
-        dataset: Any = None, lr: float = 1e-2, module_kwargs: dict | None = None, callbacks: tuple = (),
+        dataset: Any = None, lr: float = LR, module_kwargs: dict | None = None, callbacks: tuple = (),
         skip_main_head_backward: bool = True, loss_chunk_tokens: int | None = 8, validate_every: int | None = None,
         log_lm_loss_every_n_steps: int | None = 1, logger: Logger | None = None, log_every_n_steps: int = 1,
         **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:

@@ -22,6 +22,7 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 from tests.mtp._helpers import (
+    COMPARABLE,
     SAMPLES,
     SEQ,
     VOCAB,
@@ -91,7 +92,7 @@ def _distributed_mtp_only(rank: int, world_size: int, tmp: str, hf_checkpoint: s
         heads, logs[name] = HeadGradients(), RecordedLogs()
         snapshot, trainer = fit(Path(tmp) / name, Path(hf_checkpoint), 2, devices=world_size, callbacks=(heads,),
                                 loss_chunk_tokens=chunk_tokens, log_lm_loss_every_n_steps=every, logger=logs[name],
-                                log_every_n_steps=2, **parallel)
+                                log_every_n_steps=2, module_kwargs=COMPARABLE, **parallel)
         runs[name] = snapshot, trainer, heads
     (snapshot, trainer, heads), (whole, _, whole_heads) = runs["chunked"], runs["whole_logits"]
     mtp = {name for name in snapshot.before if is_mtp_parameter(name)}

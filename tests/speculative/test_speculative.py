@@ -327,6 +327,31 @@ def test_cli_writes_the_report(checkpoints, tmp_path):
     assert [row["completion"] for row in in_process["prompts"]] == [row["completion"] for row in report["prompts"]]
 
 
+def test_cli_temperature_zero_is_greedy_verification(checkpoints, tmp_path, capsys):
+    """`--temperature 0`, the greedy case the README names: the sampled runs verify greedily, so every draft count's
+    acceptance and accepted length equal the greedy runs'; a negative temperature is refused."""
+    from lightning_megatron.cli.speculative import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in PROMPTS[:2]))
+    assert main([str(checkpoints["qwen3"]), str(prompts), "--out", str(tmp_path / "out"), "--max-new-tokens", "8",
+                 "--temperature", "0", "--draft-tokens", "1", "2"]) == 0
+    summary = json.loads((tmp_path / "out" / "report.json").read_text())["summary"]
+    assert summary["sampling"]["temperature"] == 0 and summary["all_identical"]
+    by_k = summary["by_draft_tokens"]
+    assert list(by_k["sampled"]) == list(by_k["greedy"]) == ["1", "2"]
+    for k, greedy in by_k["greedy"].items():
+        sampled = by_k["sampled"][k]
+        assert (sampled["acceptance_rate"], sampled["mean_accepted_length"]) == (
+            greedy["acceptance_rate"], greedy["mean_accepted_length"]), k
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "0: greedy verification" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main([str(checkpoints["qwen3"]), str(prompts), "--out", str(tmp_path / "refused"), "--temperature", "-1"])
+    assert "--temperature -1.0 must be >= 0 (0: greedy verification)" in capsys.readouterr().err
+
+
 def test_bad_inputs_name_the_problem(checkpoints, tmp_path):
     rows = tmp_path / "bad.jsonl"
     rows.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": "no"}) + "\n")
