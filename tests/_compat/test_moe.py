@@ -1,7 +1,7 @@
 """Each MoE adjustment: a tiny Qwen3-MoE fails here without it, and builds, matches HF and exports with it.
 
 Models are built through the bridges directly (their own router settings, no project overrides), as in
-test_compat_bridges.
+tests/_compat/test_bridges.py.
 """
 
 from __future__ import annotations

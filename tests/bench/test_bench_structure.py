@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.test_structure import find_cycle, renames
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def bench_imports(folder: Path) -> dict[str, set[str]]:
