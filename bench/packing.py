@@ -53,6 +53,7 @@ from lightning_megatron._compat import packed_rope
 from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.distributed import init_single_process
 
+
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     add_shape_options(parser)

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Set
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_megatron.bridges import Bridge
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 from lightning_megatron.options import ModelOptions
+
+if TYPE_CHECKING:  # the bridges import Megatron-Core: a command's --help must not (tests/_compat/test_quiet.py)
+    from lightning_megatron.bridges import Bridge
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 
@@ -107,3 +109,12 @@ class MegatronLightningModule(pl.LightningModule):
     def megatron_strategy(self) -> MegatronStrategyContract:
         """The trainer's `MegatronStrategy` (`megatron_strategy`)."""
         return megatron_strategy(self.trainer, type(self).__name__)
+
+
+@runtime_checkable
+class ValidatesMegatronSetup(Protocol):
+    """A callback that checks the strategy's options and the module before any weights are loaded: called in
+    `setup_environment` once `strategy.bridge` exists, before the model is built; raise, naming the option and the
+    fix, to refuse a combination the callback cannot serve."""
+
+    def validate_megatron_setup(self, strategy: MegatronStrategyContract, module: MegatronLightningModule) -> None: ...

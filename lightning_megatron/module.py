@@ -41,6 +41,7 @@ from lightning_megatron.mtp.self_distill import (
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.options import ModelOptions
 
+
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
     """Response-only token loss: Megatron returns an unmasked per-token loss, the mask is the data's.
 

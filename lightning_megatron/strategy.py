@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol, override, runtime_checkable
+from typing import Any, Literal, override
 
 import lightning.pytorch as pl
 import torch
@@ -37,24 +37,20 @@ from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron import schedule
 from lightning_megatron.background_save import BackgroundSaves
 from lightning_megatron.bridges import Bridge, backend_class, create_bridge
-from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, PreWrapHook
-from lightning_megatron.data.settings import DataSettings, hand_data_settings
+from lightning_megatron.contract import (
+    MegatronLightningModule,
+    MegatronStrategyContract,
+    PreWrapHook,
+    ValidatesMegatronSetup,
+)
 from lightning_megatron.cuda_graphs.full_iteration import StrategyCudaGraphs
 from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW, CudaGraph
+from lightning_megatron.data.settings import DataSettings, hand_data_settings
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.moe import check_expert_parallel_world
 from lightning_megatron.optimizer import MegatronOptimizerAdapter, check_megatron_optimizers, megatron_optimizer
 from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
-
-
-@runtime_checkable
-class ValidatesMegatronSetup(Protocol):
-    """A callback that checks the strategy's options and the module before any weights are loaded: called in
-    `setup_environment` once `strategy.bridge` exists, before the model is built; raise, naming the option and the
-    fix, to refuse a combination the callback cannot serve."""
-
-    def validate_megatron_setup(self, strategy: MegatronStrategy, module: MegatronLightningModule) -> None: ...
 
 
 class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_megatron._compat._adjustment import Adjustment, Patches
 
 
-def _no_cuda() -> bool:
+def no_cuda() -> bool:
     return not torch.cuda.is_available()
 
 
@@ -58,7 +58,7 @@ def _install_cuda_tensors_on_cpu(patches: Patches) -> None:
     patches.on_revert(lambda: mode.__exit__(None, None, None))
 
 
-class _NoOpStream:
+class NoOpStream:
     """Stands for a CUDA stream or event on CPU, where every operation is already ordered."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -77,10 +77,10 @@ def _no_op_stream_context(*args: Any, **kwargs: Any) -> Iterator[None]:
 
 
 def _install_streams(patches: Patches) -> None:
-    stream = _NoOpStream()
+    stream = NoOpStream()
     patches.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: stream)
-    patches.setattr(torch.cuda, "Stream", _NoOpStream)
-    patches.setattr(torch.cuda, "Event", _NoOpStream)
+    patches.setattr(torch.cuda, "Stream", NoOpStream)
+    patches.setattr(torch.cuda, "Event", NoOpStream)
     patches.setattr(torch.cuda, "stream", _no_op_stream_context)
     patches.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
 
@@ -120,7 +120,7 @@ ADJUSTMENTS = (
         "cpu.current_device",
         "torch.cuda.current_device() in ~200 places, e.g. megatron/core/utils.py:715 (GlobalMemoryBuffer), "
         "transformer/multi_token_prediction.py:374 (MTP tracker buffers), param_and_grad_buffer.py:1186",
-        _no_cuda,
+        no_cuda,
         _install_current_device,
     ),
     Adjustment(
@@ -129,20 +129,20 @@ ADJUSTMENTS = (
         "pipeline_parallel/schedules.py:749, optimizer/optimizer.py:1249, models/common/language_module.py:307, "
         "models/common/embeddings/rope_utils.py:62 (pin_memory=True, CP rotary slice); "
         "tensor.type() == 'torch.cuda.FloatTensor' checks in optimizer/distrib_optimizer.py:466, optimizer/clip_grads.py:174",
-        _no_cuda,
+        no_cuda,
         _install_cuda_tensors_on_cpu,
     ),
     Adjustment(
         "cpu.streams",
         "torch.cuda streams, events and synchronize, e.g. distributed/param_and_grad_buffer.py:632, "
         "pipeline_parallel/p2p_communication.py:419",
-        _no_cuda,
+        no_cuda,
         _install_streams,
     ),
     Adjustment(
         "cpu.rng_tracker",
         "tensor_parallel/random.py:303 CudaRNGStatesTracker.add reads torch.cuda.get_rng_state()",
-        _no_cuda,
+        no_cuda,
         _install_rng_tracker,
     ),
 )

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
-from lightning_megatron._compat.no_te import _no_transformer_engine
+from lightning_megatron._compat.no_te import no_transformer_engine
 
 
 def _building_local_specs(build_spec: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,7 +106,7 @@ def _mbridge_name_tables() -> tuple[type, ...]:
 
 
 def _name_tables_lack_local_spec_names() -> bool:
-    return _no_transformer_engine() and any(
+    return no_transformer_engine() and any(
         name not in getattr(bridge, table)
         for bridge in _mbridge_name_tables()
         for table, entries in _LOCAL_SPEC_NAMES.items()
@@ -158,7 +158,7 @@ ADJUSTMENTS = (
     Adjustment(
         "mbridge.local_layer_spec",
         "mbridge/core/llm_bridge.py:149 get_gpt_decoder_block_spec(..., use_transformer_engine=True)",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_mbridge_local_layer_spec,
     ),
     Adjustment(

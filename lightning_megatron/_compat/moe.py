@@ -13,20 +13,20 @@ from typing import Any
 import torch
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
-from lightning_megatron._compat.cpu import _no_cuda, _NoOpStream
-from lightning_megatron._compat.no_te import _no_transformer_engine
+from lightning_megatron._compat.cpu import NoOpStream, no_cuda
+from lightning_megatron._compat.no_te import no_transformer_engine
 from lightning_megatron.families import mtp_names
 
 # megatron-core ----------------------------------------------------------------------------------------------------
 
 
 def _stream_events_are_none() -> bool:
-    return _no_cuda() and _NoOpStream().record_event() is None
+    return no_cuda() and NoOpStream().record_event() is None
 
 
 def _install_stream_events(patches: Patches) -> None:
     """The all-to-all dispatcher records an event on its device-to-host stream and later waits on it."""
-    patches.setattr(_NoOpStream, "record_event", lambda self, *args, **kwargs: _NoOpStream())
+    patches.setattr(NoOpStream, "record_event", lambda self, *args, **kwargs: NoOpStream())
 
 
 def _install_split_sizes_as_numpy(patches: Patches) -> None:
@@ -92,14 +92,14 @@ MEGATRON_CORE_ADJUSTMENTS = (
         "moe.gloo_all_to_all_split_sizes",
         "megatron/core/transformer/moe/moe_utils.py:1184 converts only CUDA split sizes to numpy, so "
         "tensor_parallel/mappings.py:460 all_to_all_single gets tensors (TypeError) on CPU",
-        _no_cuda,
+        no_cuda,
         _install_split_sizes_as_numpy,
     ),
     Adjustment(
         "moe.gloo_uneven_gathers",
         "megatron/core/tensor_parallel/mappings.py:154 all_gather of unequal shares (token_dispatcher.py:739 under "
         "sequence parallelism): 'ProcessGroupGloo::allgather: invalid tensor size'; mappings.py:197 its backward",
-        _no_cuda,
+        no_cuda,
         _install_uneven_gathers_on_gloo,
     ),
 )
@@ -191,7 +191,7 @@ MEGATRON_BRIDGE_ADJUSTMENTS = (
         "megatron_bridge.qwen3_moe_unfused_permutation",
         "megatron/bridge/models/qwen/qwen3_moe_bridge.py:68 moe_permute_fusion=True: 'fused permutation is not "
         "available' without TE (megatron/core/transformer/transformer_config.py:2667)",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_qwen3_moe_unfused_permutation,
     ),
 )
@@ -227,7 +227,7 @@ _INPUT_LAYERNORM = {"input_layernorm.weight": ["model.layers.{layer_number}.inpu
 def _moe_name_table_lacks_input_layernorm() -> bool:
     from mbridge.models.qwen2moe import Qwen2MoEBridge
 
-    return _no_transformer_engine() and "input_layernorm.weight" not in Qwen2MoEBridge._OTHER_MAPPING
+    return no_transformer_engine() and "input_layernorm.weight" not in Qwen2MoEBridge._OTHER_MAPPING
 
 
 def _install_moe_input_layernorm_name(patches: Patches) -> None:
@@ -267,7 +267,7 @@ MBRIDGE_ADJUSTMENTS = (
         "mbridge.moe_no_apex_fusions",
         "mbridge/models/qwen3moe.py:24, qwen2moe.py persist_layer_norm=True: 'persist_layer_norm not supported by "
         "torch LayerNorm' (megatron/core/transformer/torch_norm.py:48); qwen2moe.py moe_shared_expert_overlap",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_no_persistent_layer_norm,
     ),
     Adjustment(
@@ -281,7 +281,7 @@ MBRIDGE_ADJUSTMENTS = (
         "mbridge.sequential_mlp_expert_names",
         "mbridge/models/qwen2moe.py:104 Unsupported parameter name: ...mlp.experts.local_experts.0.linear_fc1.weight; "
         "mbridge/core/bridge.py:364-385, 507-520 know only TEGroupedMLP expert names",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_sequential_mlp_expert_names,
     ),
 )

@@ -26,7 +26,7 @@ from lightning_megatron._compat._adjustment import Adjustment, Patches
 from lightning_megatron.families import mtp_names
 
 
-def _no_transformer_engine() -> bool:
+def no_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is None
 
 
@@ -366,31 +366,31 @@ MEGATRON_BRIDGE_ADJUSTMENTS = (
     Adjustment(
         "megatron_bridge.quiet_missing_te_imports",
         "megatron/bridge/utils/import_utils.py:333 logs each failed TE import at INFO with its traceback",
-        _no_transformer_engine,
+        no_transformer_engine,
         _drop_missing_transformer_engine_reports,
     ),
     Adjustment(
         "megatron_bridge.lora_layers_import",
         "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine.pytorch, so `import megatron.bridge` fails",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_lora_layers_without_transformer_engine,
     ),
     Adjustment(
         "megatron_bridge.peft_have_te",
         "megatron/bridge/peft/utils.py:86, module_matcher.py:40 HAVE_TE* True for MagicMock TE classes (utils.py:591)",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_peft_without_transformer_engine,
     ),
     Adjustment(
         "megatron_bridge.local_layer_spec",
         "megatron/bridge/models/gpt_provider.py:125 default_layer_spec builds the TE spec (gpt_layer_specs.py:233)",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_local_layer_spec,
     ),
     Adjustment(
         "megatron_bridge.local_mtp_block_spec",
         "megatron/bridge/models/gpt_provider.py:376 mtp_block_spec hard-codes use_transformer_engine=True",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_local_mtp_block_spec,
     ),
     Adjustment(
@@ -402,7 +402,7 @@ MEGATRON_BRIDGE_ADJUSTMENTS = (
     Adjustment(
         "megatron_bridge.llama_local_fusions",
         "megatron/bridge/models/llama/llama_bridge.py:67,71 persist_layer_norm, apply_rope_fusion: Apex/TE fusions",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_llama_local_fusions,
     ),
 )

@@ -21,7 +21,7 @@ import sys
 import warnings
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
-from lightning_megatron._compat.cpu import _no_cuda
+from lightning_megatron._compat.cpu import no_cuda
 
 # torch ------------------------------------------------------------------------------------------------------------
 
@@ -30,7 +30,7 @@ _NO_CUDA_RUNTIME = "No CUDA runtime is found"
 
 
 def _cpp_extension_would_report_no_cuda_runtime() -> bool:
-    return _CPP_EXTENSION not in sys.modules and _no_cuda()
+    return _CPP_EXTENSION not in sys.modules and no_cuda()
 
 
 def _drop_warning_records(patches: Patches, logger_name: str, message_start: str) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
-from lightning_megatron._compat.no_te import _no_transformer_engine
+from lightning_megatron._compat.no_te import no_transformer_engine
 
 
 def _qwen25_vl_bridge_drops_mrope_section() -> bool:
@@ -169,7 +169,7 @@ MEGATRON_BRIDGE_ADJUSTMENTS = (
         "megatron_bridge.qwen3_vl_local_specs",
         "megatron/bridge/models/qwen_vl/qwen3_vl_provider.py:148 get_gpt_layer_with_transformer_engine_spec and "
         "modelling_qwen3_vl/model.py:305-310 the TE ViT spec, TENorm, TE linears: TypeError without TE",
-        _no_transformer_engine,
+        no_transformer_engine,
         _install_qwen3_vl_local_specs,
     ),
     Adjustment(

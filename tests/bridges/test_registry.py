@@ -17,11 +17,11 @@ from torch.utils.data import DataLoader
 from lightning_megatron.bridges import BridgeError, backend_class, capable_backends, create_bridge, registered_backends
 from lightning_megatron.bridges.base import register_backend
 from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
-from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
+from lightning_megatron.contract import MegatronStrategyContract, ValidatesMegatronSetup, megatron_strategy
 from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.module import SFTModule
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.strategy import MegatronStrategy, ValidatesMegatronSetup
+from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
 

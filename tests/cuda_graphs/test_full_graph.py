@@ -153,8 +153,8 @@ def test_a_fixed_sequence_count_changes_no_loss_and_no_gradient(model_parallel):
     """A packed row through a local-spec GPT with its MTP layer (CPU: dense-mask SDPA, THD RoPE, MTP rolls), with
     `cu_seqlens` as packed and as the graph path pads it (16 sequences, `max_seqlen` the row length - 1): per-token
     losses and every gradient equal (fp32, 1e-6). Tree rows are refused, rows the fixed shapes cannot hold kept."""
-    from tests.test_attention import _per_token_loss_and_grads, _tiny_mtp_gpt
     from tests._compat.test_packed import PACKED_LENGTHS, packed_row
+    from tests.test_attention import _per_token_loss_and_grads, _tiny_mtp_gpt
 
     row = sum(PACKED_LENGTHS)
     microbatch = {**packed_row(), "max_seqlen": max(PACKED_LENGTHS)}

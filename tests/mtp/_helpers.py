@@ -18,7 +18,6 @@ from lightning_megatron.module import SFTModule
 from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.datasets import RandomTokenDataset
-
 from tests._adam import comparable_adam_eps
 
 SEQ, VOCAB, SAMPLES, LR = 16, 384, 32, 1e-2
