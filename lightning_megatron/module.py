@@ -39,6 +39,7 @@ from lightning_megatron.mtp.self_distill import (
     use_mtp_depth_loss,
 )
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
+from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, depth_divergence
 from lightning_megatron.options import ModelOptions
 
 
@@ -86,9 +87,13 @@ class SFTModule(MegatronLightningModule):
     T -> 0 is hard labels on the model's own greedy text. `mtp_distill_weighting` weighs each position by how a
     server would feed it (the MTP layer reads token t + 1, which a server takes from the main head): "uniform" (all
     alike), "greedy" (only where token t + 1 is the main head's argmax), "sampled" (by its probability).
+    "tv": the acceptance rate itself, per token `1 - sum_x min(p_T, q_T)` with both distributions at
+    `T = mtp_sampling_temperature` (`mtp.tv_loss`); "tv_kl": a per-token blend of KL and TV whose KL share
+    `exp(-mtp_tv_kl_decay * acceptance)` carries the head while TV's gradient vanishes (little overlap). Both take
+    `mtp_distill_weighting` as "self_distill" does.
     Logged every step: `lm_loss` (token-weighted over the global batch; with `MTPOnlyCallback` only on the steps
     it computes it, `log_lm_loss_every_n_steps`), `mtp_loss` (the hard-label cross-entropy,
-    or with self-distillation the KL), `mtp_accuracy` (argmax = data token), and on MoE
+    or the distillation loss: KL, TV or the blend), `mtp_accuracy` (argmax = data token), and on MoE
     models `moe_aux_loss` (the load-balancing loss, averaged like Megatron-LM reports it); each
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
     model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations) and
@@ -107,6 +112,7 @@ class SFTModule(MegatronLightningModule):
         mtp_distill_temperature: float = 1.0,
         mtp_distill_weighting: DistillWeighting = "uniform",
         mtp_sampling_temperature: float = 1.0,
+        mtp_tv_kl_decay: float = DEFAULT_TV_KL_DECAY,
         lr: float = 1e-5,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 0,
@@ -134,6 +140,12 @@ class SFTModule(MegatronLightningModule):
                             ("mtp_sampling_temperature", mtp_sampling_temperature)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: {value} must be finite and > 0 (1.0: the target's own distribution)")
+        if mtp_loss_type in ("tv", "tv_kl") and mtp_distill_temperature != 1.0:
+            raise ValueError(f"mtp_distill_temperature: {mtp_distill_temperature} is self_distill's teacher "
+                             f"temperature; mtp_loss_type: {mtp_loss_type} compares both heads at "
+                             "mtp_sampling_temperature: set that one instead")
+        self._divergence = (None if mtp_loss_type == "labels" else depth_divergence(
+            mtp_loss_type, mtp_distill_temperature, mtp_sampling_temperature, mtp_tv_kl_decay))
         self.save_hyperparameters()
         self.val_mtp_acceptance = MTPAcceptanceAccuracy()
         self.val_mtp_sampled_acceptance = MTPSampledAcceptance()
@@ -164,10 +176,9 @@ class SFTModule(MegatronLightningModule):
             for _, parameter, is_mtp in mtp_parameter_flags(list(self.model)).values():
                 if is_mtp:
                     parameter.requires_grad_(False)
-        if self.enable_mtp_training and self.hparams.mtp_loss_type == "self_distill" and stage in ("fit", "validate"):
-            self._depth_loss_handles = use_mtp_depth_loss(
-                list(self.model), distill_temperature=self.hparams.mtp_distill_temperature,
-                distill_weighting=self.hparams.mtp_distill_weighting)
+        if self.enable_mtp_training and self._divergence is not None and stage in ("fit", "validate"):
+            self._depth_loss_handles = use_mtp_depth_loss(list(self.model), divergence=self._divergence,
+                                                          distill_weighting=self.hparams.mtp_distill_weighting)
 
     def teardown(self, stage: str) -> None:
         for handle in self._depth_loss_handles:

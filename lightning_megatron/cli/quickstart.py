@@ -3,8 +3,8 @@
 1. the tiny Qwen3+MTP checkpoint is made locally (random weights, a random MTP head: nothing is downloaded), and
    the packaged training and held-out prompts are written to the work folder;
 2. `lightning-megatron predict` writes the frozen model's own greedy continuations of training and held-out
-   prompts as SFT JSONL (`--mtp-loss labels`, the default); with `--mtp-loss self_distill` this step is skipped:
-   the head learns the model's own distribution on the packaged SFT text (`mtp_loss_type: self_distill`);
+   prompts as SFT JSONL (`--mtp-loss labels`, the default); with `--mtp-loss self_distill` (or `tv`, `tv_kl`)
+   this step is skipped: the head learns the model's own distribution on the packaged SFT text (`mtp_loss_type`);
 3. the acceptance of the stored MTP head is measured on the held-out prompts by speculative decoding;
 4. `lightning-megatron fit` trains only the MTP head on the training continuations (backbone audited bit for
    bit), validating on the held-out ones, and exports an HF checkpoint;
@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("artifacts/quickstart"))
     parser.add_argument("--max-steps", type=int, default=150, help="MTP-only optimizer steps")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--mtp-loss", choices=("labels", "self_distill"), default="labels",
+    parser.add_argument("--mtp-loss", choices=("labels", "self_distill", "tv", "tv_kl"), default="labels",
                         help="labels: hard labels on the model's own continuations (a generation step first); "
-                        "self_distill: the main head's distribution on the packaged SFT text, no generation step")
+                        "self_distill (KL), tv (the sampled acceptance itself) or tv_kl (their blend): the main "
+                        "head's distribution on the packaged SFT text, no generation step")
     parser.add_argument("--stop-after", type=int, choices=range(1, STEPS + 1), default=STEPS, metavar="N",
                         help=f"run steps 1 to N only (1-{STEPS}; default: all)")
     args = parser.parse_args(argv)
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after == 1:
         return _stopped(1)
 
-    if args.mtp_loss == "self_distill":
+    if args.mtp_loss != "labels":
         train_file, val_file = CONFIGS / "data" / "tiny_sft.jsonl", CONFIGS / "data" / "tiny_sft_val.jsonl"
-        print(f"[2/5] no generation step: self-distillation trains on {train_file.name} and validates on "
+        print(f"[2/5] no generation step: the {args.mtp_loss} loss trains on {train_file.name} and validates on "
               f"{val_file.name}")
     else:
         train_file, val_file = _own_continuations(work, checkpoint, prompts_file, held_out_prompts,

@@ -32,12 +32,15 @@ and packed-sequence parameters the labels are rolled with, so the teacher at t i
 where the rolled label is token t + k + 1, and a position whose target would cross a sequence boundary is one the
 rolled mask drops. The teacher logits are made from those hidden states a token chunk at a time (the output
 layer's own weight, under no grad); the softmaxes are vocabulary-parallel (max and sum all-reduced over the TP
-group, as Megatron-Core's cross-entropy does), and no `[tokens, vocab]` fp32 tensor outlives a chunk.
+group, as Megatron-Core's cross-entropy does), and no `[tokens, vocab]` fp32 tensor outlives a chunk. The
+per-chunk loss is a `ChunkDivergence` (`KLDivergence` here); `mtp.tv_loss` adds the TV loss and a KL/TV hybrid on
+the same machinery (teacher, chunks, roll, weighting).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,8 +48,9 @@ import torch.nn.functional as F
 
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_language_model_loss
 
-MTPLossType = Literal["labels", "self_distill"]
-MTP_LOSS_TYPES: tuple[MTPLossType, ...] = ("labels", "self_distill")
+MTPLossType = Literal["labels", "self_distill", "tv", "tv_kl"]  # tv, tv_kl: `mtp.tv_loss`
+MTP_LOSS_TYPES: tuple[MTPLossType, ...] = ("labels", "self_distill", "tv", "tv_kl")
+DepthLossSetting = Literal["label_chunk_tokens", "divergence"]
 DistillWeighting = Literal["uniform", "greedy", "sampled"]
 DISTILL_WEIGHTINGS: tuple[DistillWeighting, ...] = ("uniform", "greedy", "sampled")
 # a chunk holds two fp32 distributions over the vocabulary (student and teacher) where the hard-label loss holds
@@ -54,9 +58,13 @@ DISTILL_WEIGHTINGS: tuple[DistillWeighting, ...] = ("uniform", "greedy", "sample
 DISTILL_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS // 2
 
 
-def _log_softmax_chunk(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """fp32 log-softmax over the whole (vocabulary-parallel) vocabulary, in place of an fp32 copy of `logits`."""
+def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: Any, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 `log_softmax(logits / temperature)` over the whole (vocabulary-parallel) vocabulary, made in one fp32
+    copy of `logits` (max and sum of exponentials all-reduced over the TP group, as Megatron-Core's
+    cross-entropy does)."""
     chunk = logits.to(torch.float32, copy=True)
+    if temperature != 1.0:
+        chunk /= temperature
     chunk_max = chunk.max(dim=-1)[0]
     dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
     chunk -= chunk_max.unsqueeze(-1)
@@ -65,31 +73,68 @@ def _log_softmax_chunk(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
     return chunk.sub_(sum_exp.log().unsqueeze(-1))
 
 
-class _ChunkedSelfDistillation(torch.autograd.Function):
-    """Per-token `KL(softmax(teacher / T) || softmax(student))` of `[n, vocab / TP]` student logits; the teacher
-    logits are `teacher_hidden @ weight.T` (its last dimension the hidden size), made per chunk. While a chunk's
-    two distributions exist its gradient `q - p` is kept (in the student's dtype), so the backward only scales it:
-    no second teacher matmul, no recomputed softmax (`chunked_cross_entropy` does the same, and says why)."""
+class ChunkDivergence(Protocol):
+    """A per-token loss of the student's logits against the teacher's distribution, one chunk of rows at a time:
+    what `distillation_loss` computes (KL here, TV and the hybrid in `mtp.tv_loss`).
+
+    Called with the student's `[n, vocab / TP]` logits (this rank's shard, the model's dtype) and the teacher's
+    fp32 `log_softmax(z_main / teacher_temperature)` over the same shard (the divergence may overwrite it); returns
+    the fp32 per-token loss `[n]`, already summed over the TP group, and with `with_gradient` its fp32 gradient
+    with respect to the student's logits (per token, `[n, vocab / TP]`)."""
+
+    @property
+    def teacher_temperature(self) -> float: ...
+
+    def __call__(self, student: torch.Tensor, log_p: torch.Tensor, tp_group: Any,
+                 with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class KLDivergence:
+    """`mtp_loss_type: self_distill`: `KL(softmax(z_main / T) || softmax(z_mtp))`, T the teacher's only (module
+    docstring); gradient `q - p`."""
+
+    teacher_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.teacher_temperature > 0:
+            raise ValueError(f"mtp_distill_temperature: {self.teacher_temperature} must be > 0 (1.0 matches the "
+                             "target's distribution)")
+
+    def __call__(self, student: torch.Tensor, log_p: torch.Tensor, tp_group: Any,
+                 with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log_q = vocab_parallel_log_softmax(student, tp_group)
+        p = log_p.exp()
+        gradient = log_q.exp().sub_(p) if with_gradient else None
+        kl = log_q.neg_().add_(log_p).mul_(p).sum(dim=-1)
+        dist.all_reduce(kl, op=dist.ReduceOp.SUM, group=tp_group)
+        return kl, gradient
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    """Per-token `divergence` of `[n, vocab / TP]` student logits from the teacher, whose logits are
+    `teacher_hidden @ weight.T` (its last dimension the hidden size), made per chunk. While a chunk's two
+    distributions exist its gradient is kept (in the student's dtype), so the backward only scales it: no second
+    teacher matmul, no recomputed softmax (`chunked_cross_entropy` does the same, and says why)."""
 
     @staticmethod
     def forward(ctx: Any, student: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
-                teacher_logits: Any, tp_group: Any, temperature: float, chunk_tokens: int) -> torch.Tensor:
+                teacher_logits: Any, divergence: ChunkDivergence, tp_group: Any, chunk_tokens: int) -> torch.Tensor:
         rows = student.size(0)
         loss = torch.empty(rows, dtype=torch.float32, device=student.device)
         gradient = torch.empty_like(student) if ctx.needs_input_grad[0] else None
         with torch.no_grad():
             for start in range(0, rows, chunk_tokens):
                 end = min(rows, start + chunk_tokens)
-                log_q = _log_softmax_chunk(student[start:end], tp_group)
                 teacher = teacher_logits(teacher_hidden[start:end], weight)
-                log_p = _log_softmax_chunk(teacher if temperature == 1.0 else teacher / temperature, tp_group)
+                log_p = vocab_parallel_log_softmax(teacher, tp_group, divergence.teacher_temperature)
                 del teacher
-                p = log_p.exp()
+                chunk_loss, chunk_gradient = divergence(student[start:end], log_p, tp_group, gradient is not None)
+                del log_p  # nothing of this chunk outlives it but its loss and gradient
+                loss[start:end] = chunk_loss
                 if gradient is not None:
-                    gradient[start:end] = log_q.exp().sub_(p)
-                kl = log_q.neg_().add_(log_p).mul_(p).sum(dim=-1)
-                dist.all_reduce(kl, op=dist.ReduceOp.SUM, group=tp_group)
-                loss[start:end] = kl
+                    gradient[start:end] = chunk_gradient
+                del chunk_gradient
         ctx.gradient = gradient
         return loss
 
@@ -99,20 +144,19 @@ class _ChunkedSelfDistillation(torch.autograd.Function):
         return gradient.mul_(grad_output.unsqueeze(-1)), None, None, None, None, None, None
 
 
-def self_distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
-                           tp_group: Any, temperature: float = 1.0, chunk_tokens: int = DISTILL_CHUNK_TOKENS,
-                           scale_logits: Any = None) -> torch.Tensor:
-    """Per-token `KL(softmax(teacher / temperature) || softmax(student))` over the whole vocabulary.
+def distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
+                      tp_group: Any, divergence: ChunkDivergence, chunk_tokens: int = DISTILL_CHUNK_TOKENS,
+                      scale_logits: Any = None) -> torch.Tensor:
+    """Per-token `divergence` (e.g. `KLDivergence(T)`: `KL(softmax(teacher / T) || softmax(student))`) over the
+    whole vocabulary.
 
     `student_logits`: `[..., vocab / TP]` (this rank's vocabulary shard); `teacher_hidden`: `[..., hidden]`, the
     same leading shape, detached; `weight`: this rank's `[vocab / TP, hidden]` output weight, so that the teacher
     logits are `teacher_hidden @ weight.T` (then `scale_logits`, e.g. MuP's), made `chunk_tokens` rows at a time.
-    Only the student gets a gradient, `grad * (q - p)`.
+    Only the student gets a gradient (the divergence's, times the incoming one).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: {chunk_tokens} must be at least 1")
-    if not temperature > 0:
-        raise ValueError(f"mtp_distill_temperature: {temperature} must be > 0 (1.0 matches the target's distribution)")
     leading = student_logits.shape[:-1]
     if teacher_hidden.shape[:-1] != leading:
         raise ValueError(f"teacher_hidden {list(teacher_hidden.shape)} must have the student's leading shape "
@@ -122,9 +166,9 @@ def self_distillation_loss(student_logits: torch.Tensor, teacher_hidden: torch.T
         logits = F.linear(hidden, output_weight)
         return logits if scale_logits is None else scale_logits(logits)
 
-    loss = _ChunkedSelfDistillation.apply(student_logits.reshape(-1, student_logits.size(-1)),
-                                          teacher_hidden.detach().reshape(-1, teacher_hidden.size(-1)),
-                                          weight.detach(), teacher_logits, tp_group, float(temperature), chunk_tokens)
+    loss = _ChunkedDistillation.apply(student_logits.reshape(-1, student_logits.size(-1)),
+                                      teacher_hidden.detach().reshape(-1, teacher_hidden.size(-1)),
+                                      weight.detach(), teacher_logits, divergence, tp_group, chunk_tokens)
     return loss.view(leading)
 
 
@@ -158,7 +202,7 @@ def serving_weight(hidden: torch.Tensor, next_tokens: torch.Tensor, weight: torc
                 dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
                 chosen = logits.gather(-1, local[start:end]).squeeze(-1) >= chunk_max
             else:
-                chosen = _log_softmax_chunk(logits, tp_group).gather(-1, local[start:end]).squeeze(-1).exp()
+                chosen = vocab_parallel_log_softmax(logits, tp_group).gather(-1, local[start:end]).squeeze(-1).exp()
             value = (chosen & here[start:end]) if weighting == "greedy" else chosen * here[start:end]
             value = value.float()
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=tp_group)  # one rank holds the token
@@ -171,7 +215,7 @@ class MTPDepthLoss:
     `compute_language_model_loss` while a fit uses it; the main head's own loss calls go to the class's method.
 
     Two users, in any order: `MTPOnlyCallback` sets `label_chunk_tokens` (the hard-label cross-entropy a chunk of
-    tokens at a time) and `SFTModule` sets `distill_temperature` (self-distillation, always chunked). Each removes
+    tokens at a time) and `SFTModule` sets `divergence` (self-distillation or TV, always chunked). Each removes
     its setting with `release`; the override goes when neither is left. A forward hook on the MTP block keeps the
     main decoder's hidden states and packed-sequence parameters of the forward in flight; the `mtp_num_layers`
     calls that follow are the MTP depths, in order.
@@ -185,7 +229,7 @@ class MTPDepthLoss:
         self.model = model
         self.class_loss = type(model).compute_language_model_loss.__get__(model)
         self.label_chunk_tokens: int | None = None
-        self.distill_temperature: float | None = None
+        self.divergence: ChunkDivergence | None = None
         self.distill_chunk_tokens = DISTILL_CHUNK_TOKENS
         self.distill_weighting: DistillWeighting = "uniform"
         self._depths = model.config.mtp_num_layers
@@ -203,9 +247,9 @@ class MTPDepthLoss:
         installed = vars(model).get(cls.ATTRIBUTE)
         return installed if isinstance(installed, cls) else cls(model)
 
-    def release(self, setting: Literal["label_chunk_tokens", "distill_temperature"]) -> None:
+    def release(self, setting: DepthLossSetting) -> None:
         setattr(self, setting, None)
-        if self.label_chunk_tokens is None and self.distill_temperature is None:
+        if self.label_chunk_tokens is None and self.divergence is None:
             self._hook.remove()
             if vars(self.model).get(self.ATTRIBUTE) is self:
                 delattr(self.model, self.ATTRIBUTE)
@@ -214,7 +258,7 @@ class MTPDepthLoss:
         self._pending = self._depths
         self._packed_seq_params = kwargs.get("packed_seq_params")
         # what `process_mtp_loss` splits off as the main hidden states: the first of 1 + mtp_num_layers chunks
-        self._teacher = output.chunk(1 + self._depths, dim=0)[0].detach() if self.distill_temperature else None
+        self._teacher = output.chunk(1 + self._depths, dim=0)[0].detach() if self.divergence is not None else None
         self._input_ids = kwargs.get("input_ids") if self.distill_weighting != "uniform" else None
         self._depth_weight = None
 
@@ -222,7 +266,7 @@ class MTPDepthLoss:
         if self._pending == 0:
             return self.class_loss(labels, logits)  # the main head's
         self._pending -= 1
-        if self.distill_temperature is not None:
+        if self.divergence is not None:
             loss = self._self_distillation(logits)
         elif self.label_chunk_tokens is not None:
             loss = chunked_language_model_loss(self.model, self.label_chunk_tokens)(labels, logits)
@@ -255,8 +299,8 @@ class MTPDepthLoss:
             rolled, _ = roll_tensor(teacher.permute(1, 2, 0).contiguous(), shifts=-1, dims=-1,
                                     cp_group=model.pg_collection.cp, packed_seq_params=self._packed_seq_params)
             self._teacher = rolled.permute(2, 0, 1)  # [s, b, h] again, rolled once per depth as the labels are
-        loss = self_distillation_loss(logits, self._teacher, weight, model.tp_group, self.distill_temperature,
-                                      self.distill_chunk_tokens, scale)
+        loss = distillation_loss(logits, self._teacher, weight, model.tp_group, self.divergence,
+                                 self.distill_chunk_tokens, scale)
         loss = loss.transpose(0, 1)  # [b, s], as compute_language_model_loss returns
         return (loss if self._depth_weight is None else loss * self._depth_weight).contiguous()
 
@@ -280,7 +324,7 @@ class MTPDepthLoss:
 class DepthLossHandle:
     """What `use_mtp_depth_loss` set on one model; `remove()` takes it back (a hook handle's interface)."""
 
-    def __init__(self, loss: MTPDepthLoss, setting: Literal["label_chunk_tokens", "distill_temperature"]) -> None:
+    def __init__(self, loss: MTPDepthLoss, setting: DepthLossSetting) -> None:
         self.loss, self.setting = loss, setting
 
     def remove(self) -> None:
@@ -288,16 +332,16 @@ class DepthLossHandle:
 
 
 def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int | None = None,
-                       distill_temperature: float | None = None,
+                       divergence: ChunkDivergence | None = None,
                        distill_chunk_tokens: int = DISTILL_CHUNK_TOKENS,
                        distill_weighting: DistillWeighting = "uniform") -> list[DepthLossHandle]:
     """Set the MTP depths' loss of every last-stage chunk with an MTP block (unwrapped GPTModels): hard labels in
-    chunks of `label_chunk_tokens`, or self-distillation at `distill_temperature` with `distill_weighting` (one of
-    the two)."""
+    chunks of `label_chunk_tokens`, or distillation by `divergence` (`KLDivergence`, `mtp.tv_loss`'s) with
+    `distill_weighting` (one of the two)."""
     from megatron.core.utils import unwrap_model
 
-    if (label_chunk_tokens is None) == (distill_temperature is None):
-        raise ValueError("use_mtp_depth_loss sets label_chunk_tokens or distill_temperature, exactly one")
+    if (label_chunk_tokens is None) == (divergence is None):
+        raise ValueError("use_mtp_depth_loss sets label_chunk_tokens or divergence, exactly one")
     if distill_weighting not in DISTILL_WEIGHTINGS:
         raise ValueError(f"mtp_distill_weighting: {distill_weighting!r} must be one of {list(DISTILL_WEIGHTINGS)}")
     handles = []
@@ -309,10 +353,10 @@ def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int
             raise ValueError("the MTP loss needs the MTP block on the last pipeline stage with the output layer; "
                              "this layout puts it elsewhere")
         loss = MTPDepthLoss.of(model)
-        if distill_temperature is not None:
-            loss.distill_temperature, loss.distill_chunk_tokens = distill_temperature, distill_chunk_tokens
+        if divergence is not None:
+            loss.divergence, loss.distill_chunk_tokens = divergence, distill_chunk_tokens
             loss.distill_weighting = distill_weighting
-            handles.append(DepthLossHandle(loss, "distill_temperature"))
+            handles.append(DepthLossHandle(loss, "divergence"))
         else:
             loss.label_chunk_tokens = label_chunk_tokens
             handles.append(DepthLossHandle(loss, "label_chunk_tokens"))
