@@ -99,13 +99,17 @@ class ShapeRun:
 SHAPES = (
     ShapeRun("qwen3_0.6b", QWEN3_0_6B, tied=True, micro_batch=2, microbatches=4,
              variants=("joint", "mtp_only", "mtp_only_eager", "mtp_only_lm_loss_every_step",
-                       "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"),
+                       "mtp_only_self_distill", "mtp_only_tv", "mtp_only_tv_kl", "mtp_only_whole_logits",
+                       "plain_mtp_only"),
              targets={"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
-                      "self_distill_over_joint_peak_memory": 0.25}),
+                      "self_distill_over_joint_peak_memory": 0.25, "tv_over_self_distill_step_time": 1.1,
+                      "tv_kl_over_self_distill_step_time": 1.1}),
     ShapeRun("qwen3_8b", QWEN3_8B, tied=False, micro_batch=1, microbatches=4,
              variants=("mtp_only", "mtp_only_eager", "mtp_only_whole_logits", "plain_mtp_only"),
              targets={"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}),
 )
+# MTP-only with a distillation loss (`SFTModule(mtp_loss_type=...)`): variant -> loss type
+DISTILLATION = {"mtp_only_self_distill": "self_distill", "mtp_only_tv": "tv", "mtp_only_tv_kl": "tv_kl"}
 TINY = dict(seq=32, steps=2, warmup=1, rounds=1, precision="fp32", breakdown_steps=0, log_every_n_steps=2)
 
 
@@ -118,8 +122,8 @@ def run_variant(variant: str, settings: Settings, vocab: int, callbacks: tuple[p
     if variant == "mtp_only_lm_loss_every_step":
         return run_lightning(replace(settings, log_lm_loss_every_n_steps=1), vocab, mtp_only=True,
                              callbacks=callbacks)
-    if variant == "mtp_only_self_distill":
-        return run_lightning(replace(settings, mtp_loss_type="self_distill"), vocab, mtp_only=True,
+    if variant in DISTILLATION:
+        return run_lightning(replace(settings, mtp_loss_type=DISTILLATION[variant]), vocab, mtp_only=True,
                              callbacks=callbacks)
     if variant == "mtp_only_whole_logits":
         return run_lightning(replace(settings, loss_chunk_tokens=None), vocab, mtp_only=True, callbacks=callbacks)
@@ -195,7 +199,7 @@ def step_flops(variant: str, run: dict[str, Any], shape: ModelShape, settings: S
     if variant == "joint":
         return model_flops(shape, settings.global_batch, settings.seq, JOINT)
     main_head_steps = run.get("main_head_steps") or [True] * settings.total_steps  # the plain loop: every step
-    teacher = int(variant == "mtp_only_self_distill")
+    teacher = int(variant in DISTILLATION)
     flops = []
     for main_head in main_head_steps[settings.warmup:]:
         passes = MTP_ONLY if main_head else MTP_ONLY_WITHOUT_MAIN_HEAD
@@ -289,6 +293,12 @@ def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[
                                                                 runs["joint"]["peak_memory_gib"])
         figures["self_distill_over_joint_step_time"] = _ratio(runs["mtp_only_self_distill"]["step_s"],
                                                               runs["joint"]["step_s"])
+    for loss in ("tv", "tv_kl"):  # issue 42: the TV losses' MTP-only step against self-distillation's
+        if f"mtp_only_{loss}" in runs and "mtp_only_self_distill" in runs:
+            figures[f"{loss}_over_self_distill_step_time"] = _ratio(runs[f"mtp_only_{loss}"]["step_s"],
+                                                                    runs["mtp_only_self_distill"]["step_s"])
+            figures[f"{loss}_over_self_distill_peak_memory"] = _ratio(runs[f"mtp_only_{loss}"]["peak_memory_gib"],
+                                                                      runs["mtp_only_self_distill"]["peak_memory_gib"])
     if "plain_mtp_only" in runs:
         plain = runs["plain_mtp_only"]
         figures["mtp_only_over_plain_mtp_only_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
@@ -319,9 +329,10 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tupl
                         microbatches=shape_run.microbatches, steps=args.steps, warmup=args.warmup,
                         precision=args.precision, random_weights=True, loss_chunk_tokens=args.loss_chunk_tokens,
                         log_lm_loss_every_n_steps=None, log_every_n_steps=args.log_every_n_steps)
+    variants = tuple(variant for variant in shape_run.variants if not args.variants or variant in args.variants)
     order = [variant for round_index in range(args.rounds)
-             for variant in (shape_run.variants if round_index % 2 == 0 else shape_run.variants[::-1])]
-    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in shape_run.variants}
+             for variant in (variants if round_index % 2 == 0 else variants[::-1])]
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
     for variant in order:
         runs[variant].append(run_variant(variant, settings, shape.vocab))
     peak = peak_flops(args.peak_tflops)
@@ -363,10 +374,17 @@ def _parse_args() -> argparse.Namespace:
                         help="MTPOnlyCallback(loss_chunk_tokens); 0 = whole logits (the previous implementation)")
     parser.add_argument("--log-every-n-steps", type=int, default=50,
                         help="the Trainer's log_every_n_steps: MTP-only runs the main head on those steps only")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="run only these of each shape's variants (mtp_only always runs: the figures compare "
+                             "against it), e.g. mtp_only_self_distill mtp_only_tv mtp_only_tv_kl")
     parser.add_argument("--breakdown-steps", type=int, default=2, help="training steps of the recorded run (0: none)")
     parser.add_argument("--breakdown-md", type=Path, default=None,
                         help="markdown breakdown (default: mtp_memory_breakdown.md beside --out)")
     args = parse_with_tiny(parser, TINY)
+    known = {variant for shape_run in SHAPES for variant in shape_run.variants}
+    if args.variants and set(args.variants) - known:
+        parser.error(f"--variants: unknown {sorted(set(args.variants) - known)}; choose from {sorted(known)}")
+    args.variants = None if args.variants is None else {"mtp_only", *args.variants}
     args.loss_chunk_tokens = args.loss_chunk_tokens or None
     return args
 
