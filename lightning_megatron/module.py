@@ -28,7 +28,9 @@ from lightning_megatron.microbatch import (
 from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance, sampled_acceptance_overlap
 from lightning_megatron.mtp.parameters import (
     check_mtp_loss_scaling_factor,
+    clear_mtp_tracker,
     mtp_parameter_flags,
+    normalized_depth_weights,
     read_and_reset_mtp_tracker,
 )
 from lightning_megatron.mtp.self_distill import (
@@ -37,6 +39,7 @@ from lightning_megatron.mtp.self_distill import (
     DistillWeighting,
     MTPLossType,
     use_mtp_depth_loss,
+    use_mtp_depth_scales,
 )
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, depth_divergence
@@ -91,14 +94,22 @@ class SFTModule(MegatronLightningModule):
     `T = mtp_sampling_temperature` (`mtp.tv_loss`); "tv_kl": a per-token blend of KL and TV whose KL share
     `exp(-mtp_tv_kl_decay * acceptance)` carries the head while TV's gradient vanishes (little overlap). Both take
     `mtp_distill_weighting` as "self_distill" does.
+    `mtp_depths` (K, default 1): train the head at every drafting depth it serves, the checkpoint's one MTP layer
+    applied K times, each depth reading the previous depth's output (Megatron-Core's repeated MTP layer: one set of
+    weights, an export still writes one MTP layer, and the speculative decoder's K-token drafts apply it the same
+    way). Depth k learns token t + k + 1 by the `mtp_loss_type` (its self-distillation or TV teacher the main head
+    at t + k). `mtp_depth_weights`: each depth's share of the MTP loss (one non-negative number per depth, ratios
+    only; default equal, Megatron-Core's mean), `mtp_loss_scaling_factor` staying the overall weight. Joint and
+    MTP-only (`MTPOnlyCallback` still trains exactly one physical MTP layer).
     Logged every step: `lm_loss` (token-weighted over the global batch; with `MTPOnlyCallback` only on the steps
     it computes it, `log_lm_loss_every_n_steps`), `mtp_loss` (the hard-label cross-entropy,
-    or the distillation loss: KL, TV or the blend), `mtp_accuracy` (argmax = data token), and on MoE
+    or the distillation loss: KL, TV or the blend; with several depths their mean by `mtp_depth_weights`, and
+    `mtp_loss_depth_<k>` / `mtp_accuracy_depth_<k>` each), `mtp_accuracy` (argmax = data token), and on MoE
     models `moe_aux_loss` (the load-balancing loss, averaged like Megatron-LM reports it); each
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
     model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations) and
     `val_mtp_sampled_acceptance` (the expected acceptance of speculative sampling at `mtp_sampling_temperature`,
-    `sum_x min(p, q)` per position, `MTPSampledAcceptance`).
+    `sum_x min(p, q)` per position, `MTPSampledAcceptance`), both of the first depth's draft.
     `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
     """
 
@@ -113,6 +124,8 @@ class SFTModule(MegatronLightningModule):
         mtp_distill_weighting: DistillWeighting = "uniform",
         mtp_sampling_temperature: float = 1.0,
         mtp_tv_kl_decay: float = DEFAULT_TV_KL_DECAY,
+        mtp_depths: int = 1,
+        mtp_depth_weights: list[float] | None = None,
         lr: float = 1e-5,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 0,
@@ -144,6 +157,10 @@ class SFTModule(MegatronLightningModule):
             raise ValueError(f"mtp_distill_temperature: {mtp_distill_temperature} is self_distill's teacher "
                              f"temperature; mtp_loss_type: {mtp_loss_type} compares both heads at "
                              "mtp_sampling_temperature: set that one instead")
+        self._depth_weights = normalized_depth_weights(mtp_depths, mtp_depth_weights)
+        if mtp_depths > 1 and not self.enable_mtp_training:
+            raise ValueError(f"mtp_depths: {mtp_depths} trains the MTP head at {mtp_depths} depths; it needs "
+                             "enable_mtp: true with MTP training (enable_mtp_training unset or true)")
         self._divergence = (None if mtp_loss_type == "labels" else depth_divergence(
             mtp_loss_type, mtp_distill_temperature, mtp_sampling_temperature, mtp_tv_kl_decay))
         self.save_hyperparameters()
@@ -158,6 +175,7 @@ class SFTModule(MegatronLightningModule):
             mtp=self.enable_mtp,
             mtp_loss_scaling_factor=self.hparams.mtp_loss_scaling_factor if self.enable_mtp_training else 0.0,
             mtp_detach_heads=self.hparams.mtp_detach_heads,
+            mtp_depths=self.hparams.mtp_depths,
         )
 
     def setup(self, stage: str) -> None:
@@ -176,9 +194,15 @@ class SFTModule(MegatronLightningModule):
             for _, parameter, is_mtp in mtp_parameter_flags(list(self.model)).values():
                 if is_mtp:
                     parameter.requires_grad_(False)
-        if self.enable_mtp_training and self._divergence is not None and stage in ("fit", "validate"):
-            self._depth_loss_handles = use_mtp_depth_loss(list(self.model), divergence=self._divergence,
-                                                          distill_weighting=self.hparams.mtp_distill_weighting)
+        if self.enable_mtp_training and stage in ("fit", "validate"):
+            clear_mtp_tracker()
+            if self._divergence is not None:
+                self._depth_loss_handles = use_mtp_depth_loss(list(self.model), divergence=self._divergence,
+                                                              distill_weighting=self.hparams.mtp_distill_weighting)
+            # Megatron-Core weighs each of the K depths 1 / K
+            scales = tuple(len(self._depth_weights) * weight for weight in self._depth_weights)
+            if any(scale != 1.0 for scale in scales):
+                self._depth_loss_handles += use_mtp_depth_scales(list(self.model), scales)
 
     def teardown(self, stage: str) -> None:
         for handle in self._depth_loss_handles:
@@ -200,9 +224,9 @@ class SFTModule(MegatronLightningModule):
             self.log("lm_loss", loss, prog_bar=True)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
-            mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device)
-            self.log("mtp_loss", mtp_metrics["mtp_loss"], prog_bar=True)
-            self.log("mtp_accuracy", mtp_metrics["mtp_accuracy"])
+            mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device, self._depth_weights)
+            for name, value in mtp_metrics.items():
+                self.log(name, value, prog_bar=name == "mtp_loss")
             loss = mtp_metrics["mtp_loss"] if loss is None else loss
         return loss
 
@@ -229,23 +253,28 @@ class SFTModule(MegatronLightningModule):
         return metrics["lm_loss"]
 
     def _forward_step_capturing_logits(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """`forward_step`, reading the two output-layer calls of the last stage (MTP first, then the main logits:
-        Megatron-Core's `GPTModel._postprocess` order) as they happen: each call's argmax, and at the main call the
-        sampled-acceptance overlap. Megatron-Core's cross-entropy overwrites logits in place (fp32 logits are not
-        copied), so the MTP logits are copied when made and nothing reads logits after their loss ran."""
+        """`forward_step`, reading the output-layer calls of the last stage (the MTP depths first, then the main
+        logits: Megatron-Core's `GPTModel._postprocess` order) as they happen: the first depth's and the main call's
+        argmax, and at the main call the sampled-acceptance overlap. Megatron-Core's cross-entropy overwrites logits
+        in place (fp32 logits are not copied), so the MTP logits are copied when made and nothing reads logits after
+        their loss ran."""
         from megatron.core.utils import unwrap_model
 
         output_layer = getattr(unwrap_model(model), "output_layer", None)
         if output_layer is None or not unwrap_model(model).post_process:
             return self.forward_step(model, microbatch)
+        main_call = unwrap_model(model).config.mtp_num_layers + 1
+        calls: list[int] = []
         captured: list[torch.Tensor] = []
         mtp_logits: list[torch.Tensor] = []
 
         def read(_module: torch.nn.Module, _args: tuple, output: tuple) -> None:
-            captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
-            if not mtp_logits:
+            calls.append(len(calls) + 1)
+            if calls[-1] == 1:
+                captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
                 mtp_logits.append(output[0].clone())
-            elif len(captured) == 2:
+            elif calls[-1] == main_call:
+                captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
                 captured.extend(self._sampled_acceptance_overlap(microbatch, mtp_logits.pop(), output[0]))
 
         handle = output_layer.register_forward_hook(read)
@@ -253,8 +282,9 @@ class SFTModule(MegatronLightningModule):
             output = self.forward_step(model, microbatch)
         finally:
             handle.remove()
-        if len(captured) != 4:
-            raise RuntimeError(f"expected the MTP and the main output-layer calls, saw {len(captured) // 2} calls")
+        if len(calls) != main_call:
+            raise RuntimeError(f"expected {main_call - 1} MTP depth(s) and the main output-layer call, saw "
+                               f"{len(calls)} calls")
         self._captured_logits = captured
         return output
 

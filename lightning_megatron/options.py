@@ -21,6 +21,9 @@ class ModelOptions:
     """What the Megatron model should be beyond what the HF config says.
 
     `mtp`: keep the checkpoint's MTP head (`False` drops it, and an export then declares zero MTP layers).
+    `mtp_depths`: the drafting depths the MTP head runs at (K): the checkpoint's one MTP layer applied K times, each
+    depth reading the previous depth's output (Megatron-Core's `mtp_num_layers = K` with `mtp_use_repeated_layer`);
+    one set of weights, so an export still writes one MTP layer.
     `attention_backend`: the core attention of every layer (MTP included): "sdpa" (PyTorch's fused kernels,
     `attention.SDPAttention`), "local" (Megatron-Core's `DotProductAttention`), or "auto" (SDPA without Transformer
     Engine, Transformer Engine's own attention with it).
@@ -31,6 +34,7 @@ class ModelOptions:
 
     params_dtype: torch.dtype = torch.float32
     mtp: bool = False
+    mtp_depths: int = 1
     mtp_loss_scaling_factor: float = 0.1
     mtp_detach_heads: bool = False
     sequence_parallel: bool = False

@@ -120,6 +120,14 @@ class Bridge(ABC):
         if options.attention_backend not in ATTENTION_BACKENDS:
             raise BridgeError(f"attention_backend: {options.attention_backend!r} is not one of "
                               f"{', '.join(map(repr, ATTENTION_BACKENDS))}")
+        if not (isinstance(options.mtp_depths, int) and options.mtp_depths >= 1):
+            raise BridgeError(f"mtp_depths: {options.mtp_depths!r} must be an integer >= 1 (1: the MTP head's own depth)")
+        if options.mtp_depths > 1 and not self.supports_mtp_training:
+            raise BridgeError(f"mtp_depths: {options.mtp_depths} applies the one MTP layer at every drafting depth "
+                              f"(Megatron-Core's repeated MTP layer), which bridge_type: {self.name} cannot build; set "
+                              f"bridge_type: {capable_backends(lambda backend: backend.supports_mtp_training)}")
+        if options.mtp_depths > 1 and not options.mtp:
+            raise BridgeError(f"mtp_depths: {options.mtp_depths} needs the MTP head kept (mtp: true)")
         if options.mtp and not self.supports_mtp_training:
             raise BridgeError(f"bridge_type: {self.name} cannot build or train MTP heads; set bridge_type: "
                               f"{capable_backends(lambda backend: backend.supports_mtp_training)}")

@@ -65,6 +65,8 @@ class MegatronBridge(Bridge):
         if options.mtp:
             provider.mtp_loss_scaling_factor = options.mtp_loss_scaling_factor
             provider.mtp_detach_heads = options.mtp_detach_heads
+            if options.mtp_depths > 1:  # one layer object (`mtp.layers.0`): loaded from and exported to one HF layer
+                provider.mtp_num_layers, provider.mtp_use_repeated_layer = options.mtp_depths, True
         else:
             provider.mtp_num_layers = None
         for key, value in options.config_overrides.items():

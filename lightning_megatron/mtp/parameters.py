@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from importlib import metadata
 
 import torch
@@ -76,14 +77,45 @@ def check_mtp_training_options(mtp_loss_scaling_factor: float, checkpoint_mtp_la
     check_mtp_loss_scaling_factor(mtp_loss_scaling_factor)
     if checkpoint_mtp_layers != 1:
         raise ValueError(f"MTP training supports exactly one MTP layer; the checkpoint declares "
-                         f"{checkpoint_mtp_layers} (num_nextn_predict_layers / mtp_num_hidden_layers in config.json)")
+                         f"{checkpoint_mtp_layers} (num_nextn_predict_layers / mtp_num_hidden_layers in config.json); "
+                         "to train several drafting depths keep one layer and set SFTModule(mtp_depths=K), which "
+                         "applies it K times")
 
 
-def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device) -> dict[str, torch.Tensor]:
+def normalized_depth_weights(mtp_depths: int, weights: Sequence[float] | None) -> tuple[float, ...]:
+    """The share of the MTP loss each drafting depth gets: `weights` (default uniform) normalised to sum to 1, so
+    that `mtp_loss_scaling_factor` stays the MTP loss's overall weight."""
+    if isinstance(mtp_depths, bool) or not isinstance(mtp_depths, int) or mtp_depths < 1:
+        raise ValueError(f"mtp_depths: {mtp_depths!r} must be an integer >= 1 (the drafting depths the one MTP layer "
+                         "is trained at; 1: its own depth only)")
+    if weights is None:
+        return (1.0 / mtp_depths,) * mtp_depths
+    weights = [float(weight) for weight in weights]
+    if len(weights) != mtp_depths:
+        raise ValueError(f"mtp_depth_weights: {weights} has {len(weights)} entries; give one per depth "
+                         f"(mtp_depths: {mtp_depths}), or leave it null for equal weights")
+    if not all(math.isfinite(weight) and weight >= 0 for weight in weights) or sum(weights) <= 0:
+        raise ValueError(f"mtp_depth_weights: {weights} must be finite, >= 0 and not all 0 (only their ratios "
+                         "matter: mtp_loss_scaling_factor is the MTP loss's overall weight)")
+    return tuple(weight / sum(weights) for weight in weights)
+
+
+def clear_mtp_tracker() -> None:
+    """Forget Megatron-Core's process-global MTP tracker: it is sized by the depth count of the first model that
+    logs to it, and a later fit in the same process may train another number of depths."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
+def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device,
+                               depth_weights: Sequence[float] = (1.0,)) -> dict[str, torch.Tensor]:
     """Megatron-Core's process-global MTP tracker (summed over microbatches until cleaned), as per-step metrics.
 
-    `mtp_loss`: mean over microbatches of each microbatch's masked MTP cross-entropy (unscaled), averaged over
-    data-parallel ranks; `mtp_accuracy`: teacher-forced argmax accuracy of the MTP head.
+    `mtp_loss`: per depth, the mean over microbatches of each microbatch's masked MTP loss (unscaled), averaged over
+    data-parallel ranks; then the mean over depths by `depth_weights` (`mtp_depth_weights`: the loss trained, before
+    `mtp_loss_scaling_factor`). `mtp_accuracy`: teacher-forced argmax accuracy of the MTP head, over every depth's
+    tokens. With several depths also `mtp_loss_depth_<k>` and `mtp_accuracy_depth_<k>`, k = 1.. .
     The tracker lives on the last pipeline stage; every stage returns the same values.
     """
     import torch.distributed as dist
@@ -91,16 +123,26 @@ def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device) -> d
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker = MTPLossLoggingHelper.tracker
-    values = torch.zeros(3, dtype=torch.float64, device=device)
+    depths = len(depth_weights)
+    values = torch.zeros(3, depths, dtype=torch.float64, device=device)
     if "loss_values" in tracker:
-        values[0] = tracker["loss_values"].sum().to(device, torch.float64)
-        values[1] = tracker["correct_values"].sum().to(device, torch.float64)
-        values[2] = tracker["total_values"].sum().to(device, torch.float64)
+        if tracker["loss_values"].numel() != depths:
+            raise RuntimeError(f"Megatron-Core's MTP tracker holds {tracker['loss_values'].numel()} depth(s), the "
+                               f"module trains {depths}; clear_mtp_tracker() before a fit with another mtp_depths")
+        for row, key in enumerate(("loss_values", "correct_values", "total_values")):
+            values[row] = tracker[key].to(device, torch.float64)
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     dist.all_reduce(values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     # each CP rank logged its share of a microbatch's loss (the shares add up; `_compat.context_parallel`)
-    loss = values[0] / (num_microbatches * parallel_state.get_data_parallel_world_size())
-    return {"mtp_loss": loss.float(), "mtp_accuracy": (values[1] / values[2].clamp(min=1)).float()}
+    losses = values[0] / (num_microbatches * parallel_state.get_data_parallel_world_size())
+    weights = torch.tensor(depth_weights, dtype=torch.float64, device=device)
+    metrics = {"mtp_loss": (losses * weights).sum().float(),
+               "mtp_accuracy": (values[1].sum() / values[2].sum().clamp(min=1)).float()}
+    if depths > 1:
+        for depth in range(depths):
+            metrics[f"mtp_loss_depth_{depth + 1}"] = losses[depth].float()
+            metrics[f"mtp_accuracy_depth_{depth + 1}"] = (values[1, depth] / values[2, depth].clamp(min=1)).float()
+    return metrics

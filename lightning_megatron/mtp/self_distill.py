@@ -50,7 +50,7 @@ from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS, c
 
 MTPLossType = Literal["labels", "self_distill", "tv", "tv_kl"]  # tv, tv_kl: `mtp.tv_loss`
 MTP_LOSS_TYPES: tuple[MTPLossType, ...] = ("labels", "self_distill", "tv", "tv_kl")
-DepthLossSetting = Literal["label_chunk_tokens", "divergence"]
+DepthLossSetting = Literal["label_chunk_tokens", "divergence", "depth_scales"]
 DistillWeighting = Literal["uniform", "greedy", "sampled"]
 DISTILL_WEIGHTINGS: tuple[DistillWeighting, ...] = ("uniform", "greedy", "sampled")
 # a chunk holds two fp32 distributions over the vocabulary (student and teacher) where the hard-label loss holds
@@ -210,15 +210,30 @@ def serving_weight(hidden: torch.Tensor, next_tokens: torch.Tensor, weight: torc
     return result.view(next_tokens.shape)
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """A depth's per-token loss unchanged (what Megatron-Core logs for the depth), its gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_output * ctx.scale, None
+
+
 class MTPDepthLoss:
     """The per-token loss `process_mtp_loss` asks each MTP depth for, installed as the model's
     `compute_language_model_loss` while a fit uses it; the main head's own loss calls go to the class's method.
 
-    Two users, in any order: `MTPOnlyCallback` sets `label_chunk_tokens` (the hard-label cross-entropy a chunk of
-    tokens at a time) and `SFTModule` sets `divergence` (self-distillation or TV, always chunked). Each removes
-    its setting with `release`; the override goes when neither is left. A forward hook on the MTP block keeps the
-    main decoder's hidden states and packed-sequence parameters of the forward in flight; the `mtp_num_layers`
-    calls that follow are the MTP depths, in order.
+    Its users, in any order: `MTPOnlyCallback` sets `label_chunk_tokens` (the hard-label cross-entropy a chunk of
+    tokens at a time), `SFTModule` sets `divergence` (self-distillation or TV, always chunked) and, for
+    `mtp_depth_weights`, `depth_scales` (per depth, what its loss's gradient is multiplied by: Megatron-Core weighs
+    every depth `1 / mtp_num_layers`; the logged per-depth losses stay unweighted). Each removes its setting with
+    `release`; the override goes when none is left. A forward hook on the MTP block keeps the main decoder's hidden
+    states and packed-sequence parameters of the forward in flight; the `mtp_num_layers` calls that follow are the
+    MTP depths, in order (with the repeated layer, the one layer's K applications).
     """
 
     ATTRIBUTE = "compute_language_model_loss"
@@ -230,6 +245,7 @@ class MTPDepthLoss:
         self.class_loss = type(model).compute_language_model_loss.__get__(model)
         self.label_chunk_tokens: int | None = None
         self.divergence: ChunkDivergence | None = None
+        self.depth_scales: tuple[float, ...] | None = None
         self.distill_chunk_tokens = DISTILL_CHUNK_TOKENS
         self.distill_weighting: DistillWeighting = "uniform"
         self._depths = model.config.mtp_num_layers
@@ -249,7 +265,7 @@ class MTPDepthLoss:
 
     def release(self, setting: DepthLossSetting) -> None:
         setattr(self, setting, None)
-        if self.label_chunk_tokens is None and self.divergence is None:
+        if self.label_chunk_tokens is None and self.divergence is None and self.depth_scales is None:
             self._hook.remove()
             if vars(self.model).get(self.ATTRIBUTE) is self:
                 delattr(self.model, self.ATTRIBUTE)
@@ -257,14 +273,23 @@ class MTPDepthLoss:
     def _capture(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
         self._pending = self._depths
         self._packed_seq_params = kwargs.get("packed_seq_params")
-        # what `process_mtp_loss` splits off as the main hidden states: the first of 1 + mtp_num_layers chunks
-        self._teacher = output.chunk(1 + self._depths, dim=0)[0].detach() if self.divergence is not None else None
+        # what `process_mtp_loss` splits off as the main hidden states: the first of 1 + mtp_num_layers chunks,
+        # over the whole sequence (gathered once per forward under sequence parallelism, as the logits are)
+        self._teacher = None
+        if self.divergence is not None:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            with torch.no_grad():
+                self._teacher = output.chunk(1 + self._depths, dim=0)[0].detach()
+                if self.model.output_layer.sequence_parallel:
+                    self._teacher = gather_from_sequence_parallel_region(self._teacher, group=self.model.tp_group)
         self._input_ids = kwargs.get("input_ids") if self.distill_weighting != "uniform" else None
         self._depth_weight = None
 
     def __call__(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self._pending == 0:
             return self.class_loss(labels, logits)  # the main head's
+        depth = self._depths - self._pending
         self._pending -= 1
         if self.divergence is not None:
             loss = self._self_distillation(logits)
@@ -274,11 +299,10 @@ class MTPDepthLoss:
             loss = self.class_loss(labels, logits)
         if self._pending == 0:
             self._teacher = self._packed_seq_params = self._input_ids = self._depth_weight = None
-        return loss
+        return loss if self.depth_scales is None else _ScaledGradient.apply(loss, self.depth_scales[depth])
 
     def _self_distillation(self, logits: torch.Tensor) -> torch.Tensor:
         """Depth `mtp_num_layers - pending`: the teacher hidden states rolled once more, then the KL per token."""
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         from megatron.core.transformer.multi_token_prediction import roll_tensor
 
         model = self.model
@@ -287,8 +311,6 @@ class MTPDepthLoss:
                                "megatron-core's call pattern changed, use mtp_loss_type: labels")
         with torch.no_grad():
             teacher = self._teacher
-            if model.output_layer.sequence_parallel:
-                teacher = gather_from_sequence_parallel_region(teacher, group=model.tp_group)
             weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                       else model.output_layer.weight)
             if getattr(model.output_layer, "bias", None) is not None:
@@ -338,21 +360,12 @@ def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int
     """Set the MTP depths' loss of every last-stage chunk with an MTP block (unwrapped GPTModels): hard labels in
     chunks of `label_chunk_tokens`, or distillation by `divergence` (`KLDivergence`, `mtp.tv_loss`'s) with
     `distill_weighting` (one of the two)."""
-    from megatron.core.utils import unwrap_model
-
     if (label_chunk_tokens is None) == (divergence is None):
         raise ValueError("use_mtp_depth_loss sets label_chunk_tokens or divergence, exactly one")
     if distill_weighting not in DISTILL_WEIGHTINGS:
         raise ValueError(f"mtp_distill_weighting: {distill_weighting!r} must be one of {list(DISTILL_WEIGHTINGS)}")
     handles = []
-    for chunk in chunks:
-        model = unwrap_model(chunk)
-        if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
-            continue
-        if getattr(model, "mtp", None) is None:
-            raise ValueError("the MTP loss needs the MTP block on the last pipeline stage with the output layer; "
-                             "this layout puts it elsewhere")
-        loss = MTPDepthLoss.of(model)
+    for loss in _depth_losses(chunks):
         if divergence is not None:
             loss.divergence, loss.distill_chunk_tokens = divergence, distill_chunk_tokens
             loss.distill_weighting = distill_weighting
@@ -361,3 +374,32 @@ def use_mtp_depth_loss(chunks: list[torch.nn.Module], *, label_chunk_tokens: int
             loss.label_chunk_tokens = label_chunk_tokens
             handles.append(DepthLossHandle(loss, "label_chunk_tokens"))
     return handles
+
+
+def use_mtp_depth_scales(chunks: list[torch.nn.Module], scales: tuple[float, ...]) -> list[DepthLossHandle]:
+    """Multiply the gradient of MTP depth k's loss by `scales[k]` on every last-stage chunk with an MTP block (one
+    scale per `mtp_num_layers`), whatever loss the depths compute."""
+    handles = []
+    for loss in _depth_losses(chunks):
+        if len(scales) != loss.model.config.mtp_num_layers:
+            raise ValueError(f"{len(scales)} depth scales for a model of mtp_num_layers "
+                             f"{loss.model.config.mtp_num_layers}")
+        loss.depth_scales = scales
+        handles.append(DepthLossHandle(loss, "depth_scales"))
+    return handles
+
+
+def _depth_losses(chunks: list[torch.nn.Module]) -> list[MTPDepthLoss]:
+    """The depth loss of every last-stage chunk with an MTP block, installed where there is none yet."""
+    from megatron.core.utils import unwrap_model
+
+    losses = []
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        if not (getattr(model, "post_process", False) and getattr(model.config, "mtp_num_layers", None)):
+            continue
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("the MTP loss needs the MTP block on the last pipeline stage with the output layer; "
+                             "this layout puts it elsewhere")
+        losses.append(MTPDepthLoss.of(model))
+    return losses
