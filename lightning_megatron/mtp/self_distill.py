@@ -40,7 +40,7 @@ the same machinery (teacher, chunks, roll, weighting).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -73,19 +73,38 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: Any, temperature:
     return chunk.sub_(sum_exp.log().unsqueeze(-1))
 
 
+def vocab_parallel_softmax(logits: torch.Tensor, tp_group: Any, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 `softmax(logits / temperature)` over the whole (vocabulary-parallel) vocabulary in one fp32 copy of
+    `logits`, the exponentials made in place: two passes over the chunk fewer than `exp` of the log-softmax."""
+    chunk = logits.to(torch.float32, copy=True)
+    if temperature != 1.0:
+        chunk /= temperature
+    chunk_max = chunk.max(dim=-1)[0]
+    dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
+    chunk -= chunk_max.unsqueeze(-1)
+    chunk.exp_()
+    sum_exp = chunk.sum(dim=-1)
+    dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+    return chunk.div_(sum_exp.unsqueeze(-1))
+
+
 class ChunkDivergence(Protocol):
     """A per-token loss of the student's logits against the teacher's distribution, one chunk of rows at a time:
     what `distillation_loss` computes (KL here, TV and the hybrid in `mtp.tv_loss`).
 
     Called with the student's `[n, vocab / TP]` logits (this rank's shard, the model's dtype) and the teacher's
-    fp32 `log_softmax(z_main / teacher_temperature)` over the same shard (the divergence may overwrite it); returns
+    fp32 `log_softmax(z_main / teacher_temperature)` over the same shard, or its `softmax` where
+    `teacher_probabilities` is true (the divergence may overwrite it); returns
     the fp32 per-token loss `[n]`, already summed over the TP group, and with `with_gradient` its fp32 gradient
     with respect to the student's logits (per token, `[n, vocab / TP]`)."""
 
     @property
     def teacher_temperature(self) -> float: ...
 
-    def __call__(self, student: torch.Tensor, log_p: torch.Tensor, tp_group: Any,
+    @property
+    def teacher_probabilities(self) -> bool: ...
+
+    def __call__(self, student: torch.Tensor, teacher: torch.Tensor, tp_group: Any,
                  with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -95,6 +114,7 @@ class KLDivergence:
     docstring); gradient `q - p`."""
 
     teacher_temperature: float = 1.0
+    teacher_probabilities: ClassVar[bool] = False  # the KL reads log p
 
     def __post_init__(self) -> None:
         if not self.teacher_temperature > 0:
@@ -127,7 +147,8 @@ class _ChunkedDistillation(torch.autograd.Function):
             for start in range(0, rows, chunk_tokens):
                 end = min(rows, start + chunk_tokens)
                 teacher = teacher_logits(teacher_hidden[start:end], weight)
-                log_p = vocab_parallel_log_softmax(teacher, tp_group, divergence.teacher_temperature)
+                distribution = vocab_parallel_softmax if divergence.teacher_probabilities else vocab_parallel_log_softmax
+                log_p = distribution(teacher, tp_group, divergence.teacher_temperature)
                 del teacher
                 chunk_loss, chunk_gradient = divergence(student[start:end], log_p, tp_group, gradient is not None)
                 del log_p  # nothing of this chunk outlives it but its loss and gradient

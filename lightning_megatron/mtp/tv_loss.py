@@ -37,12 +37,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.mtp.self_distill import ChunkDivergence, KLDivergence, MTPLossType, vocab_parallel_log_softmax
+from lightning_megatron.mtp.self_distill import (
+    ChunkDivergence,
+    KLDivergence,
+    MTPLossType,
+    vocab_parallel_log_softmax,
+    vocab_parallel_softmax,
+)
 
 DEFAULT_TV_KL_DECAY = 3.0
 
@@ -66,8 +72,10 @@ def _overlap_sums(p: torch.Tensor, q: torch.Tensor, scratch: torch.Tensor, tp_gr
 
 
 def _tv_gradient(out: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, draft_mass: torch.Tensor) -> torch.Tensor:
-    """`T` times TV's gradient with respect to the draft's logits, `q_j (S - m_j)`, written into `out`."""
-    return out.copy_(mask).neg_().add_(draft_mass.unsqueeze(-1)).mul_(q)
+    """`T` times TV's gradient with respect to the draft's logits, `q_j (S - m_j)`, written into `out` (one pass
+    for `S - m_j`, one for the product: the chunk's elementwise passes are most of the loss's cost)."""
+    draft_mass = draft_mass.unsqueeze(-1)
+    return torch.where(mask, draft_mass - 1, draft_mass, out=out).mul_(q)
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,9 @@ class TotalVariation:
     """`mtp_loss_type: tv`: per token `1 - sum_x min(p_T(x), q_T(x))` (module docstring)."""
 
     temperature: float = 1.0
+    # p and q made by the same function (`vocab_parallel_softmax`), so equal logits give equal probabilities: an
+    # exact tie, no gradient, where the heads agree
+    teacher_probabilities: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -83,14 +94,14 @@ class TotalVariation:
     def teacher_temperature(self) -> float:
         return self.temperature
 
-    def __call__(self, student: torch.Tensor, log_p: torch.Tensor, tp_group: Any,
+    def __call__(self, student: torch.Tensor, p: torch.Tensor, tp_group: Any,
                  with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q = vocab_parallel_log_softmax(student, tp_group, self.temperature).exp_()
-        p = log_p.exp_()
+        q = vocab_parallel_softmax(student, tp_group, self.temperature)
         (tv, draft_mass), mask = _overlap_sums(p, q, p, tp_group)
         if not with_gradient:
             return tv, None
-        return tv, _tv_gradient(p, q, mask, draft_mass).div_(self.temperature)
+        gradient = _tv_gradient(p, q, mask, draft_mass)
+        return tv, gradient if self.temperature == 1.0 else gradient.div_(self.temperature)
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,7 @@ class TVKLHybrid:
 
     temperature: float = 1.0
     decay: float = DEFAULT_TV_KL_DECAY
+    teacher_probabilities: ClassVar[bool] = False  # the KL reads log p
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -123,7 +135,7 @@ class TVKLHybrid:
             return loss, None
         gradient = _tv_gradient(log_q, q, mask, draft_mass).mul_((1 - kl_share).unsqueeze(-1))
         gradient.add_(torch.sub(q, p, out=log_p).mul_(kl_share.unsqueeze(-1)))
-        return loss, gradient.div_(self.temperature)
+        return loss, gradient if self.temperature == 1.0 else gradient.div_(self.temperature)
 
 
 def depth_divergence(loss_type: MTPLossType, distill_temperature: float = 1.0, sampling_temperature: float = 1.0,

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_megatron.data.packing import collate_packed
 from lightning_megatron.module import SFTModule
 from lightning_megatron.mtp.parameters import is_mtp_parameter
-from lightning_megatron.mtp.self_distill import distillation_loss, vocab_parallel_log_softmax
+from lightning_megatron.mtp.self_distill import distillation_loss, vocab_parallel_log_softmax, vocab_parallel_softmax
 from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, TotalVariation, TVKLHybrid
 from lightning_megatron.strategy import MegatronStrategy
 from tests._distributed import run_distributed
@@ -103,22 +103,27 @@ def test_the_chunked_loss_equals_the_direct_formula_on_random_logits(process_gro
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_a_tied_token_counts_on_the_teachers_side(process_group, loss_type):
     """The teacher's distribution is the draft's own with two tokens' probabilities exchanged (bitwise: the same
-    log-softmax, two entries swapped), so the other 48 tokens tie exactly. The divergence's gradient is that of
-    `where(q < p, q, p)` (a tie is the teacher's) and not that of `where(q <= p, q, p)`. The direct side uses the
-    loss's own `q` values (the difference is exact, Sterbenz) with the softmax's autograd gradient."""
+    (log-)softmax the loss makes the draft's with, two entries swapped), so the other 48 tokens tie exactly. The
+    divergence's gradient is that of `where(q < p, q, p)` (a tie is the teacher's) and not that of
+    `where(q <= p, q, p)`. The direct side uses the loss's own `q` values (the difference is exact, Sterbenz) with
+    the softmax's autograd gradient."""
     temperature = 0.7
     generator = torch.Generator().manual_seed(1)
     student = (torch.randn(4, 50, generator=generator) * 2).requires_grad_(True)
     divergence = TotalVariation(temperature) if loss_type == "tv" else TVKLHybrid(temperature)
-    log_q_ours = vocab_parallel_log_softmax(student.detach(), None, temperature)
-    log_p = log_q_ours.clone()
-    swapped = [log_q_ours[0].argmax(), log_q_ours[0].argmin()]
-    log_p[:, swapped] = log_q_ours[:, swapped[::-1]]
-    ours, ours_gradient = divergence(student.detach(), log_p.clone(), None, True)
+    probabilities = divergence.teacher_probabilities  # tv: p and q as probabilities, tv_kl: as log-probabilities
+    distribution = vocab_parallel_softmax if probabilities else vocab_parallel_log_softmax
+    draft_ours = distribution(student.detach(), None, temperature)
+    teacher = draft_ours.clone()
+    swapped = [draft_ours[0].argmax(), draft_ours[0].argmin()]
+    teacher[:, swapped] = draft_ours[:, swapped[::-1]]
+    ours, ours_gradient = divergence(student.detach(), teacher.clone(), None, True)
 
     log_q = F.log_softmax(student / temperature, dim=-1)
-    q = log_q.exp() + (log_q_ours.exp() - log_q.exp()).detach()
-    p = log_p.exp()
+    q_ours = draft_ours if probabilities else draft_ours.exp()
+    q = log_q.exp() + (q_ours - log_q.exp()).detach()
+    p = teacher if probabilities else teacher.exp()
+    log_p = teacher.log() if probabilities else teacher
     assert bool((q == p).sum(-1).eq(48).all())
     gradients = {}
     for name, draft_side in {"strict": q < p, "inclusive": q <= p}.items():
