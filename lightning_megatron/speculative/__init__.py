@@ -1,9 +1,11 @@
 """Prove an MTP head works: self-speculative decoding with the head as drafter (greedy or speculative sampling, K
-drafts per step), its acceptance report, and teacher-forced acceptance metrics for validation."""
+drafts per step, several prompts at once), its acceptance report with intervals over prompts, and teacher-forced
+acceptance metrics for validation."""
 
 from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance
 from lightning_megatron.speculative.decode import (
     Decoded,
+    decode_batch,
     greedy_decode,
     reference_accepts,
     sample_decode,
@@ -18,6 +20,7 @@ __all__ = [
     "MTPAcceptanceAccuracy",
     "MTPDraftHead",
     "MTPSampledAcceptance",
+    "decode_batch",
     "greedy_decode",
     "load_mtp_head",
     "load_target",
