@@ -290,20 +290,20 @@ class _Batch:
         """The accept/reject rule per row (``target_probs``: ``[rows, 1 + width, vocab]``), then one token from the
         target (all drafts stood) or from the correction at the first rejection."""
         every = torch.arange(len(rows), device=self.device)
+        draft_probs = self.draft_probs if width else None  # the drafts' q, made with them by _draft
         kept = [0] * len(rows)
-        if width:
-            assert self.draft_probs is not None
+        if draft_probs is not None:
             drafted = torch.tensor([row.drafts + [0] * (width - len(row.drafts)) for row in rows],
                                    device=self.device).unsqueeze(-1)
             p = target_probs[:, :width].gather(-1, drafted).squeeze(-1).tolist()
-            q = self.draft_probs.gather(-1, drafted).squeeze(-1).tolist()
+            q = draft_probs.gather(-1, drafted).squeeze(-1).tolist()
             kept = [accepted_count(p[i][:len(row.drafts)], q[i][:len(row.drafts)], self.sampling, row.generator)
                     for i, row in enumerate(rows)]
         at = torch.tensor(kept, device=self.device)
         chosen = target_probs[every, at]
-        if width:
+        if draft_probs is not None:
             rejected = at < torch.tensor([len(row.drafts) for row in rows], device=self.device)
-            corrected = correction(chosen, self.draft_probs[every, at.clamp(max=width - 1)])
+            corrected = correction(chosen, draft_probs[every, at.clamp(max=width - 1)])
             chosen = torch.where(rejected.unsqueeze(-1), corrected, chosen)
         return kept, self._sample(chosen, rows)
 

@@ -45,5 +45,5 @@ class Progress:
         rate = self.tokens / elapsed
         tail = (f"done in {elapsed:.1f} s" if final else
                 f"about {elapsed * (self.prompts - self.done) / max(self.done, 1):.0f} s left of this pass")
-        print(f"[{self.number}/{self.passes}] {self.name}: {self.done}/{self.prompts} prompts, {self.tokens} new "
-              f"tokens, {rate:.1f} tokens/s, {tail}", file=self.stream, flush=True)
+        print(f"pass {self.number}/{self.passes}, {self.name}: {self.done}/{self.prompts} prompts, {self.tokens} "
+              f"new tokens, {rate:.1f} tokens/s, {tail}", file=self.stream, flush=True)
