@@ -23,8 +23,8 @@ prompts with 95% intervals and paired comparisons.
 5. every head on the same held-out prompts (gpu 64 x 128 new tokens, all decoded at once): greedy and sampled
    (T = 1, speculative sampling, prompt i seeded with i for every head) acceptance with one draft, the mean accepted
    length for K = 1..4 drafts, each with its 95% bootstrap interval over prompts (`speculative.stats`), tokens/s;
-   paired differences between heads with their intervals (`comparisons`: every trained head against (a), (c) and
-   the joint head); each fit's wall time including its generation step. `mtp_quality.json` (`targets`: the
+   paired differences between heads with their intervals (`comparisons`: every trained head against tv, (a), (c)
+   and the joint head); each fit's wall time including its generation step. `mtp_quality.json` (`targets`: the
    issues' targets for the heads that ran) and `mtp_quality.png` (acceptance per head with its interval, the
    K = 1..4 accepted-length curves, validation acceptance by step).
 
@@ -104,8 +104,9 @@ VARIANTS: dict[str, Variant] = {
     # (a+): self-distillation for as many steps as (c)'s wall time pays for (--distill-steps)
     LONG_VARIANT: Variant("self_distill", "corpus", "(a+) (a) for (c)'s wall time", trunk_cache=True),
     CACHED_VARIANT: Variant("self_distill", "corpus", "(a) from the trunk cache", trunk_cache=True),
-    # K-depth training (one MTP layer trained at depths 1..K): a row with the SFTModule option that turns it on in
-    # `model`, e.g. "tv_k3": Variant("tv", "corpus", "TV at depths 1..3", model={<option>: 3})
+    # K-depth training (the one MTP layer trained at drafting depths 1..K) is one row once SFTModule has its option
+    # `mtp_depths`: "tv_k3": Variant("tv", "corpus", "TV at depths 1..3", model={"mtp_depths": 3}), compared
+    # with "tv" in `comparisons` ("tv_k3 - tv")
 }
 CHOOSABLE = tuple(name for name in VARIANTS if name != CACHED_VARIANT)
 DEFAULT_VARIANTS = {"gpu": ("self_distill", "labels_continuations", "tv", "tv_kl"),

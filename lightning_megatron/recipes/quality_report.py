@@ -20,8 +20,9 @@ from lightning_megatron.speculative.stats import (
     ratio_interval,
 )
 
-# the heads every trained head is compared with, where they ran: (a), (c) and the jointly trained head
-REFERENCES = ("self_distill", "labels_continuations", "joint")
+# the heads every trained head is compared with, where they ran: TV at depth 1 (what K-depth TV training is
+# measured against), (a), (c) and the jointly trained head
+REFERENCES = ("tv", "self_distill", "labels_continuations", "joint")
 NOT_COMPARED = ("reset",)  # a random head: every trained head beats it, and the report says by how much anyway
 
 
@@ -63,7 +64,7 @@ def head_row(result: dict[str, Any]) -> dict[str, Any]:
 def comparisons(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
     """``"<head> - <reference>"`` -> figure -> the paired difference and its interval, on the figures both
     measured: every trained head against each of :data:`REFERENCES` that ran (a reference against the ones after
-    it: (a) - (c), (a) - joint, (c) - joint)."""
+    it: tv - (a), (a) - (c), (a) - joint, ...)."""
     compared: dict[str, dict[str, dict[str, float | None]]] = {}
     for name, result in results.items():
         if name in NOT_COMPARED:
