@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from lightning_megatron import _compat
-from lightning_megatron.speculative.report import DRAFT_TOKENS, measure_checkpoint, read_prompts, write_report
+from lightning_megatron.speculative.report import (
+    BATCH_SIZE,
+    DRAFT_TOKENS,
+    measure_checkpoint,
+    read_prompts,
+    write_report,
+)
 from lightning_megatron.speculative.sampling import Sampling
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,36 +49,56 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="sampling temperature of the sampled runs; 0: greedy verification (a draft stands iff "
                         "it is the target's greedy token, so the sampled runs equal the greedy ones)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled runs (1.0: all tokens)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (prompt i: seed + i)")
+    parser.add_argument("--batch-size", type=_at_least_one, default=BATCH_SIZE,
+                        help="prompts decoded at once (each row accepts on its own: no figure depends on it); "
+                        "larger is faster until the device is full")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.temperature < 0:
         parser.error(f"--temperature {args.temperature} must be >= 0 (0: greedy verification)")
 
     report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
                                 device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,
-                                sampling=Sampling(args.temperature, args.top_p), seed=args.seed)
+                                sampling=Sampling(args.temperature, args.top_p), seed=args.seed,
+                                batch_size=args.batch_size, progress=None if args.quiet else sys.stderr)
     json_path, png_path = write_report(report, args.out)
     summary = report["summary"]
     rate = summary["acceptance_rate"]
     print(
-        f"{summary['prompts']} prompts: acceptance {'n/a' if rate is None else f'{rate:.3f}'} "
+        f"{summary['prompts']} prompts: acceptance {_rate(rate)}{_interval(summary['acceptance_rate_interval'])} "
         f"({summary['accepted']}/{summary['drafts']} drafts), mean accepted length "
         f"{summary['mean_accepted_length'] or float('nan'):.3f}, {summary['speculative_tokens_per_s']:.1f} vs "
         f"{summary['greedy_tokens_per_s']:.1f} tokens/s ({summary['speedup']:.2f}x); wrote {json_path} and {png_path}"
     )
     for mode, by_k in summary["by_draft_tokens"].items():
-        print(f"{mode}: " + "; ".join(f"K={k} acceptance {_rate(row['acceptance_rate'])}, length "
+        print(f"{mode}: " + "; ".join(f"K={k} acceptance {_rate(row['acceptance_rate'])}"
+                                      f"{_interval(row['acceptance_rate_interval'])}, length "
                                       f"{row['mean_accepted_length'] or float('nan'):.2f}, {row['tokens_per_s']:.1f} "
                                       f"tokens/s" for k, row in by_k.items()))
     if not summary["all_identical"]:
         different = [row["index"] for row in report["prompts"] if not row["identical"]]
-        print(f"warning: speculative output differs from greedy for prompts {different}", file=sys.stderr)
+        draft_counts = [k for k, row in summary["by_draft_tokens"]["greedy"].items() if not row["identical"]]
+        print(f"warning: speculative greedy output differs from plain greedy with K = {', '.join(draft_counts)} "
+              f"drafts (K = 1: prompts {different})", file=sys.stderr)
         return 1
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def _rate(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:.3f}"
+
+
+def _interval(bounds: list[float | None]) -> str:
+    """`` [low, high]``: the 95% interval over prompts, nothing when there is none."""
+    return "" if bounds[0] is None else f" [{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
 
 if __name__ == "__main__":

@@ -147,8 +147,8 @@ class _ChunkedDistillation(torch.autograd.Function):
             for start in range(0, rows, chunk_tokens):
                 end = min(rows, start + chunk_tokens)
                 teacher = teacher_logits(teacher_hidden[start:end], weight)
-                distribution = vocab_parallel_softmax if divergence.teacher_probabilities else vocab_parallel_log_softmax
-                log_p = distribution(teacher, tp_group, divergence.teacher_temperature)
+                make = vocab_parallel_softmax if divergence.teacher_probabilities else vocab_parallel_log_softmax
+                log_p = make(teacher, tp_group, divergence.teacher_temperature)
                 del teacher
                 chunk_loss, chunk_gradient = divergence(student[start:end], log_p, tp_group, gradient is not None)
                 del log_p  # nothing of this chunk outlives it but its loss and gradient

@@ -1,31 +1,38 @@
-"""The MTP quality benchmark: a jointly trained head, lost, and retrained MTP-only three ways.
+"""The MTP quality benchmark: a jointly trained head, lost, and retrained MTP-only several ways, ranked on held-out
+prompts with 95% intervals and paired comparisons.
 
-    python -m lightning_megatron.recipes.mtp_quality OUT --size gpu    # one H200, about 8 minutes
+    python -m lightning_megatron.recipes.mtp_quality OUT --size gpu    # one H200, about 12 minutes
     python -m lightning_megatron.recipes.mtp_quality OUT --size cpu    # the test suite's version, 2 CPU cores
 
 1. corpus, tokenizer and a random-init Qwen3+MTP checkpoint from the Python standard library (`stdlib_corpus`);
 2. joint SFT + MTP (`configs/recipes/stdlib_joint.yaml`, MTP head detached: `mtp_detach_heads: true`) -> joint;
 3. the head is lost the way it happens to users: an HF export with MTP disabled, then
    `lightning-megatron-restore-mtp --init random` (the README's recipe) -> reset;
-4. from that same reset head, three MTP-only fits (`stdlib_mtp_only.yaml`, MTPOnlyCallback audit, same steps):
-   (a) `self_distill`: self-distillation (`mtp_loss_type: self_distill`) on the raw training corpus, no generation;
-   (b) `labels_corpus`: hard labels on the raw training corpus;
+4. from that same reset head, MTP-only fits (`stdlib_mtp_only.yaml`, MTPOnlyCallback audit, the same steps each),
+   one per variant of `VARIANTS`:
+   (a) `self_distill`: self-distillation (`mtp_loss_type: self_distill`, KL to the main head) on the raw corpus;
+   (b) `labels_corpus`: hard labels on the raw corpus;
    (c) `labels_continuations`: the frozen model's own greedy continuations (`stdlib_generate.yaml`), hard labels;
-   with `--trunk-cache`, (a) once more with `MTPOnlyCallback(trunk_cache_dir=...)` (later epochs read the frozen
-   trunk's output from disk): `trunk_cache` in the JSON says whether its acceptance equals (a)'s, and both times;
-   `--variants` picks the fits to run (default (a), (b), (c)); `self_distill_long` is (a+): (a) for the seconds
-   (c)'s generation step costs, `--distill-steps` steps (gpu 400, cpu 120: about (c)'s wall time) with the trunk
-   cache; `--distill-weighting greedy|sampled` weighs (a)'s and (a+)'s positions as a server feeds the MTP layer
-   (`model.mtp_distill_weighting`);
-5. for every head, on held-out prompts: greedy acceptance (1 draft), sampled acceptance at temperature 1 (speculative
-   sampling, 1 draft), mean accepted length with 3 drafts (greedy and sampled), tokens/s; and each fit's wall time
-   including its generation step. `mtp_quality.json` (with `targets`: (a) >= (c) greedy, (a) > (c) sampled, (a) >=
-   joint greedy) and `mtp_quality.png`.
+   `tv`: the acceptance rate itself (`mtp_loss_type: tv`, 1 - sum_x min(p, q) at T = 1) on the raw corpus;
+   `tv_kl`: the KL/TV blend (`mtp_loss_type: tv_kl`) on the raw corpus;
+   `--variants` picks the fits (default: gpu (a), (c), tv, tv_kl; cpu (a), (c), tv); `self_distill_long` is (a+):
+   (a) for `--distill-steps` steps (gpu 400, cpu 120: about (c)'s wall time) with the trunk cache; with
+   `--trunk-cache`, (a) once more from the trunk cache (`trunk_cache` in the JSON: the same acceptance, both
+   times); `--distill-weighting greedy|sampled` weighs the distillation and TV variants' positions as a server
+   feeds the MTP layer (`model.mtp_distill_weighting`);
+5. every head on the same held-out prompts (gpu 64 x 128 new tokens, all decoded at once): greedy and sampled
+   (T = 1, speculative sampling, prompt i seeded with i for every head) acceptance with one draft, the mean accepted
+   length for K = 1..4 drafts, each with its 95% bootstrap interval over prompts (`speculative.stats`), tokens/s;
+   paired differences between heads with their intervals (`comparisons`: every trained head against tv, (a), (c)
+   and the joint head); each fit's wall time including its generation step. `mtp_quality.json` (`targets`: the
+   issues' targets for the heads that ran) and `mtp_quality.png` (acceptance per head with its interval, the
+   K = 1..4 accepted-length curves, validation acceptance by step).
 
 Every training and generation step is a `lightning-megatron` run of a config from `configs/recipes/`. The GPU
-defaults (300 joint steps, 200 MTP-only steps each, 12 prompts x 48 new tokens) fit one H200 in about 8 minutes;
-`--joint-steps` and `--mtp-only-steps` change them. `--variants self_distill_long` alone takes about 8 minutes too
-(the joint fit and the measurements are most of it).
+defaults (300 joint steps, 120 MTP-only steps per variant, five variants) keep the run on one H200 near 12
+minutes; every head sees the same model, data budget and steps, and its training time (generation included) is
+reported beside it:
+`--joint-steps` and `--mtp-only-steps` change them.
 """
 
 from __future__ import annotations
@@ -36,11 +43,14 @@ import io
 import json
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_megatron.mtp.self_distill import DISTILL_WEIGHTINGS
 from lightning_megatron.recipes import stdlib_corpus
+from lightning_megatron.recipes.quality_report import comparisons, head_row, plot
 from lightning_megatron.recipes.steps import acceptance, derived_config, read_jsonl, run_cli, write_jsonl
 
 # what the CPU version changes in the GPU recipe so that the whole benchmark runs in the test suite
@@ -59,18 +69,53 @@ CPU_OVERRIDES: dict[str, dict[str, Any]] = {
                              "trainer.strategy.init_args.global_batch_size": 8, "model.lr": 1.0e-2,
                              "model.warmup_steps": 5, "data.seq_length": 96},
 }
-MEASURE = {"gpu": {"prompts": 12, "max_new_tokens": 48, "device": "cuda", "corpus_seq_length": 1024},
-           "cpu": {"prompts": 8, "max_new_tokens": 24, "device": "cpu", "corpus_seq_length": 128}}
+MEASURE = {"gpu": {"prompts": 64, "max_new_tokens": 128, "device": "cuda", "corpus_seq_length": 1024,
+                   "batch_size": 64},
+           "cpu": {"prompts": 8, "max_new_tokens": 24, "device": "cpu", "corpus_seq_length": 128, "batch_size": 8}}
 CORPUS_OVERRIDES = {"gpu": [], "cpu": ["--train-prompts", "64", "--heldout-prompts", "8"]}
-DRAFT_TOKENS = (1, 3)  # 1: the greedy and sampled acceptance; 3: the accepted length with three drafts
-VARIANTS = ("self_distill", "labels_corpus", "labels_continuations")
-# (a+): self-distillation for as many steps as (c)'s wall time pays for, later epochs from the frozen trunk's cache
+DRAFT_TOKENS = (1, 2, 3, 4)  # 1: the greedy and sampled acceptance; 1..4: the accepted-length curve
+STEPS = {"gpu": {"joint": 300, "mtp_only": 120}, "cpu": {}}  # cpu: the configs' own (CPU_OVERRIDES)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One MTP-only fit of the reset head: its loss (`model.mtp_loss_type`), its data, and any further `model.*`
+    setting. A new way to train the head is one more row of `VARIANTS`."""
+
+    loss_type: Literal["labels", "self_distill", "tv", "tv_kl"]
+    data: Literal["corpus", "continuations"]
+    summary: str
+    model: Mapping[str, Any] = field(default_factory=dict)
+    trunk_cache: bool = False  # later epochs read the frozen trunk's output from disk
+
+    @property
+    def distills(self) -> bool:
+        """Learns the main head's distribution (takes `model.mtp_distill_weighting`)."""
+        return self.loss_type != "labels"
+
+
 LONG_VARIANT = "self_distill_long"
 CACHED_VARIANT = "self_distill_trunk_cache"  # --trunk-cache: (a) again, later epochs from the frozen trunk's cache
-DISTILL_VARIANTS = ("self_distill", LONG_VARIANT, CACHED_VARIANT)
+VARIANTS: dict[str, Variant] = {
+    "self_distill": Variant("self_distill", "corpus", "(a) self-distillation (KL to the main head), raw corpus"),
+    "labels_corpus": Variant("labels", "corpus", "(b) hard labels, raw corpus"),
+    "labels_continuations": Variant("labels", "continuations", "(c) hard labels, the model's greedy continuations"),
+    "tv": Variant("tv", "corpus", "TV (1 - acceptance at T = 1), raw corpus"),
+    "tv_kl": Variant("tv_kl", "corpus", "the KL/TV blend, raw corpus"),
+    # (a+): self-distillation for as many steps as (c)'s wall time pays for (--distill-steps)
+    LONG_VARIANT: Variant("self_distill", "corpus", "(a+) (a) for (c)'s wall time", trunk_cache=True),
+    CACHED_VARIANT: Variant("self_distill", "corpus", "(a) from the trunk cache", trunk_cache=True),
+    # the one MTP layer trained at drafting depths 1..3 (`SFTModule(mtp_depths=3)`), compared with "tv" (depth 1)
+    "tv_k3": Variant("tv", "corpus", "TV at drafting depths 1..3, one layer", model={"mtp_depths": 3}),
+}
+CHOOSABLE = tuple(name for name in VARIANTS if name != CACHED_VARIANT)
+DEFAULT_VARIANTS = {"gpu": ("self_distill", "labels_continuations", "tv", "tv_kl", "tv_k3"),
+                    "cpu": ("self_distill", "labels_continuations", "tv")}
 # (a+)'s steps: (c) pays for its generation step (86 s of 150 on the H200, 16 s of 34 on the CPU); with the trunk
 # cache (a)'s later epochs cost a fraction of the first, so (a+) takes about (c)'s wall time
 LONG_STEPS = {"gpu": 400, "cpu": 120}
+SAMPLED_ACCEPTANCE_TARGET = 0.82  # issue 42: the best TV head's sampled acceptance (T = 1)
+DEPTHS_ACCEPTED_LENGTH_TARGET = 2.7  # issue 42: K-depth training's sampled accepted length at K = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,36 +123,39 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--size", choices=("cpu", "gpu"), default="gpu")
-    parser.add_argument("--joint-steps", type=int, default=None, help="joint SFT + MTP steps (gpu default 300)")
+    parser.add_argument("--joint-steps", type=int, default=None,
+                        help=f"joint SFT + MTP steps (gpu default {STEPS['gpu']['joint']})")
     parser.add_argument("--mtp-only-steps", type=int, default=None,
-                        help="steps of each MTP-only fit (gpu default 200)")
+                        help=f"steps of each MTP-only fit (gpu default {STEPS['gpu']['mtp_only']})")
     parser.add_argument("--trunk-cache", action="store_true",
                         help="also run (a) again with MTPOnlyCallback(trunk_cache_dir=...): later epochs read the "
                         "frozen trunk's output from disk; reported beside (a): the same acceptance, the time each took")
     parser.add_argument("--distill-temperature", type=float, default=1.0,
-                        help="(a)'s and (a+)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens the main "
-                        "head's distribution toward its argmax, which greedy acceptance rewards")
-    parser.add_argument("--variants", nargs="+", choices=(*VARIANTS, LONG_VARIANT), default=list(VARIANTS),
-                        help="the MTP-only fits to run, in this order (default: (a), (b), (c)); "
+                        help="(a)'s and (a+)'s teacher temperature (model.mtp_distill_temperature): below 1 sharpens "
+                        "the main head's distribution toward its argmax, which greedy acceptance rewards")
+    parser.add_argument("--variants", nargs="+", choices=CHOOSABLE, default=None,
+                        help="the MTP-only fits to run, in this order (default: gpu "
+                        f"{' '.join(DEFAULT_VARIANTS['gpu'])}; cpu {' '.join(DEFAULT_VARIANTS['cpu'])}); "
                         f"{LONG_VARIANT} is (a+): (a) for --distill-steps steps with the trunk cache")
     parser.add_argument("--distill-steps", type=int, default=None,
                         help=f"(a+)'s steps (gpu default {LONG_STEPS['gpu']}, cpu {LONG_STEPS['cpu']}: about (c)'s "
                         "wall time including its generation step)")
     parser.add_argument("--distill-weighting", choices=DISTILL_WEIGHTINGS, default="uniform",
-                        help="the self-distillation variants' model.mtp_distill_weighting: weigh each position by "
+                        help="the distillation and TV variants' model.mtp_distill_weighting: weigh each position by "
                         "how a server feeds the MTP layer its input token (greedy: only the main head's argmax; "
                         "sampled: by its probability)")
     args = parser.parse_args(argv)
     if args.distill_steps is not None and args.distill_steps < 1:
         parser.error(f"--distill-steps: {args.distill_steps} must be at least 1")
-    if args.trunk_cache and "self_distill" not in args.variants:
-        parser.error("--trunk-cache compares with (a): add self_distill to --variants")
     out, size = args.out.resolve(), args.size
+    chosen = list(dict.fromkeys(args.variants or DEFAULT_VARIANTS[size]))
+    if args.trunk_cache and "self_distill" not in chosen:
+        parser.error("--trunk-cache compares with (a): add self_distill to --variants")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    steps = {"joint": args.joint_steps or (300 if size == "gpu" else None),
-             "mtp_only": args.mtp_only_steps or (200 if size == "gpu" else None)}
+    steps = {"joint": args.joint_steps or STEPS[size].get("joint"),
+             "mtp_only": args.mtp_only_steps or STEPS[size].get("mtp_only")}
 
     def step(name: str, since: float) -> float:
         now = time.perf_counter()
@@ -127,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         return derived_config(f"recipes/{source}", out / f"{name}.yaml", merged)
 
     def measured(name: str, checkpoint: Path, draft_tokens: tuple[int, ...] = DRAFT_TOKENS) -> dict[str, Any]:
+        print(f"      measuring {name} on {len(held_out)} held-out prompts", flush=True)
         return acceptance(checkpoint, held_out, measure["max_new_tokens"], out / f"acceptance_{name}",
-                          measure["device"], draft_tokens)
+                          measure["device"], draft_tokens, batch_size=measure["batch_size"], progress=sys.stderr)
 
     joint = out / "joint"
     run_cli("fit", config("stdlib_joint.yaml", "joint", {
@@ -151,48 +200,49 @@ def main(argv: list[str] | None = None) -> int:
     clock = step("reset_and_measure_s", clock)
 
     train_seconds: dict[str, float] = {}
-    variants = (*dict.fromkeys(args.variants), *((CACHED_VARIANT,) if args.trunk_cache else ()))
-    for variant in variants:
-        since = time.perf_counter()
-        train, val, loss_type, seq_length = corpus / "train.jsonl", corpus / "val.jsonl", "labels", None
-        cache, variant_steps = {}, steps["mtp_only"]
-        if variant in DISTILL_VARIANTS:
-            loss_type, seq_length = "self_distill", measure["corpus_seq_length"]
-            if variant in (CACHED_VARIANT, LONG_VARIANT):
-                cache = {"trainer.callbacks.0": {"class_path": "lightning_megatron.callbacks.MTPOnlyCallback",
-                                                 "init_args": {"trunk_cache_dir": str(out / f"cache_{variant}")}}}
-            if variant == LONG_VARIANT:
-                variant_steps = args.distill_steps or LONG_STEPS[size]
-        elif variant == "labels_corpus":
-            seq_length = measure["corpus_seq_length"]
-        else:
+    names = (*chosen, *((CACHED_VARIANT,) if args.trunk_cache else ()))
+    for name in names:
+        variant, since = VARIANTS[name], time.perf_counter()
+        if variant.data == "continuations":
             train, val = own_continuations(out, corpus, restored, config)
             timings["generate_s"] = round(time.perf_counter() - since, 1)
-        run = out / variant
-        run_cli("fit", config("stdlib_mtp_only.yaml", variant, {
+        else:
+            train, val = corpus / "train.jsonl", corpus / "val.jsonl"
+        variant_steps = (args.distill_steps or LONG_STEPS[size]) if name == LONG_VARIANT else steps["mtp_only"]
+        run = out / name
+        run_cli("fit", config("stdlib_mtp_only.yaml", name, {
             "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(run),
             "trainer.logger.0.init_args.save_dir": str(run), "trainer.callbacks.3.init_args.dirpath": str(run / "hf"),
-            "data.train_path": str(train), "data.val_path": str(val), "model.mtp_loss_type": loss_type,
-            **({"model.mtp_distill_temperature": args.distill_temperature,
-                "model.mtp_distill_weighting": args.distill_weighting} if loss_type == "self_distill" else {}),
+            "data.train_path": str(train), "data.val_path": str(val), "model.mtp_loss_type": variant.loss_type,
+            **({"model.mtp_distill_temperature": args.distill_temperature}
+               if variant.loss_type == "self_distill" else {}),
+            **({"model.mtp_distill_weighting": args.distill_weighting} if variant.distills else {}),
+            **{f"model.{key}": value for key, value in variant.model.items()},
             "trainer.limit_val_batches": 4,
-            **({"data.seq_length": seq_length} if seq_length else {}), **cache,
+            **({"data.seq_length": measure["corpus_seq_length"]} if variant.data == "corpus" else {}),
+            **({"trainer.callbacks.0": {"class_path": "lightning_megatron.callbacks.MTPOnlyCallback",
+                                        "init_args": {"trunk_cache_dir": str(out / f"cache_{name}")}}}
+               if variant.trunk_cache else {}),
             **({"trainer.max_steps": variant_steps} if variant_steps else {}),
-        }), f"[{4 if variant == 'labels_continuations' else 3}/5] MTP-only fit ({variant})")
-        train_seconds[variant] = round(time.perf_counter() - since, 1)
-        clock = step(f"{variant}_train_s", since)
-        results[variant] = measured(variant, run / "hf")
-        clock = step(f"measure_{variant}_s", clock)
+        }), f"[{4 if variant.data == 'continuations' else 3}/5] MTP-only fit ({name}: {variant.summary})")
+        train_seconds[name] = round(time.perf_counter() - since, 1)
+        clock = step(f"{name}_train_s", since)
+        results[name] = measured(name, run / "hf")
+        clock = step(f"measure_{name}_s", clock)
 
-    summary = _summary(results, size, train_seconds, {variant: _curves(out / variant) for variant in variants},
-                       _curves(joint), [json.loads((out / v / "mtp_only_audit.json").read_text()) for v in variants])
+    summary = _summary(results, size, train_seconds, {name: _curves(out / name) for name in names},
+                       _curves(joint), [json.loads((out / name / "mtp_only_audit.json").read_text()) for name in names])
+    summary["measure"] = {key: measure[key] for key in ("prompts", "max_new_tokens", "batch_size")}
+    summary["measure"]["draft_tokens"] = list(DRAFT_TOKENS)
+    summary["variants"] = {name: VARIANTS[name].summary for name in names}
     summary["seconds"] = {**timings, "total_s": round(time.perf_counter() - started, 1)}
     summary["command"] = " ".join(["python3 -m lightning_megatron.recipes.mtp_quality", *(argv or sys.argv[1:])])
     summary["distill_temperature"] = args.distill_temperature
     summary["distill_weighting"] = args.distill_weighting
     (out / "mtp_quality.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary).savefig(out / "mtp_quality.png", dpi=100)
-    print(json.dumps({key: summary[key] for key in ("heads", "targets", "seconds")}, indent=2))
+    plot(summary).savefig(out / "mtp_quality.png", dpi=100)
+    print(json.dumps({key: summary[key] for key in ("targets", "seconds")}, indent=2))
+    print(_table(summary))
     print(f"wrote {out / 'mtp_quality.json'} and {out / 'mtp_quality.png'}")
     return 0 if summary["greedy_identical_throughout"] and summary["frozen_bit_identical"] else 1
 
@@ -213,10 +263,6 @@ def own_continuations(out: Path, corpus: Path, restored: Path, config: Any) -> t
             write_jsonl(out / "continuations_heldout.jsonl", [r for r in rows if r["prompt"] in held_out_texts]))
 
 
-def _curves(run: Path) -> dict[str, Any]:
-    return json.loads(next(run.glob("csv/version_*/curves.json")).read_text())
-
-
 def export_without_mtp(source: Path, target: Path) -> Path:
     """The user's mistake to recover from: an HF export of the trained model with the MTP head disabled."""
     from lightning_megatron.bridges import create_bridge
@@ -228,38 +274,28 @@ def export_without_mtp(source: Path, target: Path) -> Path:
     return bridge.save_hf(bridge.build(ModelOptions(mtp=False)), target)
 
 
-def _head(result: dict[str, Any]) -> dict[str, Any]:
-    """One head's row: greedy and sampled acceptance with one draft, accepted length with three, tokens/s."""
-    by_k = result["by_draft_tokens"]
-    row = {"greedy_acceptance": result["acceptance_rate"],
-           "sampled_acceptance": by_k["sampled"]["1"]["acceptance_rate"],
-           "greedy_tokens_per_s": result["greedy_tokens_per_s"],
-           "speculative_tokens_per_s": result["speculative_tokens_per_s"],
-           "sampled_tokens_per_s": result["sampled_tokens_per_s"]}
-    if "3" in by_k["greedy"]:
-        row.update(greedy_accepted_length_k3=by_k["greedy"]["3"]["mean_accepted_length"],
-                   sampled_accepted_length_k3=by_k["sampled"]["3"]["mean_accepted_length"],
-                   greedy_k3_tokens_per_s=by_k["greedy"]["3"]["tokens_per_s"],
-                   sampled_k3_tokens_per_s=by_k["sampled"]["3"]["tokens_per_s"])
-    return row
+def _curves(run: Path) -> dict[str, Any]:
+    return json.loads(next(run.glob("csv/version_*/curves.json")).read_text())
 
 
 def _summary(results: dict[str, Any], size: str, train_seconds: dict[str, float], curves: dict[str, dict],
              joint_curves: dict, audits: list[dict]) -> dict[str, Any]:
-    heads = {name: _head(result) for name, result in results.items()}
+    heads = {name: head_row(result) for name, result in results.items()}
     for variant, seconds in train_seconds.items():
         heads[variant]["train_s_including_generation"] = seconds
+    compared = comparisons(results)
     return {
         "size": size,
         "heads": heads,
-        "targets": _targets(heads),
+        "comparisons": compared,
+        "targets": {**_targets(heads), **_tv_targets(heads, compared), **_depth_targets(heads, compared)},
         "greedy_identical_throughout": all(result["all_identical"] for result in results.values()),
         "frozen_bit_identical": all(audit["frozen_bit_identical"] for audit in audits),
         "joint_val_lm_loss": joint_curves.get("val_lm_loss", []),
         "val_mtp_acceptance_by_step": {name: curve.get("val_mtp_acceptance", []) for name, curve in curves.items()},
         "val_mtp_sampled_acceptance_by_step": {name: curve.get("val_mtp_sampled_acceptance", [])
                                                for name, curve in curves.items()},
-        "prompts": results["joint"]["prompts"],
+        "per_prompt": {name: result["by_draft_tokens"] for name, result in results.items()},
         **({"trunk_cache": _trunk_cache_comparison(heads)} if CACHED_VARIANT in heads else {}),
     }
 
@@ -281,6 +317,39 @@ def _targets(heads: dict[str, Any]) -> dict[str, Any]:
     return targets
 
 
+def _tv_targets(heads: dict[str, Any], compared: dict[str, Any]) -> dict[str, Any]:
+    """Issue 42's targets for the better of the TV heads that ran (by sampled acceptance): at least
+    `SAMPLED_ACCEPTANCE_TARGET`, above (a) with the paired interval excluding zero, and greedy acceptance within
+    (c)'s interval or above it."""
+    tv_heads = [name for name in ("tv", "tv_kl") if name in heads]
+    if not tv_heads:
+        return {}
+    best = max(tv_heads, key=lambda name: heads[name]["sampled_acceptance"] or 0.0)
+    targets: dict[str, Any] = {"tv_best": best, "tv_best_sampled_at_least_target":
+                               (heads[best]["sampled_acceptance"] or 0.0) >= SAMPLED_ACCEPTANCE_TARGET}
+    if f"{best} - self_distill" in compared:
+        low = compared[f"{best} - self_distill"]["sampled_acceptance"]["low"]
+        targets["tv_best_sampled_above_self_distill_paired"] = low is not None and low > 0
+    if "labels_continuations" in heads:
+        low = heads["labels_continuations"]["greedy_acceptance_interval"][0]
+        targets["tv_best_greedy_within_or_above_continuations"] = (
+            low is not None and (heads[best]["greedy_acceptance"] or 0.0) >= low)
+    return targets
+
+
+def _depth_targets(heads: dict[str, Any], compared: dict[str, Any]) -> dict[str, Any]:
+    """Issue 42's targets for K-depth training ("tv_k3"): a K = 3 sampled accepted length of at least
+    `DEPTHS_ACCEPTED_LENGTH_TARGET`, above depth-1 training ("tv") with the paired interval excluding zero."""
+    if "tv_k3" not in heads:
+        return {}
+    targets = {"tv_k3_sampled_length_k3_at_least_target":
+               (heads["tv_k3"].get("sampled_accepted_length_k3") or 0.0) >= DEPTHS_ACCEPTED_LENGTH_TARGET}
+    paired = compared.get("tv_k3 - tv", {}).get("sampled_accepted_length_k3")
+    if paired is not None:
+        targets["tv_k3_sampled_length_k3_above_tv_paired"] = paired["low"] is not None and paired["low"] > 0
+    return targets
+
+
 def _trunk_cache_comparison(heads: dict[str, Any]) -> dict[str, Any]:
     """(a) trained again from the trunk cache: the same head (acceptance) in less time."""
     plain, cached = heads["self_distill"], heads[CACHED_VARIANT]
@@ -290,34 +359,21 @@ def _trunk_cache_comparison(heads: dict[str, Any]) -> dict[str, Any]:
             "train_s_with_trunk_cache": cached["train_s_including_generation"]}
 
 
-def _plot(summary: dict[str, Any]):
-    from matplotlib.figure import Figure
+def _table(summary: dict[str, Any]) -> str:
+    """Each head's figures with their intervals, and training time, as a Markdown table."""
+    def cell(row: dict[str, Any], key: str, digits: int) -> str:
+        value, (low, high) = row.get(key), row.get(f"{key}_interval", [None, None])
+        if value is None:
+            return "-"
+        return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]" if low is not None else f"{value:.{digits}f}"
 
-    figure = Figure(figsize=(12, 4), layout="constrained")
-    by_step, bars = figure.subplots(1, 2)
-    for name, curve in summary["val_mtp_sampled_acceptance_by_step"].items():
-        if curve:
-            x, y = zip(*curve)
-            by_step.plot(x, y, marker="o", label=f"{name}: sampled (teacher-forced)")
-    for name, curve in summary["val_mtp_acceptance_by_step"].items():
-        if curve:
-            x, y = zip(*curve)
-            by_step.plot(x, y, marker=".", linestyle=":", label=f"{name}: greedy (teacher-forced)")
-    by_step.set(xlabel="MTP-only optimizer step", ylabel="validation acceptance", ylim=(0, 1),
-                title="MTP-only training from the reset head")
-    by_step.legend(fontsize=6)
-    names = list(summary["heads"])
-    width = 0.4
-    positions = range(len(names))
-    bars.bar([i - width / 2 for i in positions], [summary["heads"][n]["greedy_acceptance"] for n in names], width,
-             label="greedy")
-    bars.bar([i + width / 2 for i in positions], [summary["heads"][n]["sampled_acceptance"] for n in names], width,
-             label="sampled, T = 1")
-    bars.set(xticks=list(positions), ylim=(0, 1), ylabel="accepted drafts / drafts",
-             title="speculative decoding, held-out prompts")
-    bars.set_xticklabels(names, rotation=20, fontsize=7)
-    bars.legend()
-    return figure
+    lines = ["| head | greedy | sampled (T = 1) | K = 3 greedy length | K = 3 sampled length | train s |",
+             "|---|---|---|---|---|---|"]
+    for name, row in summary["heads"].items():
+        lines.append(f"| {name} | {cell(row, 'greedy_acceptance', 3)} | {cell(row, 'sampled_acceptance', 3)} | "
+                     f"{cell(row, 'greedy_accepted_length_k3', 2)} | {cell(row, 'sampled_accepted_length_k3', 2)} | "
+                     f"{row.get('train_s_including_generation', '-')} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

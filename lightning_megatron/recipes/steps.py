@@ -13,7 +13,7 @@ import sys
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
@@ -47,9 +47,12 @@ def run_cli(subcommand: str, config: Path, title: str) -> None:
 
 
 def acceptance(checkpoint: Path, prompts: list[str], max_new_tokens: int, out: Path,
-               device: str = "cpu", draft_tokens: tuple[int, ...] = (1,)) -> dict[str, Any]:
-    """Speculative decoding with the checkpoint's MTP head vs plain decoding (fp32): the report's summary, greedy
-    and sampled at temperature 1 for each of `draft_tokens` (none: greedy with one draft only)."""
+               device: str = "cpu", draft_tokens: tuple[int, ...] = (1,), *, batch_size: int = 16,
+               progress: TextIO | None = None) -> dict[str, Any]:
+    """Speculative decoding with the checkpoint's MTP head vs plain decoding (fp32, `batch_size` prompts at once):
+    the report's summary, greedy and sampled at temperature 1 for each of `draft_tokens` (none: greedy with one
+    draft only), each figure with its interval over prompts and the per-prompt counts; `progress` gets its
+    progress lines."""
     import transformers
 
     from lightning_megatron.speculative import measure_checkpoint, write_report
@@ -57,7 +60,7 @@ def acceptance(checkpoint: Path, prompts: list[str], max_new_tokens: int, out: P
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     report = measure_checkpoint(checkpoint, prompts, max_new_tokens=max_new_tokens, device=device,
-                                draft_tokens=draft_tokens)
+                                draft_tokens=draft_tokens, batch_size=batch_size, progress=progress)
     write_report(report, out)
     return report["summary"]
 

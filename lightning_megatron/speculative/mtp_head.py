@@ -54,14 +54,17 @@ class MTPDraftHead(nn.Module):
         next_token_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft logits ``[batch, k, vocab]`` for ``k`` new MTP positions.
 
         ``hidden_states[:, i]`` is the target's final-normed hidden state at sequence position
         ``position_ids[:, i]`` and ``next_token_ids[:, i]`` the token right after it; the output at ``i`` predicts
         the token after that one. With a ``cache``, the positions must continue the ones it already holds.
+        ``attention_mask`` (``[batch, cached + k]``, 0 at slots no position may read: padding, discarded drafts)
+        lets rows of a batch hold different positions in the same cache slots.
         """
-        return self.lm_head(self.hidden(hidden_states, next_token_ids, position_ids, cache))
+        return self.lm_head(self.hidden(hidden_states, next_token_ids, position_ids, cache, attention_mask))
 
     def hidden(
         self,
@@ -69,6 +72,7 @@ class MTPDraftHead(nn.Module):
         next_token_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The head's final-normed output ``[batch, k, hidden]`` (what :meth:`forward` projects to logits). Applied
         recursively, it stands in for the target's hidden state one position on: Megatron-Core chains MTP depths on
@@ -76,7 +80,8 @@ class MTPDraftHead(nn.Module):
         embedded = self.enorm(self.embed_tokens(next_token_ids))
         x = self.eh_proj(torch.cat([embedded, self.hnorm(hidden_states)], dim=-1))
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=cache, position_ids=position_ids
+            config=self.config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=cache,
+            position_ids=position_ids,
         )
         x = self.layer(
             x,

@@ -62,21 +62,24 @@ def draw(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator | N
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
-def verify(drafts: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, sampling: Sampling,
-           generator: torch.Generator | None) -> tuple[int, int]:
-    """``(accepted, next_token)`` for ``len(drafts) = k`` drafts: ``draft_probs [k, vocab]`` are the ``q`` each was
-    drawn from, ``target_probs [k + 1, vocab]`` the target's ``p`` at the same positions and after the last.
-
-    The first ``accepted`` drafts stand; ``next_token`` follows them (the correction at the first rejection, or the
-    target's token after the last draft when all stand)."""
-    for index, token in enumerate(drafts):
-        p, q = float(target_probs[index, token]), float(draft_probs[index, token])
+def accepted_count(target_of_drafts: Sequence[float], draft_of_drafts: Sequence[float], sampling: Sampling,
+                   generator: torch.Generator | None) -> int:
+    """How many drafts stand, given ``p(d_i)`` and ``q(d_i)`` of each draft ``d_i`` under the target's and the
+    drafter's distributions: each is accepted with probability ``min(1, p / q)`` (greedy: iff ``p >= q``, which
+    one-hot distributions make "the draft is the target's argmax"), up to the first rejection. One random number
+    per draft that is not accepted outright, none when greedy."""
+    for index, (p, q) in enumerate(zip(target_of_drafts, draft_of_drafts, strict=True)):
         ratio = p / q if q > 0 else 0.0
         if ratio >= 1 or (not sampling.greedy and ratio > 0
                           and float(torch.rand((), generator=generator)) < ratio):
             continue
-        residual = (target_probs[index] - draft_probs[index]).clamp_(min=0)
-        if float(residual.sum()) <= 0:  # p == q up to rounding: then a rejection has probability ~0
-            residual = target_probs[index]
-        return index, draw(residual / residual.sum(), sampling, generator)
-    return len(drafts), draw(target_probs[len(drafts)], sampling, generator)
+        return index
+    return len(target_of_drafts)
+
+
+def correction(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """The distribution of the token that replaces a rejected draft, ``max(0, p - q)`` normalised, over the last
+    dimension; ``p`` itself where ``p == q`` up to rounding (a rejection then has probability ~0)."""
+    residual = (target_probs - draft_probs).clamp_(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs)
