@@ -1,8 +1,10 @@
-"""The package's shape, read from its source with `ast` (no Megatron, no GPU): no import circles, the floors of
-DESIGN.md (a room imports only rooms on its own floor or lower; every folder is one room on one floor), the README's
-floor table equal to `FLOORS`, the ground-floor leaves and the `_compat` leaf, the strategy apart from `SFTModule`'s
-file, no contract attribute looked up by name, the lazy export table, rooms under 500 lines, one stage-then-rename,
-and the rooms that must import neither Lightning nor Megatron-Core.
+"""The floor plan as executable rules, read from the source with `ast` (`tests/_source.py`; no Megatron, no GPU):
+no import circles; the floors of DESIGN.md (a room imports only rooms on its own floor or lower; every folder is one
+room on one floor); the README's floor table equal to `FLOORS`; the ground-floor leaves and the `_compat` leaf; the
+strategy apart from `SFTModule`'s file (it knows modules through `contract.py`); no contract attribute looked up by
+name; the lazy export table; no file of the package or of `tests/` over 500 lines; no private name imported from
+another module; `tests/` mirroring the package; one stage-then-rename; and the rooms that must import neither
+Lightning nor Megatron-Core.
 """
 
 from __future__ import annotations
@@ -13,15 +15,26 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "lightning_megatron"
-TOP = "lightning_megatron"
+from tests._source import (
+    PACKAGE,
+    ROOT,
+    TOP,
+    attributes_by_name,
+    defines_class,
+    find_cycle,
+    import_graph,
+    imports,
+    modules,
+    private_imports,
+    reachable,
+    renames,
+    syntax,
+    top_level_names,
+)
+
 MAX_LINES = 500
 
 # The floor of every room, from the top down. A room is a top-level module, a top-level folder (all its modules and
@@ -85,112 +98,22 @@ RENAMES_ALLOWED = {
 }
 
 
-@dataclass(frozen=True)
-class Import:
-    """One import statement's target module, where it is, and the function it sits in (None: module level)."""
-
-    importer: str
-    imported: str
-    line: int
-    function: str | None
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@cache
-def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-@cache
-def syntax(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
-def _functions(tree: ast.AST) -> dict[ast.AST, str]:
-    """Each node inside a function, with the name of its outermost function."""
-    inside: dict[ast.AST, str] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node not in inside:
-            for child in ast.walk(node):
-                inside.setdefault(child, node.name)
-    return inside
 
 
-@cache
-def imports() -> tuple[Import, ...]:
-    """Every import of a package module: module level, inside functions and under `if TYPE_CHECKING:`.
-
-    `from P import x` imports the module `P.x` when there is one, else `P`; relative forms are resolved.
-    """
-    known = modules()
-    found: list[Import] = []
-    for name, path in known.items():
-        tree = syntax(path)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        inside = _functions(tree)
-        for node in ast.walk(tree):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
-            for target in dict.fromkeys(targets):
-                if target in known and target != name:
-                    found.append(Import(name, target, node.lineno, inside.get(node)))
-    return tuple(found)
 
 
-def ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules importing it runs. Importing `a.b.c` runs `a/__init__` and `a/b/__init__` first, so
-    an import of `a.b.c` is also an edge to those packages, except the importer's own packages: they are already
-    running when it runs (a package whose `__init__` imports its own modules is no circle)."""
-    graph: dict[str, set[str]] = {name: set() for name in modules()}
-    for edge in imports():
-        own = {edge.importer, *ancestors(edge.importer)}
-        graph[edge.importer] |= {edge.imported, *(pkg for pkg in ancestors(edge.imported) if pkg not in own)}
-    return graph
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One circle of `graph` as a path that returns to its start, or None."""
-    done: set[str] = set()
-    path: list[str] = []
-    on_path: set[str] = set()
-
-    def visit(node: str) -> list[str] | None:
-        path.append(node)
-        on_path.add(node)
-        for target in sorted(graph[node]):
-            if target in on_path:
-                return path[path.index(target):] + [target]
-            if target not in done:
-                cycle = visit(target)
-                if cycle:
-                    return cycle
-        path.pop()
-        on_path.discard(node)
-        done.add(node)
-        return None
-
-    for start in sorted(graph):
-        if start not in done:
-            cycle = visit(start)
-            if cycle:
-                return cycle
-    return None
 
 
 def room(name: str) -> str:
@@ -229,17 +152,6 @@ def test_exports_name_modules_that_define_them() -> None:
     assert not problems, "\n".join(problems)
 
 
-def top_level_names(tree: ast.Module) -> set[str]:
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {target.id for target in targets if isinstance(target, ast.Name)}
-    return names
 
 
 def test_every_module_has_a_floor() -> None:
@@ -325,6 +237,125 @@ def test_readme_floors_reads_the_table() -> None:
         readme_floors(text.replace("`atomic.py`", "`cli/`"), top="p")
 
 
+# ---------------------------------------------------------------------------------------------- the contract room
+
+
+
+
+
+
+def test_the_strategy_never_imports_the_file_that_defines_sft_module() -> None:
+    defining = [name for name, path in modules().items() if defines_class(syntax(path), "SFTModule")]
+    assert len(defining) == 1, f"expected one module defining SFTModule, found {defining}"
+    strategy = f"{TOP}.strategy"
+    assert defining[0] not in reachable(import_graph(), strategy), (
+        f"{strategy} imports {defining[0]} (directly or through other rooms): it must reach modules only through "
+        f"the contract ({TOP}.contract)")
+
+
+def test_defines_class_and_reachable_find_them() -> None:
+    assert defines_class(ast.parse("import x\nclass SFTModule(Base):\n    pass\n"), "SFTModule")
+    assert not defines_class(ast.parse("def f():\n    class SFTModule: pass\n"), "SFTModule")
+    graph = {"strategy": {"contract"}, "contract": {"bridges"}, "bridges": set(), "module": {"contract"}}
+    assert reachable(graph, "strategy") == {"contract", "bridges"}
+    assert "module" not in reachable(graph, "strategy") and "contract" in reachable(graph, "module")
+
+
+# ---------------------------------------------------------------------------------------------- attributes by name
+
+MEGATRON = "a Megatron-Core model, module, spec or config: the field depends on the version, the model or the stage"
+LIBRARY = "an object of a bridge library (megatron-bridge, mbridge): the field depends on its version and model"
+UPSTREAM = "an upstream library, asked whether it still has the defect this workaround fixes"
+LOADER = "any dataloader, dataset or sampler Lightning hands over (a user's included)"
+TOKENIZER = "any HF tokenizer (a slow one has no backend; a tokenizer may have no chat template)"
+CLI_NAMESPACE = "a jsonargparse value: a strategy given as class_path + init_args, or as something else"
+# (file under lightning_megatron/, attribute) -> why: the only attributes read by name with getattr/hasattr and a
+# string. A contract between rooms is never among them: declare it (contract.py, a Protocol, a Bridge method).
+NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
+    ("_compat/_adjustment.py", "__dict__"): "any patched target: a module, a class or an instance",
+    ("_compat/mbridge.py", "encoder_and_decoder"): UPSTREAM,
+    ("_compat/mbridge.py", "rope_theta"): UPSTREAM,
+    ("_compat/no_te.py", "mtp_num_layers"): MEGATRON,
+    ("_compat/no_te.py", "layer_specs"): MEGATRON,
+    ("_compat/vl.py", "rope_parameters"): "an HF text config: transformers 5 names it rope_parameters",
+    ("_compat/vl.py", "rope_scaling"): "an HF text config: transformers 4 names it rope_scaling",
+    ("_compat/vl.py", "submodules"): MEGATRON,
+    ("_compat/vl.py", "vision_transformer_layer_spec"): LIBRARY,
+    ("attention.py", "cp"): "Megatron-Core's process-group collection: a cp group only with context parallelism",
+    ("attention.py", "__name__"): "whatever a layer spec names as core attention (Transformer Engine's or ours)",
+    ("bridges/megatron_bridge.py", "moe_router_enable_expert_bias"): LIBRARY,
+    ("bridges/sliced_load.py", "ddp_config"): MEGATRON,
+    ("bridges/sliced_load.py", "dtype"): LIBRARY,
+    ("bridges/sliced_load.py", "attention_output_gate"): MEGATRON,
+    ("bridges/sliced_load.py", "head_dim"): MEGATRON,
+    ("bridges/sliced_load.py", "export_weight_dtype"): LIBRARY,
+    ("bridges/sliced_load.py", "is_grouped_export"): LIBRARY,
+    ("callbacks/mtp_only.py", "tensor_model_parallel"): "Megatron-Core sets it on tensor-parallel parameters only",
+    ("cli/megatron_cli.py", "class_path"): CLI_NAMESPACE,
+    ("cli/megatron_cli.py", "init_args"): CLI_NAMESPACE,
+    ("cli/vl.py", "init_args"): CLI_NAMESPACE,
+    ("data/cache.py", "backend_tokenizer"): TOKENIZER,
+    ("data/cache.py", "chat_template"): TOKENIZER,
+    ("data/tokenize.py", "chat_template"): TOKENIZER,
+    ("data/datamodule.py", "sched_getaffinity"): "os: Linux has it, macOS does not",
+    ("data/datamodule.py", "value"): "Lightning hands a stage as a TrainerFn or as a string",
+    ("hf_io.py", "sched_getaffinity"): "os: Linux has it, macOS does not",
+    ("hf_io.py", "staging"): "a threading.local, set by each thread's first write",
+    ("lora.py", "p"): LIBRARY + " (an adapter's dropout is a Dropout, or an identity without p)",
+    ("module.py", "output_layer"): MEGATRON,
+    ("mtp/self_distill.py", "mtp"): MEGATRON,
+    ("mtp/self_distill.py", "bias"): MEGATRON,
+    ("mtp/self_distill.py", "post_process"): MEGATRON,
+    ("mtp/self_distill.py", "mtp_num_layers"): MEGATRON,
+    ("mtp/skip_main_head.py", "grad_fn"): "whatever the model returned: a tensor, or not",
+    ("mtp/skip_main_head.py", "bias"): MEGATRON,
+    ("mtp/skip_main_head.py", "post_process"): MEGATRON,
+    ("mtp/skip_main_head.py", "mtp_num_layers"): MEGATRON,
+    ("mtp/trunk_cache.py", "dataloader"): "the training loader: the strategy's GlobalBatches wrapper or a plain one",
+    ("mtp/trunk_cache.py", "dataset"): LOADER,
+    ("mtp/trunk_cache.py", "examples"): LOADER + "; SFTDataModule's rest on a tokenized cache with a key",
+    ("mtp/trunk_cache.py", "key"): LOADER + "; SFTDataModule's rest on a tokenized cache with a key",
+    ("mtp/trunk_cache.py", "seq_length"): LOADER,
+    ("mtp/trunk_cache.py", "post_process"): MEGATRON,
+    ("mtp/trunk_cache.py", "mtp_process"): MEGATRON,
+    ("cuda_graphs/refusals.py", "decoder"): MEGATRON,
+    ("cuda_graphs/refusals.py", "cuda_graph_impl"): MEGATRON,
+    ("cuda_graphs/refusals.py", "fp4"): MEGATRON,
+    ("cuda_graphs/refusals.py", "cpu_offloading"): MEGATRON,
+    ("cuda_graphs/refusals.py", "fine_grained_activation_offloading"): MEGATRON,
+    ("optimizer.py", "grad_norms_by_group"): "Megatron-Core's optimizer: only some kinds report norms by group",
+    ("schedule.py", "sampler"): LOADER,
+    ("schedule.py", "batch_sampler"): LOADER,
+    ("schedule.py", "epoch"): LOADER,
+    ("schedule.py", "drop_last"): LOADER,
+    ("schedule.py", "set_epoch"): LOADER,
+    ("serving/protocol.py", "abort"): "a torch process group: only some backends can abort",
+    ("tree_rotary.py", "mtp_process"): MEGATRON,
+    ("tree_rotary.py", "rotary_pos_emb"): MEGATRON,
+    ("tree_rotary.py", "position_embedding_type"): MEGATRON,
+}
+
+
+
+
+def test_no_contract_is_read_by_attribute_name() -> None:
+    found = {(path.relative_to(PACKAGE).as_posix(), attribute): line for path in modules().values()
+             for line, attribute in attributes_by_name(syntax(path))}
+    unlisted = [f"{file}:{line}: {attribute}" for (file, attribute), line in sorted(found.items())
+                if (file, attribute) not in NAMED_ATTRIBUTES_ALLOWED]
+    assert not unlisted, ("an attribute read by name: declare what one room calls on another (contract.py, a "
+                          "Protocol, a Bridge method) and call it, or, for a third-party object whose field "
+                          "may be missing, list it in NAMED_ATTRIBUTES_ALLOWED with why:\n" + "\n".join(unlisted))
+    stale = sorted(f"{file}: {attribute}" for file, attribute in set(NAMED_ATTRIBUTES_ALLOWED) - set(found))
+    assert not stale, "NAMED_ATTRIBUTES_ALLOWED lists lookups that are gone; remove them:\n" + "\n".join(stale)
+
+
+def test_attributes_by_name_finds_them() -> None:
+    tree = ast.parse("getattr(module, 'enable_mtp', False)\nx.y\nhasattr(strategy, 'export_hf')\n"
+                     "getattr(obj, name)\ncallable(getattr(s, 'finish_saves', None))\nself.getattr(a, 'b')\n")
+    assert attributes_by_name(tree) == [(1, "enable_mtp"), (3, "export_hf"), (5, "finish_saves")]
+
+
 def test_ground_floor_imports_only_the_ground_floor() -> None:
     violations = [f"{edge.importer}:{edge.line} imports {edge.imported}" for edge in imports()
                   if edge.importer in GROUND and edge.imported not in GROUND
@@ -362,12 +393,6 @@ def test_no_file_over_500_lines() -> None:
         f"{path} ({count})" for path, count in offenders.items())
 
 
-def private_imports(tree: ast.Module) -> list[tuple[int, str, str]]:
-    """(line, module, name) of every `from module import _name` (dunder names aside): another module's private
-    name, which should be public where it is shared."""
-    return [(node.lineno, node.module or "", alias.name) for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) for alias in node.names
-            if alias.name.startswith("_") and not alias.name.startswith("__")]
 
 
 def test_no_private_name_is_imported_from_another_module() -> None:
@@ -392,21 +417,6 @@ def test_tests_mirror_the_package() -> None:
     assert not folders - rooms, f"test folders with no package folder of that name: {sorted(folders - rooms)}"
 
 
-def renames(tree: ast.Module) -> list[int]:
-    """Lines that rename a file or folder: `os.replace`/`os.rename`/`os.renames`, `shutil.move`, and a one-argument
-    `.replace(target)`/`.rename(target)` call (a `Path`'s; `str.replace` takes two)."""
-    lines = []
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-            continue
-        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
-        attribute = node.func.attr
-        if owner == "os" and attribute in ("replace", "rename", "renames") or (owner, attribute) == ("shutil", "move"):
-            lines.append(node.lineno)
-        elif (attribute in ("replace", "rename") and owner not in ("os", "dataclasses") and len(node.args) == 1
-              and not node.keywords):
-            lines.append(node.lineno)
-    return sorted(lines)
 
 
 def test_renames_only_in_atomic() -> None:

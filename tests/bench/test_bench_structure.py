@@ -5,7 +5,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.test_structure import find_cycle, renames
+from tests._source import find_cycle, renames
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
