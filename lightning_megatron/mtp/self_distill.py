@@ -58,16 +58,22 @@ DISTILL_WEIGHTINGS: tuple[DistillWeighting, ...] = ("uniform", "greedy", "sample
 DISTILL_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS // 2
 
 
-def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: Any, temperature: float = 1.0) -> torch.Tensor:
-    """fp32 `log_softmax(logits / temperature)` over the whole (vocabulary-parallel) vocabulary, made in one fp32
-    copy of `logits` (max and sum of exponentials all-reduced over the TP group, as Megatron-Core's
-    cross-entropy does)."""
+def _shifted_fp32(logits: torch.Tensor, tp_group: Any, temperature: float) -> torch.Tensor:
+    """An fp32 copy of `logits / temperature` less its row maximum over the whole (vocabulary-parallel)
+    vocabulary: the one `[n, vocab / TP]` fp32 tensor the (log-)softmax below is made in."""
     chunk = logits.to(torch.float32, copy=True)
     if temperature != 1.0:
         chunk /= temperature
     chunk_max = chunk.max(dim=-1)[0]
     dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
-    chunk -= chunk_max.unsqueeze(-1)
+    return chunk.sub_(chunk_max.unsqueeze(-1))
+
+
+def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: Any, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 `log_softmax(logits / temperature)` over the whole (vocabulary-parallel) vocabulary, made in one fp32
+    copy of `logits` (max and sum of exponentials all-reduced over the TP group, as Megatron-Core's
+    cross-entropy does)."""
+    chunk = _shifted_fp32(logits, tp_group, temperature)
     sum_exp = chunk.exp().sum(dim=-1)
     dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
     return chunk.sub_(sum_exp.log().unsqueeze(-1))
@@ -76,13 +82,7 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: Any, temperature:
 def vocab_parallel_softmax(logits: torch.Tensor, tp_group: Any, temperature: float = 1.0) -> torch.Tensor:
     """fp32 `softmax(logits / temperature)` over the whole (vocabulary-parallel) vocabulary in one fp32 copy of
     `logits`, the exponentials made in place: two passes over the chunk fewer than `exp` of the log-softmax."""
-    chunk = logits.to(torch.float32, copy=True)
-    if temperature != 1.0:
-        chunk /= temperature
-    chunk_max = chunk.max(dim=-1)[0]
-    dist.all_reduce(chunk_max, op=dist.ReduceOp.MAX, group=tp_group)
-    chunk -= chunk_max.unsqueeze(-1)
-    chunk.exp_()
+    chunk = _shifted_fp32(logits, tp_group, temperature).exp_()
     sum_exp = chunk.sum(dim=-1)
     dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
     return chunk.div_(sum_exp.unsqueeze(-1))

@@ -56,23 +56,31 @@ def _serving_weights(main_logits: torch.Tensor, input_ids: torch.Tensor, weighti
     return torch.softmax(logits, dim=-1).gather(-1, chosen).squeeze(-1)
 
 
+def head_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP head's and the (detached) main head's whole-vocabulary fp32 logits `[b, s, V]` of the model's own
+    forward on `batch`."""
+    from lightning_megatron.microbatch import model_inputs
+
+    captured = {}
+    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
+    model(**model_inputs(batch))
+    hook.remove()
+    main_hidden, mtp_hidden = captured["hidden"].chunk(2, dim=0)
+    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    mtp_logits = model.output_layer(mtp_hidden, weight=tied)[0].transpose(0, 1).float()
+    with torch.no_grad():
+        main_logits = model.output_layer(main_hidden.detach(), weight=tied)[0].transpose(0, 1).float()
+    return mtp_logits, main_logits
+
+
 def _direct(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
             weighting: str = "uniform") -> tuple[float, dict[str, torch.Tensor], list[torch.Tensor]]:
     """(logged `mtp_loss`, MTP gradients, the serving weights of the trained positions) of the self-distillation
     loss computed directly on whole rows."""
-    from lightning_megatron.microbatch import model_inputs
 
     terms, logged, total_tokens, weights = [], [], 0.0, []
     for batch in batches:
-        captured = {}
-        hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
-        model(**model_inputs(batch))
-        hook.remove()
-        main_hidden, mtp_hidden = captured["hidden"].chunk(2, dim=0)
-        tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-        mtp_logits = model.output_layer(mtp_hidden, weight=tied)[0].transpose(0, 1).float()  # [b, s, V]
-        with torch.no_grad():
-            main_logits = model.output_layer(main_hidden.detach(), weight=tied)[0].transpose(0, 1).float()
+        mtp_logits, main_logits = head_logits(model, batch)  # [b, s, V]
         mask = batch["loss_mask"].float()
         seq = mask.size(1)
         ends = batch["cu_seqlens"][1:].tolist() if "cu_seqlens" in batch else [seq]

@@ -39,6 +39,7 @@ from tests.mtp.test_self_distill import (  # noqa: F401  (the checkpoints fixtur
     _fit,
     _serving_weights,
     checkpoints,
+    head_logits,
 )
 from tests.mtp.test_trunk_cache import _assert_equal_runs, checkpoint  # noqa: F401  (the checkpoint fixture)
 from tests.mtp.test_trunk_cache import _fit as _fit_epochs
@@ -144,23 +145,6 @@ def _options(loss_type: str, weighting: str = "uniform") -> dict[str, Any]:
             "mtp_distill_weighting": weighting}
 
 
-def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP head's and the (detached) main head's whole-vocabulary fp32 logits `[b, s, V]` of the model's own
-    forward on `batch`."""
-    from lightning_megatron.microbatch import model_inputs
-
-    captured = {}
-    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
-    model(**model_inputs(batch))
-    hook.remove()
-    main_hidden, mtp_hidden = captured["hidden"].chunk(2, dim=0)
-    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    mtp_logits = model.output_layer(mtp_hidden, weight=tied)[0].transpose(0, 1).float()
-    with torch.no_grad():
-        main_logits = model.output_layer(main_hidden.detach(), weight=tied)[0].transpose(0, 1).float()
-    return mtp_logits, main_logits
-
-
 def _mtp_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """`[b, s - 1]`: position t is trained when token t + 2 is (loss mask at t + 1) in the same sequence."""
     mask = batch["loss_mask"].float()
@@ -176,7 +160,7 @@ def _direct(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], loss
     """(logged `mtp_loss`, MTP gradients) of the loss computed directly on whole rows."""
     terms, logged, total_tokens = [], [], 0.0
     for batch in batches:
-        mtp_logits, main_logits = _logits(model, batch)
+        mtp_logits, main_logits = head_logits(model, batch)
         loss = _per_token(mtp_logits[:, :-1], main_logits[:, 1:], loss_type)
         if weighting != "uniform":
             loss = loss * _serving_weights(main_logits, batch["input_ids"], weighting)
