@@ -309,7 +309,10 @@ def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
     assert result["benchmark"] == "mtp_memory" and result["breakdown"] == {}  # no allocator trace on the CPU
     small, large = result["shapes"]["qwen3_0.6b"], result["shapes"]["qwen3_8b"]
     assert small["order"] == ["joint", "mtp_only", "mtp_only_eager", "mtp_only_lm_loss_every_step",
-                              "mtp_only_self_distill", "mtp_only_whole_logits", "plain_mtp_only"]
+                              "mtp_only_self_distill", "mtp_only_tv", "mtp_only_tv_kl", "mtp_only_whole_logits",
+                              "plain_mtp_only"]
+    # the TV losses' MTP-only step beside self-distillation's (issue 42's <= 1.1x), on the same steps
+    assert all(small["figures"][f"{loss}_over_self_distill_step_time"] > 0 for loss in ("tv", "tv_kl"))
     assert large["order"] == ["mtp_only", "mtp_only_eager", "mtp_only_whole_logits", "plain_mtp_only"]
     assert (small["tied"], large["tied"]) == (True, False)
     for shape in (small, large):
@@ -346,7 +349,8 @@ def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
     assert small["figures"]["mtp_only_over_lm_loss_every_step_step_time"] > 0
     assert small["figures"]["mtp_only_over_joint_step_time"] > 0
     assert small["targets"] == {"mtp_only_over_joint_peak_memory": 0.25, "mtp_only_over_joint_step_time": 0.42,
-                                "self_distill_over_joint_peak_memory": 0.25}
+                                "self_distill_over_joint_peak_memory": 0.25, "tv_over_self_distill_step_time": 1.1,
+                                "tv_kl_over_self_distill_step_time": 1.1}
     distilled = small["runs"]["mtp_only_self_distill"]  # same trunk, same lm_loss; a different MTP target
     assert distilled["losses"][0][1] == small["runs"]["mtp_only"]["losses"][0][1]
     assert small["figures"]["self_distill_over_joint_step_time"] > 0
