@@ -122,6 +122,15 @@ def agree_on_failure(error: BaseException | None, *, collective: bool = True,
         raise error
 
 
+def leader_value(value: Any) -> Any:
+    """Global rank 0's `value` on every rank (a decision only the leader can make, e.g. from the engine's reply)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    container = [value]
+    dist.broadcast_object_list(container, src=0, group=cpu_group())
+    return container[0]
+
+
 _CPU_GROUP: Any = None
 
 

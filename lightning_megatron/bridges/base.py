@@ -12,7 +12,7 @@ import dataclasses
 import json
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -101,6 +101,7 @@ class Bridge(ABC):
     supports_vl: ClassVar[bool] = False  # the Qwen vision-language checkpoints of `bridges.vl`
     moe_model_types: ClassVar[tuple[str, ...]] = ()  # the MoE families whose experts this bridge maps
     reads_model_config_before_build: ClassVar[bool] = False  # `router_updates_expert_bias`
+    exports_selected_tensors: ClassVar[bool] = False  # `changed_hf_names`: an export of only what changed
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         self.hf_path = Path(hf_path)
@@ -237,12 +238,19 @@ class Bridge(ABC):
         """
 
     @abstractmethod
-    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every HF tensor of the model, gathered across TP/PP; every rank must iterate it.
+    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True,
+                          only: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor of the model (or those named in `only`), gathered across TP/PP; every rank must iterate
+        it.
 
         `on_host=False` leaves the tensors on the model's device (for sending them on to an inference engine).
         """
+
+    def changed_hf_names(self, chunks: list[torch.nn.Module], changed: Collection[int]) -> set[str] | None:
+        """The HF tensors computed from the Megatron parameters and buffers whose `id` is in `changed` (a LoRA
+        adapter changes the merged weight of the linear it wraps), the same set on every rank; None where this
+        backend cannot tell (then every tensor counts as changed). All ranks call it."""
+        return None
 
     def hf_tensor_specs(self, dtype: torch.dtype | None = None) -> dict[str, TensorSpec]:
         """The tensors an export of the built model carries: the source checkpoint's names (its MTP tensors only
@@ -252,16 +260,17 @@ class Bridge(ABC):
                 if self.options.mtp or not is_hf_mtp_tensor(name)}
 
     def export_hf_tensors(self, chunks: list[torch.nn.Module], *, dtype: torch.dtype | None = None,
-                          on_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """`export_hf_weights` checked against `hf_tensor_specs` and cast to its dtypes.
+                          on_host: bool = True, only: Collection[str] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`export_hf_weights` checked against `hf_tensor_specs` (those named in `only`) and cast to its dtypes.
 
         Every rank sees every name and shape, so on a mismatch or a missing tensor every rank raises together
         (none is left waiting in a collective). A name the source checkpoint does not have keeps its own dtype.
         """
         specs = self.hf_tensor_specs(dtype)
+        expected = set(specs) if only is None else set(specs) & set(only)
         exported: set[str] = set()
-        weights = self.export_hf_weights(chunks) if on_host else self.export_hf_weights(chunks, on_host=False)
-        for name, tensor in weights:
+        for name, tensor in self.export_hf_weights(chunks, on_host=on_host, only=only):
             spec = specs.get(name)
             if spec is not None and tuple(tensor.shape) != spec.shape:
                 raise BridgeError(f"the export gives {name} the shape {tuple(tensor.shape)}, but {self.hf_path} "
@@ -270,11 +279,12 @@ class Bridge(ABC):
                 continue
             exported.add(name)
             yield name, tensor.detach().to(spec.dtype if spec is not None else tensor.dtype)
-        missing = sorted(set(specs) - exported)
+        missing = sorted(expected - exported)
         if missing:
             raise BridgeError(f"the export would omit {len(missing)} tensor(s) of {self.hf_path}, e.g. {missing[:5]}")
 
-    def save_hf(self, chunks: list[torch.nn.Module], path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    def save_hf(self, chunks: list[torch.nn.Module], path: str | Path, *, dtype: torch.dtype | None = None,
+                separate: Collection[str] = (), extra_files: Mapping[str, str] | None = None) -> Path:
         """Write an HF checkpoint atomically; raises, leaving nothing behind, when a tensor would be missing.
 
         Tensors keep the dtype of the source checkpoint's tensor of the same name unless `dtype` is given.
@@ -283,12 +293,18 @@ class Bridge(ABC):
         staging, overlapping the export of the next tensors, one thread per file: `hf_io.shard_writer`), so no
         rank holds the model on the host. Global rank 0 writes the index and the other files and renames the
         folder into place.
+
+        `separate`: tensors that get shard files of their own (those a delta weight sync rewrites, so that the
+        other files can be shared with the next version); `extra_files`: `{name: text}` written into the folder
+        before it is renamed into place (a version's metadata).
         """
         path = Path(path)
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         specs = self.hf_tensor_specs(dtype)
         sizes = {name: spec.nbytes for name, spec in specs.items()}
-        shards = plan_shards(sizes)
+        apart = {name: size for name, size in sizes.items() if name in separate}
+        shards = [shard for group in ({name: size for name, size in sizes.items() if name not in apart}, apart)
+                  if group for shard in plan_shards(group)]
         files = shard_file_names(len(shards))
         mine = {file: [specs[name] for name in shard]
                 for index, (file, shard) in enumerate(zip(files, shards)) if index % world_size == rank}
@@ -313,6 +329,8 @@ class Bridge(ABC):
                     shards[0] = sorted([*shards[0], *extras])
                 write_index(folder, shards, {**sizes, **{name: tensor.nbytes for name, tensor in extras.items()}})
                 self._write_folder(folder)
+                for name, text in (extra_files or {}).items():
+                    (folder / name).write_text(text)
 
         write_atomically(path, write, every_rank=True)
         return path

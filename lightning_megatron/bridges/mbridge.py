@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ class MBridge(Bridge):
             return LoadReport(library=True)
         return load_mbridge(self._auto_bridge, chunks, hf_path or self.hf_path)
 
-    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self._auto_bridge.export_weights(chunks):
-            yield name, tensor.cpu() if on_host else tensor
+    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True,
+                          only: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._auto_bridge.export_weights(chunks):  # every tensor: mbridge cannot select
+            if only is None or name in only:
+                yield name, tensor.cpu() if on_host else tensor

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, apply_parallel_state, register_backend
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
+from lightning_megatron.distributed import cpu_group
 from lightning_megatron.hf_io import LoadReport
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
 from lightning_megatron.options import ModelOptions
@@ -24,12 +26,14 @@ class MegatronBridge(Bridge):
     supports_mtp_training = True
     supports_lora = True
     supports_vl = True
+    exports_selected_tensors = True
     moe_model_types = ("qwen3_moe",)
     reads_model_config_before_build = True
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         super().__init__(hf_path, trust_remote_code=trust_remote_code)
         self._auto_bridge: Any = None
+        self._tasks: tuple[tuple[int, ...], list[Any]] | None = None
 
     def validate(self, options: ModelOptions) -> None:
         super().validate(options)
@@ -93,7 +97,46 @@ class MegatronBridge(Bridge):
                                                                      trust_remote_code=self.trust_remote_code))
         return load_megatron_bridge(self.auto_bridge, chunks, hf_path or self.hf_path, pretrained)
 
-    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.auto_bridge.export_hf_weights(chunks, cpu=on_host, show_progress=False):
+    def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True,
+                          only: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        tasks = None if only is None else [task for task in self._conversion_tasks(chunks)
+                                           if not _hf_names(task).isdisjoint(only)]
+        for name, tensor in self.auto_bridge.export_hf_weights(chunks, cpu=on_host, show_progress=False,
+                                                               conversion_tasks=tasks):
             yield name, tensor
+
+    def changed_hf_names(self, chunks: list[torch.nn.Module], changed: Collection[int]) -> set[str]:
+        names: set[str] = set()
+        for task in self._conversion_tasks(chunks):
+            if task.param_weight is not None and (id(task.param_weight) in changed
+                                                  or _adapter_changed(chunks, task, changed)):
+                names |= _hf_names(task)
+        if dist.is_initialized():  # each pipeline stage knows its own parameters
+            gathered: list[set[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, names, group=cpu_group())
+            names = set().union(*gathered)
+        return names
+
+    def _conversion_tasks(self, chunks: list[torch.nn.Module]) -> list[Any]:
+        """megatron-bridge's conversion tasks of these chunks (one per Megatron parameter, in the same order on every
+        rank), built once: building them walks every parameter and gathers the names across pipeline stages."""
+        key = tuple(id(chunk) for chunk in chunks) + (sum(1 for chunk in chunks for _ in chunk.parameters()),)
+        if self._tasks is None or self._tasks[0] != key:
+            self._tasks = (key, [task for task in self.auto_bridge.get_conversion_tasks(chunks) if task is not None])
+        return self._tasks[1]
+
+
+def _hf_names(task: Any) -> set[str]:
+    """The HF tensor names a conversion task writes (one, or several for a fused Megatron weight)."""
+    hf_param = task.mapping.hf_param
+    return {hf_param} if isinstance(hf_param, str) else set(hf_param.values())
+
+
+def _adapter_changed(chunks: list[torch.nn.Module], task: Any, changed: Collection[int]) -> bool:
+    """Whether the LoRA adapter beside a wrapped linear's weight (`...linear_qkv.to_wrap.weight` beside
+    `...linear_qkv.adapter.*`) changed: the export merges it into that weight."""
+    base, wrapped, _ = task.param_name.partition(".to_wrap.weight")
+    if not wrapped:
+        return False
+    adapter = chunks[task.vp_stage or 0].get_submodule(f"{base}.adapter")
+    return any(id(parameter) in changed for parameter in adapter.parameters())

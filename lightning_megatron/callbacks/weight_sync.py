@@ -9,10 +9,20 @@ Three modes (see `lightning_megatron.serving` and the README section "Serving th
 The version is the global step, saved with the callback's state so that it keeps increasing across a resume.
 Tensors go out under the source checkpoint's HF names and in its dtypes (whatever the training precision), the
 MTP head included when the model has one, a tied embedding once (as the checkpoint stores it).
+
+Delta syncs (`delta=True`, the default): a sync sends only the HF tensors computed from parameters that required
+grad at some step since the last sync (MTP-only training: the MTP head; LoRA: the linears its adapters wrap, merged)
+and, where the routers update it, the experts' bias; every other parameter is frozen, so its tensor is what the
+engine already holds. A delta goes out only when the engine holds the last version sent (colocated and collective:
+its `/model_info`; disk: `latest` names it) and changes at most half of the model's bytes; otherwise the sync is
+full. The engine ends bit-equal to a full sync of the same step. A backend that cannot export a subset (mbridge)
+always syncs in full. A parameter changed outside the optimizer while frozen is not seen: call `sync(trainer,
+full=True)` after such a change.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -21,10 +31,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
-from lightning_megatron.distributed import agree_on_failure
+from lightning_megatron.bridges import Bridge
+from lightning_megatron.contract import megatron_strategy
+from lightning_megatron.distributed import agree_on_failure, leader_value
 from lightning_megatron.serving import disk
-from lightning_megatron.serving.protocol import WeightSyncError
+from lightning_megatron.serving.protocol import WeightSyncError, version_record
 from lightning_megatron.serving.sender import BucketSender, CollectiveSender, ColocatedSender, SyncReport
 
 Mode = Literal["disk", "colocated", "collective"]
@@ -39,7 +50,8 @@ class WeightSync(pl.Callback):
     of them stay. `bucket_mb`: the most bytes one request carries (a larger tensor goes alone). `timeout_s`: how
     long one request or broadcast may take before the sync fails (then every rank raises `WeightSyncError` and the
     next sync reconnects). `backend`: the collective's ("auto": NCCL on GPU, gloo on CPU). `engine`: the disk
-    notification's shape ("sglang" or "vllm").
+    notification's shape ("sglang" or "vllm"). `delta`: send only what changed since the engine's version (module
+    docstring).
     """
 
     def __init__(
@@ -58,6 +70,7 @@ class WeightSync(pl.Callback):
         group_name: str = "weight_update_group",
         engine_world_size: int = 1,
         sync_on_train_end: bool = True,
+        delta: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
@@ -85,9 +98,11 @@ class WeightSync(pl.Callback):
         self.collective_options = dict(backend=backend, master_address=master_address, master_port=master_port,
                                        group_name=group_name, engine_world_size=engine_world_size)
         self.sync_on_train_end = sync_on_train_end
+        self.delta = delta
         self.version: int | None = None
         self.reports: list[SyncReport] = []
         self._sender: BucketSender | None = None
+        self._trained: set[int] = set()  # ids of the parameters that required grad at a step since the last sync
 
     @property
     def state_key(self) -> str:
@@ -110,6 +125,7 @@ class WeightSync(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._note_trained(trainer)
         if trainer.global_step % self.every_n_steps == 0 and trainer.global_step != self.version:
             self.sync(trainer)
 
@@ -122,46 +138,116 @@ class WeightSync(pl.Callback):
             self._sender.close()
             self._sender = None
 
-    def sync(self, trainer: pl.Trainer) -> SyncReport:
-        """Send the current weights now, as version `trainer.global_step` (every rank calls it)."""
+    def sync(self, trainer: pl.Trainer, *, full: bool = False) -> SyncReport:
+        """Send the current weights now, as version `trainer.global_step` (every rank calls it); `full`: every
+        tensor, even where a delta would do."""
+        from megatron.core.utils import unwrap_model
+
         version = trainer.global_step
         strategy = megatron_strategy(trainer, "WeightSync")
-        if self.mode == "disk":
-            report = self._sync_to_disk(strategy, version, trainer.is_global_zero)
-        else:
-            report = self._sync_to_engine(strategy, version, trainer.is_global_zero)
+        chunks = [unwrap_model(chunk) for chunk in strategy.model_chunks]
+        self._note_trained(trainer)
+        changing = None if full else self._changing_tensors(strategy.bridge, chunks)
+        with torch.no_grad():  # a GPU model's export broadcasts its (grad-requiring) parameters in place
+            if self.mode == "disk":
+                report = self._sync_to_disk(strategy.bridge, chunks, version, changing, trainer.is_global_zero)
+            else:
+                report = self._sync_to_engine(strategy.bridge, chunks, version, changing, trainer.is_global_zero,
+                                              strategy.root_device)
         self.version = version
+        self._trained = set()
         self.reports.append(report)
-        rank_zero_info(f"WeightSync: version {version} ({self.mode}, {report.bytes / 1e9:.3f} GB, "
+        delta = "" if report.base_version is None else f", delta onto version {report.base_version}"
+        rank_zero_info(f"WeightSync: version {version} ({self.mode}{delta}, {report.bytes / 1e9:.3f} GB, "
                        f"{len(report.requests)} request(s)) in {report.seconds:.2f} s")
         return report
 
-    def _sync_to_disk(self, strategy: MegatronStrategyContract, version: int, is_global_zero: bool) -> SyncReport:
+    # ------------------------------------------------------------------ what changed
+
+    def _note_trained(self, trainer: pl.Trainer) -> None:
+        strategy = megatron_strategy(trainer, "WeightSync")
+        self._trained.update(id(parameter) for chunk in strategy.model_chunks for parameter in chunk.parameters()
+                             if parameter.requires_grad)
+
+    def _changing_tensors(self, bridge: Bridge, chunks: list[torch.nn.Module]) -> set[str] | None:
+        """The HF tensors that may have changed since the last sync (every rank calls it); None: unknown (every
+        tensor), as with `delta=False` or a backend that cannot export a subset."""
+        if not self.delta or not bridge.exports_selected_tensors:
+            return None
+        from megatron.core.utils import get_model_config
+
+        changed = set(self._trained)
+        if get_model_config(chunks[0]).moe_router_enable_expert_bias:  # the routers update it without a gradient
+            changed.update(id(buffer) for chunk in chunks for name, buffer in chunk.named_buffers()
+                           if name.endswith("expert_bias"))
+        return bridge.changed_hf_names(chunks, changed) & set(bridge.hf_tensor_specs())
+
+    def _delta_is_worth_it(self, bridge: Bridge, changing: set[str] | None) -> bool:
+        """A delta needs a version to apply onto and must leave at least half of the model's bytes unsent."""
+        if not changing or self.version is None:  # nothing trained: a full sync still moves the engine's version
+            return False
+        specs = bridge.hf_tensor_specs()
+        return 2 * sum(specs[name].nbytes for name in changing) <= sum(spec.nbytes for spec in specs.values())
+
+    # ------------------------------------------------------------------ the three modes
+
+    def _sync_to_disk(self, bridge: Bridge, chunks: list[torch.nn.Module], version: int,
+                      changing: set[str] | None, is_global_zero: bool) -> SyncReport:
         assert self.root is not None
         started = time.perf_counter()
-        folder = disk.version_folder(self.root, version)
+        base = None
+        if self._delta_is_worth_it(bridge, changing):
+            assert changing is not None
+            base = leader_value(disk.delta_base(self.root, self.version, changing) if is_global_zero else None)
+        report = SyncReport(version, base_version=None if base is None else self.version)
+        extra_files = {disk.VERSION_FILE: json.dumps(version_record(version, report.base_version, report.metadata),
+                                                     indent=2) + "\n"}
+
+        def save(folder: Path) -> Path:
+            if base is None:  # the tensors that change get shard files of their own: the next version links the rest
+                return bridge.save_hf(chunks, folder, separate=changing or (), extra_files=extra_files)
+            tensors = {}
+            for name, tensor in bridge.export_hf_tensors(chunks, only=changing):  # every rank iterates
+                if is_global_zero:
+                    tensors[name] = tensor.to("cpu")
+            if is_global_zero:
+                disk.write_delta_version(base, folder, tensors, extra_files)
+            report.bytes = sum(tensor.nbytes for tensor in tensors.values())
+            return folder
+
         error: BaseException | None = None
         try:
-            disk.sync_to_disk(strategy.export_hf, self.root, version, keep_last=self.keep_last,
-                              is_leader=is_global_zero, engine_url=self.engine_url, engine=self.engine,
-                              timeout_s=self.timeout_s)
+            folder = disk.sync_to_disk(save, self.root, version, keep_last=self.keep_last, is_leader=is_global_zero,
+                                       engine_url=self.engine_url, engine=self.engine, timeout_s=self.timeout_s)
+            if base is None:
+                report.bytes = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
         except (WeightSyncError, OSError) as caught:  # the leader's part: the export itself raises on every rank
             error = caught
         agree_on_failure(error, error_type=WeightSyncError)
-        report = SyncReport(version, bytes=sum(file.stat().st_size for file in folder.glob("*.safetensors")))
         report.seconds = time.perf_counter() - started
         return report
 
-    def _sync_to_engine(self, strategy: MegatronStrategyContract, version: int, is_global_zero: bool) -> SyncReport:
-        from megatron.core.utils import unwrap_model
-
+    def _sync_to_engine(self, bridge: Bridge, chunks: list[torch.nn.Module], version: int,
+                        changing: set[str] | None, is_global_zero: bool, device: torch.device) -> SyncReport:
         if self._sender is None:
             assert self.engine_url is not None
-            options = dict(bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, device=strategy.root_device)
+            options = dict(bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, device=device)
             self._sender = (ColocatedSender(self.engine_url, **options) if self.mode == "colocated"
                             else CollectiveSender(self.engine_url, **options, **self.collective_options))
-        bridge = strategy.bridge
-        chunks = [unwrap_model(chunk) for chunk in strategy.model_chunks]
-        with torch.no_grad():
-            tensors = bridge.export_hf_tensors(chunks, on_host=False)  # a GPU model's tensors stay on it
-            return self._sender.sync(tensors, bridge.hf_tensor_specs(), version, is_sender=is_global_zero)
+        base_version = None
+        if self._delta_is_worth_it(bridge, changing):
+            held = leader_value(self._engine_version() if is_global_zero else None)
+            base_version = self.version if held == str(self.version) else None  # a restarted engine: in full
+        specs = bridge.hf_tensor_specs()
+        only = changing if base_version is not None else None
+        if only is not None:
+            specs = {name: specs[name] for name in only}
+        tensors = bridge.export_hf_tensors(chunks, on_host=False, only=only)  # a GPU model's tensors stay on it
+        return self._sender.sync(tensors, specs, version, is_sender=is_global_zero, base_version=base_version)
+
+    def _engine_version(self) -> str | None:
+        assert self._sender is not None
+        try:
+            return self._sender.engine_version()
+        except WeightSyncError:  # an engine that cannot say: a full sync (which reports what is wrong)
+            return None

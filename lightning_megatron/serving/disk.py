@@ -9,21 +9,37 @@ Layout under a root folder:
 
 Only the trainer deletes old versions (`keep_last`), never the one `latest` names, so an engine reading
 `latest` always finds a complete checkpoint; one reading an older version can re-read `latest` on failure.
+
+A version folder also holds `weight_version.json` (`VERSION_FILE`: the version, the version it is a delta of,
+and whatever the trainer measured, e.g. the draft head's acceptance), written inside the folder before it is
+renamed into place, so it is never apart from its weights.
+
+A delta version (`write_delta_version`) is as complete as any other, but its unchanged files are hard links to
+the previous version's (no byte copied): a full version written for deltas keeps the tensors that change in shard
+files of their own (`Bridge.save_hf(separate=...)`), so the next version rewrites only those files and a new
+`model.safetensors.index.json`. Deleting an old version leaves the linked files of the newer ones intact.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from lightning_megatron.atomic import remove_folder, write_text_atomically
+import torch
+
+from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
+from lightning_megatron.hf_io import write_shard_files
 from lightning_megatron.serving.protocol import post_json
 
 Engine = Literal["sglang", "vllm"]
 _VERSION_FOLDER = re.compile(r"^v(\d{8,})$")
+VERSION_FILE = "weight_version.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def version_folder(root: Path, version: int) -> Path:
@@ -84,6 +100,70 @@ def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep
         if engine_url is not None:
             notify_engine(engine_url, engine, folder, version, timeout_s)
     return folder
+
+
+def read_version_record(folder: str | Path) -> dict[str, Any] | None:
+    """A version folder's `VERSION_FILE` (None for a folder written without one, e.g. a plain export)."""
+    file = Path(folder) / VERSION_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """`{tensor name: file}` of an HF checkpoint folder (its index, or its one `model.safetensors`)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as reader:
+        return {name: "model.safetensors" for name in reader.keys()}
+
+
+def delta_base(root: Path, version: int | None, changed: Collection[str]) -> Path | None:
+    """The folder a delta onto `version` can share files with, or None when a full version must be written: the
+    version is gone or is not the one `latest` names (an engine would not hold it), or one of its files mixes
+    tensors that changed with tensors that did not (its layout was made for another set of changing tensors)."""
+    if version is None or read_latest(root) != version_folder(root, version):
+        return None
+    folder = version_folder(root, version)
+    if not (folder / INDEX_FILE).is_file():
+        return None
+    files_of = weight_map(folder)
+    if not set(changed) <= set(files_of):
+        return None
+    touched = {files_of[name] for name in changed}
+    return None if any(files_of[name] in touched for name in set(files_of) - set(changed)) else folder
+
+
+def write_delta_version(base: Path, folder: Path, tensors: Mapping[str, torch.Tensor],
+                        extra_files: Mapping[str, str]) -> Path:
+    """Write `folder` atomically: the checkpoint `base` with `tensors` replaced (see the module docstring)."""
+    files_of = weight_map(base)
+    rewritten = {files_of[name] for name in tensors}
+    version = folder.name
+
+    def write(staging: Path) -> None:
+        for file in base.iterdir():
+            if file.is_file() and file.name not in rewritten and file.name not in (INDEX_FILE, VERSION_FILE):
+                _link_or_copy(file, staging / file.name)
+        new_file = f"model-{version}.safetensors"
+        write_shard_files(staging, {new_file: dict(tensors)})
+        index = json.loads((base / INDEX_FILE).read_text())
+        index["weight_map"] = {name: new_file if name in tensors else file for name, file in files_of.items()}
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        for name, text in extra_files.items():
+            (staging / name).write_text(text)
+
+    write_atomically(folder, write)
+    return folder
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (the bytes are shared); a copy where the file system has none."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def notify_engine(url: str, engine: Engine, folder: Path, version: int, timeout_s: float) -> None:

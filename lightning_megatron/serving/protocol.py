@@ -21,7 +21,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -193,7 +193,24 @@ def deserialize(text: str) -> Any:
     return pickle.loads(base64.b64decode(text))
 
 
+def version_record(version: int, base_version: int | None, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a version's metadata holds (`weight_version.json` on disk, `weight_version_metadata` on the wire): the
+    version, the version it is a delta of (None: a full sync) and what the trainer measured at it. JSON-safe."""
+    return {"version": version, "base_version": base_version, **(metadata or {})}
+
+
 # ---------------------------------------------------------------------------------------------- HTTP
+
+
+def get_json(url: str, timeout_s: float) -> dict[str, Any]:
+    """GET a JSON reply (SGLang's `/model_info`), or `WeightSyncError` with the reason."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        raise WeightSyncError(f"{url} answered {error.code}: {error.read().decode(errors='replace')[:500]}") from error
+    except (urllib.error.URLError, OSError) as error:
+        raise WeightSyncError(f"{url} did not answer: {error}") from error
 
 
 def post_json(url: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:

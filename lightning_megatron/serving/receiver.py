@@ -7,6 +7,12 @@
 before any byte moves). The whole trainer -> engine loop is tested with it, without an inference engine installed;
 it is also a small, honest engine for a notebook.
 
+A delta (requests carrying `base_weight_version`, this package's extension: only the tensors that changed since
+that version) is staged until its last request (the one with `weight_version`) and then applied at once; one whose
+base is not the version held here is refused, naming both versions, and nothing changes. Each version keeps the
+`weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read back by
+`/model_info`: a rollout worker learns the quality of the draft head it serves.
+
 Tensors are copied by HF name into the model's own tensors (a tied head follows its embedding); a checkpoint
 tensor the model has no parameter for (an MTP head: a plain `transformers` model has none) is kept as a draft
 tensor, as a speculative-decoding engine would load it. An unknown name, or a shape or dtype that differs, is
@@ -38,6 +44,7 @@ from safetensors import safe_open
 
 from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.hf_io import SAFETENSORS_DTYPES, TensorSpec, checkpoint_tensor_specs, safetensors_files
+from lightning_megatron.serving.disk import read_version_record
 from lightning_megatron.serving.protocol import (
     WeightSyncError,
     broadcast,
@@ -61,6 +68,8 @@ class WeightReceiver:
         self.checkpoint = Path(checkpoint)
         self.timeout_s = timeout_s
         self.weight_version: str | None = None
+        self.version_metadata: dict[str, Any] | None = None
+        self._delta: dict[str, torch.Tensor] = {}  # a delta's tensors until its last request
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())
         device = next(model.parameters()).device
         self.draft_tensors = self._load_draft_tensors(device)
@@ -136,14 +145,14 @@ class WeightReceiver:
         if request.get("load_format") == "flattened_bucket":
             buffer = torch.empty(sum(spec.nbytes for spec in specs), dtype=torch.uint8, device=device)
             broadcast(group, buffer, self.timeout_s)
-            self._load(unflatten(buffer, specs))
+            self._apply(request, unflatten(buffer, specs))
         else:
             received = []
             for spec in specs:
                 tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
                 broadcast(group, tensor, self.timeout_s)
                 received.append((spec.name, tensor))
-            self._load(received)
+            self._apply(request, received)
         return self._updated(request, len(specs))
 
     def update_weights_from_tensor(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -153,12 +162,12 @@ class WeightReceiver:
             specs = [TensorSpec(entry["name"], tuple(entry["shape"]), dtype_from_name(entry["dtype"]))
                      for entry in payload["metadata"]]
             self._check(specs)
-            self._load(unflatten(open_handle(payload["flattened_tensor"]), specs))
+            self._apply(request, unflatten(open_handle(payload["flattened_tensor"]), specs))
         else:
             named = [(name, open_handle(tensor)) for name, tensor in payload]
             specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in named]
             self._check(specs)
-            self._load(named)
+            self._apply(request, named)
         return self._updated(request, len(specs))
 
     def update_weights_from_disk(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +182,8 @@ class WeightReceiver:
             with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
                 self._load((name, reader.get_tensor(name)) for name in reader.keys())
         self.checkpoint = path
-        return self._updated(request, len(names))
+        self._delta = {}
+        return self._updated({**request, "weight_version_metadata": read_version_record(path)}, len(names))
 
     def _read_headers(self, path: Path) -> dict[Path, list[TensorSpec]]:
         """Each safetensors file of `path` and its tensors, from the headers: a file that cannot be opened (missing
@@ -196,7 +206,8 @@ class WeightReceiver:
         return headers
 
     def model_info(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {"model_path": str(self.checkpoint), "weight_version": self.weight_version, "is_generation": True}
+        return {"model_path": str(self.checkpoint), "weight_version": self.weight_version, "is_generation": True,
+                "weight_version_metadata": self.version_metadata}
 
     def get_weights_by_name(self, request: dict[str, Any]) -> Any:
         tensor = self.named_tensors()[request["name"]]
@@ -238,9 +249,26 @@ class WeightReceiver:
             for name, tensor in named:
                 served[name].copy_(tensor)
 
+    def _apply(self, request: dict[str, Any], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full sync's tensors now; stage a delta's until its last request, then load them all at once."""
+        base = request.get("base_weight_version")
+        if base is None:
+            self._delta = {}
+            self._load(named)
+            return
+        if str(base) != self.weight_version:
+            self._delta = {}
+            raise WeightSyncError(f"a delta onto weight version {base} cannot apply: this engine holds version "
+                                  f"{self.weight_version}; nothing was changed (send a full sync)")
+        self._delta.update((name, tensor.clone()) for name, tensor in named)  # the sender reuses its buffer
+        if request.get("weight_version") is not None:
+            delta, self._delta = self._delta, {}
+            self._load(delta.items())
+
     def _updated(self, request: dict[str, Any], count: int) -> dict[str, Any]:
         if request.get("weight_version") is not None:
             self.weight_version = str(request["weight_version"])
+            self.version_metadata = request.get("weight_version_metadata")
         return {"success": True, "message": f"loaded {count} tensor(s)", "num_paused_requests": 0}
 
     def _load_draft_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:

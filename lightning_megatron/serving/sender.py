@@ -4,6 +4,9 @@ Every rank iterates the export (it gathers across TP/PP in lockstep); global ran
 copied into one staging buffer of `bucket_bytes` as they arrive and each full buffer goes out as one request
 (a tensor larger than a bucket goes alone, from its own memory), so the sender holds at most one bucket, the
 tensor being exported and one oversize tensor held back so that the last request can carry `weight_version`.
+A delta (`base_version`) carries only the tensors that changed since the version the engine holds, each request
+naming that version (`base_weight_version`); the engine applies it only onto that version. The last request
+carries `weight_version` and the version's metadata (`weight_version_metadata`).
 A failure on rank 0 (a dead engine, a timeout) does not stop the iteration there: the other ranks would wait in
 the export's collectives. Rank 0 stops sending, drains the export, and then every rank raises `WeightSyncError`
 together; the next sync starts afresh (a new update group).
@@ -31,10 +34,12 @@ from lightning_megatron.serving.protocol import (
     broadcast,
     destroy_process_group,
     flattened_metadata,
+    get_json,
     init_custom_process_group,
     post_json,
     serialize,
     specs_payload,
+    version_record,
 )
 
 
@@ -46,6 +51,8 @@ class SyncReport:
     requests: list[list[str]] = field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
+    base_version: int | None = None  # a delta onto this version; None: a full sync
+    metadata: dict[str, Any] = field(default_factory=dict)  # what was measured at this version (the draft probe)
 
 
 class BucketSender(ABC):
@@ -62,11 +69,22 @@ class BucketSender(ABC):
         self.device = device
         self._staging: Any = None
         self._staging_size = bucket_bytes
+        self._fields: dict[str, Any] = {}
+        self._record: dict[str, Any] = {}
+
+    def engine_version(self) -> str | None:
+        """The weight version the engine holds now (None: none yet, e.g. a restarted engine)."""
+        version = get_json(f"{self.url}/model_info", self.timeout_s).get("weight_version")
+        return None if version is None else str(version)
 
     def sync(self, tensors: Iterable[tuple[str, torch.Tensor]], specs: Mapping[str, TensorSpec], version: int, *,
-             is_sender: bool) -> SyncReport:
-        """Send every tensor of `tensors` (all ranks call it with the export; `is_sender` on one of them)."""
-        report = SyncReport(version)
+             is_sender: bool, base_version: int | None = None,
+             metadata: Mapping[str, Any] | None = None) -> SyncReport:
+        """Send every tensor of `tensors`, named in `specs` (all ranks call it with the export; `is_sender` on one
+        of them); with `base_version`, they are a delta onto that version."""
+        report = SyncReport(version, base_version=base_version, metadata=dict(metadata or {}))
+        self._fields = ({} if base_version is None else {"base_weight_version": str(base_version)})
+        self._record = version_record(version, base_version, metadata)
         # a model smaller than a bucket needs no more staging memory than itself
         self._staging_size = min(self.bucket_bytes, sum(spec.nbytes for spec in specs.values()))
         started = time.perf_counter()
@@ -142,7 +160,10 @@ class BucketSender(ABC):
               version: int | None) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the staging copies are done
-        self._request(specs, data, nbytes, None if version is None else str(version))
+        fields = dict(self._fields)
+        if version is not None:  # the last request: the version is complete once the engine has taken it
+            fields.update(weight_version=str(version), weight_version_metadata=self._record)
+        self._request(specs, data, nbytes, fields)
         report.requests.append([spec.name for spec in specs])
         report.bytes += nbytes
 
@@ -157,7 +178,8 @@ class BucketSender(ABC):
         """Before any byte moves: connect, and have the engine check every name, dtype and shape."""
 
     @abstractmethod
-    def _request(self, specs: list[TensorSpec], data: Any, nbytes: int, version: str | None) -> None: ...
+    def _request(self, specs: list[TensorSpec], data: Any, nbytes: int, fields: dict[str, Any]) -> None:
+        """Send one bucket; `fields` go into the request as they are (the version fields)."""
 
     def _reset(self) -> None:
         """Forget the connection after a failure (the next sync reconnects)."""
@@ -189,13 +211,13 @@ class ColocatedSender(BucketSender):
     def _prepare(self, specs: list[TensorSpec]) -> None:
         self._validate(specs)
 
-    def _request(self, specs: list[TensorSpec], data: Any, nbytes: int, version: str | None) -> None:
+    def _request(self, specs: list[TensorSpec], data: Any, nbytes: int, fields: dict[str, Any]) -> None:
         handle = data.handle(nbytes) if isinstance(data, SharedBuffer) else data
         payload = {"flattened_tensor": handle, "metadata": flattened_metadata(specs)}
         try:
             post_json(f"{self.url}/update_weights_from_tensor",
                       {"serialized_named_tensors": [serialize(payload)], "load_format": "flattened_bucket",
-                       "flush_cache": True, "weight_version": version}, self.timeout_s)
+                       "flush_cache": True, "weight_version": None, **fields}, self.timeout_s)
         finally:
             if isinstance(data, SharedBuffer) and data is not self._staging:
                 data.close()
@@ -243,9 +265,9 @@ class CollectiveSender(BucketSender):
             reply.result(self.timeout_s)
         self._validate(specs)
 
-    def _request(self, specs: list[TensorSpec], data: torch.Tensor, nbytes: int, version: str | None) -> None:
+    def _request(self, specs: list[TensorSpec], data: torch.Tensor, nbytes: int, fields: dict[str, Any]) -> None:
         payload = {**specs_payload(specs), "group_name": self.group_name, "flush_cache": True,
-                   "weight_version": version, "load_format": "flattened_bucket"}
+                   "weight_version": None, "load_format": "flattened_bucket", **fields}
         reply = _in_background(lambda: post_json(f"{self.url}/update_weights_from_distributed", payload,
                                                  self.timeout_s))
         try:

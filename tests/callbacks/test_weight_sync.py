@@ -18,25 +18,26 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader
 
 from lightning_megatron.bridges import create_bridge
 from lightning_megatron.callbacks import WeightSync
 from lightning_megatron.hf_io import checkpoint_tensor_specs
-from lightning_megatron.module import SFTModule
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.serving import CollectiveSender, ColocatedSender, WeightReceiver, WeightSyncError, read_latest
-from lightning_megatron.serving.protocol import dtype_from_name, post_json
+from lightning_megatron.serving.protocol import post_json
 from lightning_megatron.serving.receiver import spawn_receiver
-from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import free_port, run_distributed
+from tests.callbacks._engine import (
+    MIB,
+    WIDE_VOCAB,
+    assert_every_sync_matched,
+    fit_with_syncs,
+    receiver_tensors,
+    unequal_to_export,
+)
 
-SEQ, SAMPLES = 16, 32
 ROOT = Path(__file__).resolve().parents[2]
-MIB = 1024**2
-WIDE_VOCAB = 5000  # 5000 x 64 fp32 = 1.22 MiB: the embedding and the LM head are larger than a 1 MiB bucket
 
 
 @pytest.fixture(scope="module")
@@ -62,89 +63,6 @@ def receivers(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFac
         process.wait()
 
 
-def _receiver_tensors(url: str, names: list[str]) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name in names:
-        reply = post_json(f"{url}/get_weights_by_name", {"name": name}, 60)
-        values = torch.tensor(reply["values"], dtype=torch.float64)  # exact for every fp32 / bf16 value
-        tensors[name] = values.to(dtype_from_name(reply["dtype"])).reshape(reply["shape"])
-    return tensors
-
-
-def _unequal_to_export(url: str, export: Path) -> list[str]:
-    """Names whose bits differ between the engine and `save_hf`'s export (dtype and shape included)."""
-    expected = load_file(export / "model.safetensors")
-    served = _receiver_tensors(url, sorted(expected))
-    return [name for name, tensor in expected.items()
-            if served[name].dtype != tensor.dtype or not torch.equal(served[name], tensor)]
-
-
-def _greedy_matches_export(url: str, export: Path) -> bool:
-    prompt = [5, 17, 42, 99, 3]
-    served = post_json(f"{url}/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}}, 60)
-    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype="auto").eval()
-    with torch.no_grad():
-        output = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return served["output_ids"] == output[0, len(prompt):].tolist()
-
-
-class CompareAfterSync(pl.Callback):
-    """After every sync (it runs after the WeightSync callbacks): the engine against `save_hf` of the same weights."""
-
-    def __init__(self, syncs: list[WeightSync], url: str, workdir: Path) -> None:
-        self.syncs, self.url, self.workdir = syncs, url, workdir
-        self.results: list[dict[str, Any]] = []
-        self._checked: int | None = None
-        self._export = workdir
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._compare(trainer)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._compare(trainer)
-        if trainer.is_global_zero:
-            self.results[-1]["greedy_equal"] = _greedy_matches_export(self.url, self._export)
-
-    def _compare(self, trainer: pl.Trainer) -> None:
-        version = self.syncs[0].version
-        if version is None or version == self._checked:
-            return
-        self._checked = version
-        self._export = trainer.strategy.export_hf(self.workdir / f"export-{version}")
-        if trainer.is_global_zero:
-            info = post_json(f"{self.url}/model_info", {}, 60)
-            self.results.append({"version": version, "engine_version": info["weight_version"],
-                                 "unequal": _unequal_to_export(self.url, self._export), "greedy_equal": None})
-
-
-def _fit(workdir: Path, hf_checkpoint: Path, syncs: list[WeightSync], url: str | None, *, steps: int = 3,
-         devices: int = 1, extra_callbacks: tuple = (), ckpt_path: str | None = None,
-         **strategy_kwargs: Any) -> dict[str, Any]:
-    options = dict(micro_batch_size=2, global_batch_size=4, precision="fp32") | strategy_kwargs
-    mtp = options.get("bridge_type") == "megatron-bridge"
-    compare = CompareAfterSync(syncs, url, workdir) if url is not None else pl.Callback()
-    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
-                         devices=devices, max_steps=steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=workdir,
-                         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in extra_callbacks),
-                         callbacks=[*syncs, compare, *extra_callbacks])
-    results = compare.results if isinstance(compare, CompareAfterSync) else []
-    vocab = transformers.AutoConfig.from_pretrained(hf_checkpoint).vocab_size
-    loader = DataLoader(RandomTokenDataset(SAMPLES, SEQ, vocab), batch_size=options["micro_batch_size"], drop_last=True)
-    trainer.fit(SFTModule(enable_mtp=mtp, lr=1e-2), loader, ckpt_path=ckpt_path)
-    return {"compared": results, "reports": [sync.reports for sync in syncs],
-            "versions": [sync.version for sync in syncs], "trainer": trainer}
-
-
-def _assert_every_sync_matched(compared: list[dict[str, Any]], versions: list[int]) -> None:
-    assert [result["version"] for result in compared] == versions
-    for result in compared:
-        assert result["unequal"] == [], result
-        assert result["engine_version"] == str(result["version"])
-    assert compared[-1]["greedy_equal"] is True
-
-
 @pytest.mark.parametrize("case", ["collective", "colocated", "disk"])
 def test_one_process_engine_holds_what_save_hf_writes_after_each_sync(process_group, checkpoints, receivers,
                                                                        tmp_path, case):
@@ -158,10 +76,10 @@ def test_one_process_engine_holds_what_save_hf_writes_after_each_sync(process_gr
         checkpoint, bridge_options = "wide_mtp", dict(bridge_type="megatron-bridge")
         sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"), keep_last=2,
                           engine_url=receivers[checkpoint], timeout_s=60)
-    result = _fit(tmp_path, checkpoints[checkpoint], [sync], receivers[checkpoint], **bridge_options)
+    result = fit_with_syncs(tmp_path, checkpoints[checkpoint], [sync], receivers[checkpoint], **bridge_options)
 
     expected_versions = [1, 2, 3] if case == "disk" else [2, 3]  # every N steps, and when training ends
-    _assert_every_sync_matched(result["compared"], expected_versions)
+    assert_every_sync_matched(result["compared"], expected_versions)
     if case == "collective":
         specs = checkpoint_tensor_specs(checkpoints[checkpoint])
         for report in result["reports"][0]:
@@ -198,7 +116,7 @@ def _distributed_syncs(rank: int, world_size: int, workdir: str, checkpoints: di
                      WeightSync("disk", every_n_steps=2, root=f"{workdir}/versions", engine_url=url, timeout_s=60)]
             options = dict(pipeline_model_parallel_size=2)
             checkpoint = checkpoints["tied"]
-        result = _fit(Path(workdir) / case, Path(checkpoint), syncs, url, devices=world_size, **options)
+        result = fit_with_syncs(Path(workdir) / case, Path(checkpoint), syncs, url, devices=world_size, **options)
         results[case] = {"compared": result["compared"], "versions": result["versions"],
                          "sent": [[name for request in report.requests for name in request]
                                   for reports in result["reports"] for report in reports]}
@@ -210,7 +128,7 @@ def test_tensor_and_pipeline_parallel_ranks_sync_the_whole_model(checkpoints, re
     results = run_distributed(_distributed_syncs, tmp_path, str(tmp_path),
                               {name: str(path) for name, path in checkpoints.items()}, receivers)
     for case in ("tp2", "pp2"):
-        _assert_every_sync_matched(results[0][case]["compared"], [2, 3])
+        assert_every_sync_matched(results[0][case]["compared"], [2, 3])
         assert results[1][case]["compared"] == []  # rank 0 alone compares (and sends)
         for result in results:
             assert all(version == 3 for version in result[case]["versions"])
@@ -239,7 +157,7 @@ def test_a_manifest_the_engine_cannot_take_fails_before_any_byte_moves(model_par
         url, sender_class = receiver.url, ColocatedSender
         message = "sent as .* float32, served as .* bfloat16"
     names = sorted(checkpoint_tensor_specs(checkpoints["tied"]))
-    before = (_receiver_tensors(url, names), post_json(f"{url}/model_info", {}, 60)["weight_version"])
+    before = (receiver_tensors(url, names), post_json(f"{url}/model_info", {}, 60)["weight_version"])
     chunks = bridge.build(options)
     sender = sender_class(url, bucket_bytes=MIB, timeout_s=20, device=torch.device("cpu"))
     exported: list[str] = []
@@ -253,7 +171,7 @@ def test_a_manifest_the_engine_cannot_take_fails_before_any_byte_moves(model_par
         with pytest.raises(WeightSyncError, match=message):
             sender.sync(counted(bridge.export_hf_tensors(chunks)), bridge.hf_tensor_specs(), 1, is_sender=True)
         assert exported == []  # refused before the export (and so before any transfer) started
-        after = (_receiver_tensors(url, names), post_json(f"{url}/model_info", {}, 60)["weight_version"])
+        after = (receiver_tensors(url, names), post_json(f"{url}/model_info", {}, 60)["weight_version"])
         assert after[1] == before[1]
         assert all(torch.equal(after[0][name], before[0][name]) for name in names)
     finally:
@@ -288,7 +206,7 @@ def test_a_receiver_killed_mid_sync_fails_the_sync_in_time_and_the_next_one_succ
         report = sender.sync(bridge.export_hf_tensors(chunks), bridge.hf_tensor_specs(), 2, is_sender=True)
         assert len(report.requests) > 2
         export = bridge.save_hf(chunks, tmp_path / "export")
-        assert _unequal_to_export(url, export) == []
+        assert unequal_to_export(url, export) == []
         assert post_json(f"{url}/model_info", {}, 60)["weight_version"] == "2"
     finally:
         sender.close()
@@ -302,7 +220,7 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
     import lightning.pytorch as pl
     from lightning_megatron import staged_write
     from lightning_megatron.callbacks import WeightSync
-    from tests.callbacks.test_weight_sync import _fit
+    from tests.callbacks._engine import fit_with_syncs
 
     create_file = staged_write.create_file
 
@@ -319,7 +237,7 @@ _KILLED_DURING_A_DISK_SYNC = textwrap.dedent("""
         staged_write.create_file = dies_half_way_through_version_3
         saver = pl.callbacks.ModelCheckpoint(dirpath=workdir / "ckpts", every_n_train_steps=2, save_top_k=-1)
         sync = WeightSync("disk", every_n_steps=1, root=str(workdir / "versions"), keep_last=3)
-        _fit(workdir, hf_checkpoint, [sync], None, steps=4, extra_callbacks=(saver,))
+        fit_with_syncs(workdir, hf_checkpoint, [sync], None, steps=4, extra_callbacks=(saver,))
 """)
 
 
@@ -350,7 +268,7 @@ def test_latest_names_a_complete_folder_after_kill_9_and_versions_increase_acros
     sync = WeightSync("disk", every_n_steps=1, root=str(root), keep_last=3, engine_url=receivers["tied"])
     restored: list[int | None] = []
     seen = pl.callbacks.LambdaCallback(on_train_start=lambda trainer, module: restored.append(sync.version))
-    resumed = _fit(tmp_path / "resumed", checkpoints["tied"], [sync], receivers["tied"], steps=4,
+    resumed = fit_with_syncs(tmp_path / "resumed", checkpoints["tied"], [sync], receivers["tied"], steps=4,
                    extra_callbacks=(seen,), ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt"))
     assert restored == [2]
     assert [result["version"] for result in resumed["compared"]] == [3, 4]  # after the restored version 2
@@ -375,7 +293,7 @@ def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tm
         report = sender.sync(bridge.export_hf_tensors(chunks, on_host=False), bridge.hf_tensor_specs(), 1,
                              is_sender=True)
         assert len(report.requests) >= 3
-        assert _unequal_to_export(url, bridge.save_hf(chunks, tmp_path / "export")) == []
+        assert unequal_to_export(url, bridge.save_hf(chunks, tmp_path / "export")) == []
     finally:
         sender.close()
         process.kill()
@@ -410,7 +328,7 @@ def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_
     url, original = receivers["tied"], checkpoints["tied"]
     source = load_file(original / "model.safetensors")
     disk.notify_engine(url, "sglang", original, 7, 60)
-    served = _receiver_tensors(url, sorted(source))
+    served = receiver_tensors(url, sorted(source))
     assert all(torch.equal(served[name], tensor) for name, tensor in source.items())
 
     broken = tmp_path / "v00000008"
@@ -422,5 +340,5 @@ def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_
         disk.notify_engine(url, "sglang", broken, 8, 60)
     assert post_json(f"{url}/model_info", {}, 60)["weight_version"] == "7"
     assert post_json(f"{url}/model_info", {}, 60)["model_path"] == str(original.resolve())
-    served = _receiver_tensors(url, sorted(source))
+    served = receiver_tensors(url, sorted(source))
     assert [name for name, tensor in source.items() if not torch.equal(served[name], tensor)] == []
