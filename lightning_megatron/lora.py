@@ -12,6 +12,7 @@ QKV / gate-up split into HF's projections): an HF PEFT adapter folder (`export_l
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,11 +102,13 @@ def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: l
 # ---------------------------------------------------------------------------------------------------- export
 
 
-def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path) -> Path:
+def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path, *,
+                        extra_files: Mapping[str, str] | None = None) -> Path:
     """Write the adapters as an HF PEFT folder (`adapter_config.json`, `adapter_model.safetensors`), atomically.
 
     Names and layouts are megatron-bridge's PEFT export (TP shards gathered, fused QKV and gate/up split per HF
     projection); rank, alpha and dropout are read from the adapters themselves. All ranks call it; rank 0 writes.
+    `extra_files`: `{name: text}` written into the folder before it is renamed into place (a version's metadata).
     """
     from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
     from megatron.bridge.models.conversion.peft_bridge import (
@@ -134,6 +137,8 @@ def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path) ->
     def write(folder: Path) -> None:
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+        for name, text in (extra_files or {}).items():
+            (folder / name).write_text(text)
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_atomically(path, write)

@@ -18,12 +18,18 @@ its `/model_info`; disk: `latest` names it) and changes at most half of the mode
 full. The engine ends bit-equal to a full sync of the same step. A backend that cannot export a subset (mbridge)
 always syncs in full. A parameter changed outside the optimizer while frozen is not seen: call `sync(trainer,
 full=True)` after such a change.
+
+LoRA: `lora_form="merged"` (the default) sends the adapted linears with their adapters merged in (a delta of only
+those); `lora_form="adapter"` (disk) writes each version as a PEFT folder of the adapters alone, for engines that
+serve LoRA adapters over the base model they hold (SGLang `/load_lora_adapter`, vLLM `/v1/load_lora_adapter`,
+told with the folder's name as the adapter's).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,14 +38,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_megatron.bridges import Bridge
-from lightning_megatron.contract import megatron_strategy
+from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
 from lightning_megatron.distributed import agree_on_failure, leader_value
+from lightning_megatron.lora import export_lora_adapter
 from lightning_megatron.serving import disk
 from lightning_megatron.serving.protocol import WeightSyncError, version_record
 from lightning_megatron.serving.sender import BucketSender, CollectiveSender, ColocatedSender, SyncReport
 
 Mode = Literal["disk", "colocated", "collective"]
 MODES: tuple[Mode, ...] = ("disk", "colocated", "collective")
+LoRAForm = Literal["merged", "adapter"]
 
 
 class WeightSync(pl.Callback):
@@ -50,8 +58,8 @@ class WeightSync(pl.Callback):
     of them stay. `bucket_mb`: the most bytes one request carries (a larger tensor goes alone). `timeout_s`: how
     long one request or broadcast may take before the sync fails (then every rank raises `WeightSyncError` and the
     next sync reconnects). `backend`: the collective's ("auto": NCCL on GPU, gloo on CPU). `engine`: the disk
-    notification's shape ("sglang" or "vllm"). `delta`: send only what changed since the engine's version (module
-    docstring).
+    notification's shape ("sglang" or "vllm"). `delta`: send only what changed since the engine's version;
+    `lora_form`: a LoRA model's weights merged, or its adapters alone as PEFT folders (module docstring).
     """
 
     def __init__(
@@ -71,6 +79,7 @@ class WeightSync(pl.Callback):
         engine_world_size: int = 1,
         sync_on_train_end: bool = True,
         delta: bool = True,
+        lora_form: LoRAForm = "merged",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
@@ -87,6 +96,11 @@ class WeightSync(pl.Callback):
             raise ValueError(f"bucket_mb ({bucket_mb}) and timeout_s ({timeout_s}) must be positive")
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
+        if lora_form not in ("merged", "adapter"):
+            raise ValueError(f"lora_form: {lora_form!r} is not one of 'merged', 'adapter'")
+        if lora_form == "adapter" and mode != "disk":
+            raise ValueError("lora_form: 'adapter' writes PEFT folders for engines that load LoRA adapters from disk; "
+                             "use mode='disk', or lora_form='merged' to send the merged weights")
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.engine_url = engine_url
@@ -99,6 +113,7 @@ class WeightSync(pl.Callback):
                                        group_name=group_name, engine_world_size=engine_world_size)
         self.sync_on_train_end = sync_on_train_end
         self.delta = delta
+        self.lora_form = lora_form
         self.version: int | None = None
         self.reports: list[SyncReport] = []
         self._sender: BucketSender | None = None
@@ -149,7 +164,9 @@ class WeightSync(pl.Callback):
         self._note_trained(trainer)
         changing = None if full else self._changing_tensors(strategy.bridge, chunks)
         with torch.no_grad():  # a GPU model's export broadcasts its (grad-requiring) parameters in place
-            if self.mode == "disk":
+            if self.lora_form == "adapter":
+                report = self._sync_adapter_to_disk(strategy, version, trainer.is_global_zero)
+            elif self.mode == "disk":
                 report = self._sync_to_disk(strategy.bridge, chunks, version, changing, trainer.is_global_zero)
             else:
                 report = self._sync_to_engine(strategy.bridge, chunks, version, changing, trainer.is_global_zero,
@@ -222,6 +239,25 @@ class WeightSync(pl.Callback):
             if base is None:
                 report.bytes = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
         except (WeightSyncError, OSError) as caught:  # the leader's part: the export itself raises on every rank
+            error = caught
+        agree_on_failure(error, error_type=WeightSyncError)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _sync_adapter_to_disk(self, strategy: MegatronStrategyContract, version: int,
+                              is_global_zero: bool) -> SyncReport:
+        assert self.root is not None
+        started = time.perf_counter()
+        report = SyncReport(version)
+        extra_files = {disk.VERSION_FILE: json.dumps(version_record(version, None, report.metadata), indent=2) + "\n"}
+        error: BaseException | None = None
+        try:
+            folder = disk.sync_to_disk(partial(export_lora_adapter, strategy, extra_files=extra_files), self.root,
+                                       version, keep_last=self.keep_last, is_leader=is_global_zero,
+                                       engine_url=self.engine_url, engine=self.engine, timeout_s=self.timeout_s,
+                                       adapter=True)
+            report.bytes = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+        except (WeightSyncError, OSError) as caught:
             error = caught
         agree_on_failure(error, error_type=WeightSyncError)
         report.seconds = time.perf_counter() - started

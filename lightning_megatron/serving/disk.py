@@ -87,9 +87,11 @@ def remove_partials(root: Path) -> None:
 
 
 def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep_last: int, is_leader: bool,
-                 engine_url: str | None = None, engine: Engine = "sglang", timeout_s: float = 300.0) -> Path:
+                 engine_url: str | None = None, engine: Engine = "sglang", timeout_s: float = 300.0,
+                 adapter: bool = False) -> Path:
     """One disk sync: `save` writes the HF folder of `version` atomically (every rank calls it), then the leader
-    points `latest` at it, prunes old versions and tells the engine; returns the folder.
+    points `latest` at it, prunes old versions and tells the engine (to reload the model, or with `adapter`, to
+    load the PEFT folder as the LoRA adapter named like the folder); returns the folder.
 
     Errors of the leader's part are raised there only; the caller makes every rank agree on them.
     """
@@ -97,7 +99,9 @@ def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep
     if is_leader:
         publish_latest(root, folder)
         prune(root, keep_last)
-        if engine_url is not None:
+        if engine_url is not None and adapter:
+            load_adapter(engine_url, engine, folder, timeout_s)
+        elif engine_url is not None:
             notify_engine(engine_url, engine, folder, version, timeout_s)
     return folder
 
@@ -180,3 +184,11 @@ def notify_engine(url: str, engine: Engine, folder: Path, version: int, timeout_
         post_json(f"{url}/finish_weight_update", {}, timeout_s)
     else:
         raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
+
+
+def load_adapter(url: str, engine: Engine, folder: Path, timeout_s: float) -> None:
+    """Have an engine load a PEFT folder as a LoRA adapter named like the folder (`v00000010`): SGLang's
+    `/load_lora_adapter`, vLLM's `/v1/load_lora_adapter`; rollouts then ask for that adapter by name."""
+    route = {"sglang": "load_lora_adapter", "vllm": "v1/load_lora_adapter"}[engine]
+    post_json(f"{url.rstrip('/')}/{route}", {"lora_name": folder.name, "lora_path": str(folder.resolve())},
+              timeout_s)

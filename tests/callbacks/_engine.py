@@ -80,8 +80,8 @@ class CompareAfterSync(pl.Callback):
 
 
 def fit_with_syncs(workdir: Path, hf_checkpoint: Path, syncs: list[WeightSync], url: str | None, *, steps: int = 3,
-         devices: int = 1, extra_callbacks: tuple = (), ckpt_path: str | None = None,
-         **strategy_kwargs: Any) -> dict[str, Any]:
+                   devices: int = 1, extra_callbacks: tuple = (), ckpt_path: str | None = None,
+                   module_kwargs: dict[str, Any] | None = None, **strategy_kwargs: Any) -> dict[str, Any]:
     options = dict(micro_batch_size=2, global_batch_size=4, precision="fp32") | strategy_kwargs
     mtp = options.get("bridge_type") == "megatron-bridge"
     compare = CompareAfterSync(syncs, url, workdir) if url is not None else pl.Callback()
@@ -93,7 +93,7 @@ def fit_with_syncs(workdir: Path, hf_checkpoint: Path, syncs: list[WeightSync], 
     results = compare.results if isinstance(compare, CompareAfterSync) else []
     vocab = transformers.AutoConfig.from_pretrained(hf_checkpoint).vocab_size
     loader = DataLoader(RandomTokenDataset(SAMPLES, SEQ, vocab), batch_size=options["micro_batch_size"], drop_last=True)
-    trainer.fit(SFTModule(enable_mtp=mtp, lr=1e-2), loader, ckpt_path=ckpt_path)
+    trainer.fit(SFTModule(**{"enable_mtp": mtp, "lr": 1e-2, **(module_kwargs or {})}), loader, ckpt_path=ckpt_path)
     return {"compared": results, "reports": [sync.reports for sync in syncs],
             "versions": [sync.version for sync in syncs], "trainer": trainer}
 

@@ -145,3 +145,103 @@ def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes
     finally:
         sender.close()
         receiver.close()
+
+
+def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(process_group, tmp_path_factory,
+                                                                         tmp_path):
+    """Merged (colocated): after the first sync only the wrapped linears go, merged, and the engine equals the merged
+    export; adapter form (disk): each version is the PEFT folder `export_lora_adapter` writes, and nothing else."""
+    from safetensors.torch import load_file
+
+    from lightning_megatron.lora import export_lora_adapter
+
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("lora_sync") / "qwen3", "qwen3")
+    process, url = spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30)
+    merged = _sync("colocated", url, tmp_path)
+    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter")
+    try:
+        result = fit_with_syncs(tmp_path, checkpoint, [merged, adapter], url, module_kwargs={"enable_mtp": False},
+                                extra_callbacks=(LoRACallback(target_modules=["linear_qkv"], rank=4, alpha=8),),
+                                **MTP_BRIDGE)
+    finally:
+        process.kill()
+        process.wait()
+    assert_every_sync_matched(result["compared"], [1, 2, 3])  # the engine equals the merged export of each step
+    specs = checkpoint_tensor_specs(checkpoint)
+    adapted = sorted(name for name in specs if any(f"self_attn.{p}_proj.weight" in name for p in "qkv"))
+    assert [report.base_version for report in merged.reports] == [None, 1, 2]
+    assert _sent(merged.reports[0]) == sorted(specs)
+    assert _sent(merged.reports[1]) == _sent(merged.reports[2]) == adapted
+
+    folder = read_latest(tmp_path / "adapters")
+    assert sorted(path.name for path in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                              VERSION_FILE]
+    expected = export_lora_adapter(result["trainer"].strategy, tmp_path / "expected_adapter")
+    assert json.loads((folder / "adapter_config.json").read_text()) == \
+        json.loads((expected / "adapter_config.json").read_text())
+    ours, theirs = (load_file(path / "adapter_model.safetensors") for path in (folder, expected))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert all(report.bytes < merged.reports[0].bytes / 10 for report in adapter.reports)
+
+
+def test_the_adapter_form_is_refused_outside_disk_mode_naming_the_fix():
+    with pytest.raises(ValueError, match="lora_form: 'adapter' writes PEFT folders .* use mode='disk', or "
+                                         "lora_form='merged'"):
+        WeightSync("colocated", engine_url="http://127.0.0.1:1", lora_form="adapter")
+    with pytest.raises(ValueError, match="lora_form: 'peft' is not one of 'merged', 'adapter'"):
+        WeightSync("disk", root="versions", lora_form="peft")
+
+
+def _distributed_delta_syncs(rank: int, world_size: int, workdir: str, checkpoint: str,
+                             urls: dict[str, str]) -> dict[str, Any]:
+    """MTP-only fits at TP=2, then PP=2, each syncing every step in the three modes; at the end every engine and the
+    last disk version against a full export of the same weights."""
+    from tests.callbacks._engine import unequal_to_export
+
+    results = {}
+    for case, parallel in (("tp2", dict(tensor_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2))):
+        root = Path(workdir) / case
+        syncs = [_sync("colocated", urls["colocated"], root), _sync("collective", urls["collective"], root),
+                 _sync("disk", None, root)]
+        result = fit_with_syncs(root, Path(checkpoint), syncs, None, devices=world_size,
+                                extra_callbacks=(MTPOnlyCallback(),), **MTP_BRIDGE, **parallel)
+        export = result["trainer"].strategy.export_hf(root / "export")
+        results[case] = {"bases": [[report.base_version for report in sync.reports] for sync in syncs],
+                         "sent": [[_sent(report) for report in sync.reports] for sync in syncs[:2]]}
+        if rank == 0:
+            results[case]["unequal"] = [unequal_to_export(urls[mode], export) for mode in ("colocated", "collective")]
+            results[case]["disk_unequal"] = _unequal_folders(read_latest(root / "versions"), export)
+    return results
+
+
+def _unequal_folders(folder: Path, export: Path) -> list[str]:
+    from safetensors.torch import load_file
+
+    def tensors(path: Path) -> dict[str, torch.Tensor]:
+        return {name: tensor for file in path.glob("*.safetensors") for name, tensor in load_file(file).items()}
+
+    ours, expected = tensors(folder), tensors(export)
+    return sorted(name for name in expected.keys() | ours.keys()
+                  if name not in ours or name not in expected or not torch.equal(ours[name], expected[name]))
+
+
+@pytest.mark.slow
+def test_delta_syncs_under_tensor_and_pipeline_parallelism_leave_every_engine_equal_to_a_full_sync(
+        checkpoint, tmp_path):
+    started = {mode: spawn_receiver(checkpoint, log=tmp_path / f"{mode}.log", timeout_s=60)
+               for mode in ("colocated", "collective")}
+    try:
+        results = run_distributed(_distributed_delta_syncs, tmp_path, str(tmp_path), str(checkpoint),
+                                  {mode: url for mode, (_, url) in started.items()})
+    finally:
+        for process, _ in started.values():
+            process.kill()
+            process.wait()
+    mtp_names = sorted(name for name in checkpoint_tensor_specs(checkpoint) if is_hf_mtp_tensor(name))
+    for case in ("tp2", "pp2"):
+        for result in results:
+            assert result[case]["bases"] == [[None, 1, 2]] * 3  # every mode: a full sync, then deltas
+        for sent in results[0][case]["sent"]:
+            assert sent[1] == sent[2] == mtp_names
+        assert results[0][case]["unequal"] == [[], []]
+        assert results[0][case]["disk_unequal"] == []
