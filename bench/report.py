@@ -264,6 +264,11 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                   "yes" if sync["colocated_extra_memory_within_limit"] else "no", source]))
             rows.append(_target_row("P7 step time with WeightSync / without",
                                     data["steps_between_syncs"]["step_time_ratio"], targets["step_time_ratio"], source))
+            for figure, label in (("delta_vs_full_disk", "P7 MTP-only delta / full sync, disk"),
+                                  ("delta_vs_full_colocated", "P7 MTP-only delta / full sync, colocated"),
+                                  ("lora_adapter_vs_full_disk", "P7 LoRA adapter-only / full sync, disk")):
+                if "delta" in data:
+                    rows.append(_target_row(label, data["delta"][figure], targets[figure], source))
         if kind(data) == "async_save":
             figures, targets = data["figures"], data["targets"]
             rows.append(_target_row("async save: time a step is blocked / synchronous save's",

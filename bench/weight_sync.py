@@ -15,6 +15,11 @@ checkpoint) in a second process on the same GPU. Medians over `--repeats` after 
 The raw write is the fastest plain write of the same tensors (`bench.common.raw_write`); `disk_sync_gb_per_s` is
 the sync's bytes over its time (target >= 4 GB/s to a RAM-backed folder, `TMPDIR=/dev/shm`). Every temporary
 folder is removed at the end, and each write first checks that the folder's file system can hold it.
+- delta syncs (`--parts delta`): after MTP-only training only the MTP head changes (every other parameter frozen,
+  as `MTPOnlyCallback` leaves them): a delta disk version (the head's shard written, every other file a hard link
+  to the previous version) and a colocated delta (the head's tensors), each against the full sync of the same kind
+  (target <= 0.05x); then LoRA adapters on every linear layer: the adapter-only disk version (a PEFT folder, what
+  `WeightSync(lora_form="adapter")` writes) against the full disk sync (target <= 0.01x).
 `collective` needs two GPUs (NCCL refuses two ranks on one); `--tiny` runs it over gloo on the CPU too.
 `--tiny`: a tiny checkpoint, everything on the CPU (the colocated hand-over through shared memory).
 """
@@ -142,6 +147,82 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
     }
 
 
+def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: float) -> dict:
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.lora import LoRAConfig, add_lora_adapters, write_lora_adapter
+    from lightning_megatron.mtp.parameters import is_mtp_parameter
+    from lightning_megatron.options import ModelOptions
+    from lightning_megatron.serving import ColocatedSender, disk
+    from lightning_megatron.serving.receiver import spawn_receiver
+
+    bridge = create_bridge("megatron-bridge", checkpoint)
+    chunks = bridge.build(ModelOptions(params_dtype=next(iter(bridge.hf_tensor_specs().values())).dtype, mtp=True))
+    specs = bridge.hf_tensor_specs()  # with the MTP head, now that the model has one
+    device = next(chunks[0].parameters()).device
+    engine_start = ThreadPoolExecutor(1).submit(spawn_receiver, checkpoint, device=str(device), timeout_s=600,
+                                                log=workdir / "delta_receiver.log")
+    head = {id(parameter) for chunk in chunks for name, parameter in chunk.named_parameters()
+            if is_mtp_parameter(name)}
+    changing = bridge.changed_hf_names(chunks, head)
+    model_bytes = sum(spec.nbytes for spec in specs.values())
+    require_free_space(workdir, int(2.2 * model_bytes), "weight_sync delta")
+    root, versions = workdir / "delta_versions", iter(range(1, 10_000))
+    state = {"version": 0}
+
+    def full_disk() -> None:
+        state["version"] = next(versions)
+        disk.sync_to_disk(lambda path: bridge.save_hf(chunks, path, separate=changing), root, state["version"],
+                          keep_last=2, is_leader=True)
+
+    def delta_disk() -> None:
+        base = disk.version_folder(root, state["version"])
+        state["version"] = next(versions)
+        tensors = {name: tensor.to("cpu") for name, tensor in bridge.export_hf_tensors(chunks, only=changing)}
+        disk.sync_to_disk(lambda path: disk.write_delta_version(base, path, tensors, {}), root, state["version"],
+                          keep_last=2, is_leader=True)
+
+    full_disk_s = _median(full_disk, repeats)
+    delta_disk_s = _median(delta_disk, repeats)
+    process, url = engine_start.result()
+    try:
+        sender = ColocatedSender(url, bucket_bytes=int(bucket_mb * 1024**2), timeout_s=600, device=device)
+        head_specs = {name: specs[name] for name in changing}
+
+        def full_colocated() -> None:
+            state["version"] = next(versions)
+            sender.sync(bridge.export_hf_tensors(chunks, on_host=False), specs, state["version"], is_sender=True)
+
+        def delta_colocated() -> None:
+            base, state["version"] = state["version"], next(versions)
+            sender.sync(bridge.export_hf_tensors(chunks, on_host=False, only=changing), head_specs, state["version"],
+                        is_sender=True, base_version=base)
+
+        full_colocated_s = _median(full_colocated, repeats)
+        delta_colocated_s = _median(delta_colocated, repeats)
+        sender.close()
+    finally:
+        process.kill()
+        process.wait()
+    add_lora_adapters(chunks, LoRAConfig(rank=16, alpha=32))  # every linear layer, as the reference card does
+    adapters = workdir / "adapters"
+    adapter_disk_s = _median(lambda: disk.sync_to_disk(partial(write_lora_adapter, bridge, chunks), adapters,
+                                                       next(versions), keep_last=1, is_leader=True), repeats)
+    return {
+        "model_bytes": model_bytes,
+        "mtp_head_tensors": len(changing),
+        "mtp_head_bytes": sum(specs[name].nbytes for name in changing),
+        "full_disk_sync_s": full_disk_s,
+        "delta_disk_sync_s": delta_disk_s,
+        "delta_vs_full_disk": delta_disk_s / full_disk_s,
+        "full_colocated_sync_s": full_colocated_s,
+        "delta_colocated_sync_s": delta_colocated_s,
+        "delta_vs_full_colocated": delta_colocated_s / full_colocated_s,
+        "lora_adapter_bytes": sum(file.stat().st_size for file in adapters.glob("v*/*.safetensors")),
+        "lora_adapter_disk_sync_s": adapter_disk_s,
+        "lora_adapter_vs_full_disk": adapter_disk_s / full_disk_s,
+    }
+
+
 ARMS = ("without", "attached", "after_disk_sync", "receiver_idle", "after_colocated_sync")
 
 
@@ -237,8 +318,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="mirrored rounds of the step-time arms")
-    parser.add_argument("--parts", nargs="+", choices=["sync", "steps"], default=["sync", "steps"],
-                        help="the sync figures, the step times between syncs, or both")
+    parser.add_argument("--parts", nargs="+", choices=["sync", "delta", "steps"], default=["sync", "delta", "steps"],
+                        help="the full syncs, the delta syncs, the step times between syncs (any of them)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -267,10 +348,13 @@ def main() -> None:
             "repeats": args.repeats,
             "targets": {"disk_sync_vs_raw_write": 1.2, "disk_sync_gb_per_s": 4.0, "colocated_sync_s": 2.0,
                         "colocated_vs_disk_round_trip": 0.25, "extra_sender_memory": "2 x bucket + largest tensor",
-                        "step_time_ratio": 1.01},
+                        "step_time_ratio": 1.01, "delta_vs_full_disk": 0.05, "delta_vs_full_colocated": 0.05,
+                        "lora_adapter_vs_full_disk": 0.01},
         }
         if "sync" in args.parts:
             result["sync"] = measure_syncs(checkpoint, workdir, args.repeats, args.bucket_mb, collective=args.tiny)
+        if "delta" in args.parts:
+            result["delta"] = measure_delta_syncs(checkpoint, workdir, args.repeats, args.bucket_mb)
         if "steps" in args.parts:
             result["steps_between_syncs"] = measure_step_overhead(step_checkpoint, workdir, args.steps, args.warmup,
                                                                   args.rounds)

@@ -110,6 +110,12 @@ def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path, *,
     projection); rank, alpha and dropout are read from the adapters themselves. All ranks call it; rank 0 writes.
     `extra_files`: `{name: text}` written into the folder before it is renamed into place (a version's metadata).
     """
+    return write_lora_adapter(*_megatron_bridge_and_chunks(strategy), path, extra_files=extra_files)
+
+
+def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str | Path, *,
+                       extra_files: Mapping[str, str] | None = None) -> Path:
+    """`export_lora_adapter` of unwrapped chunks built by `bridge` (outside a Trainer: scripts, benchmarks)."""
     from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
     from megatron.bridge.models.conversion.peft_bridge import (
         build_adapter_config_dict,
@@ -119,7 +125,6 @@ def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path, *,
     )
 
     path = Path(path)
-    bridge, chunks = _megatron_bridge_and_chunks(strategy)
     trained = _trained_lora(chunks, "export_lora_adapter")
     weights = [
         HFWeightTuple(name, tensor.detach().to("cpu").clone().contiguous())

@@ -301,6 +301,11 @@ def test_weight_sync_benchmark_runs_tiny(tiny_runs):
     assert result["output_folder"] and not Path(result["output_folder"]).exists()  # removed at the end
     table = "\n".join(report.targets_table([("weight_sync.json", result)], {"weight_sync.json": 1}))
     assert "P7 disk sync / raw write" in table and "P7 step time with WeightSync / without" in table
+    delta = result["delta"]
+    assert 0 < delta["mtp_head_bytes"] < delta["model_bytes"] / 2 and delta["lora_adapter_bytes"] > 0
+    for figure in ("delta_vs_full_disk", "delta_vs_full_colocated", "lora_adapter_vs_full_disk"):
+        assert delta[figure] > 0, figure
+    assert "P7 MTP-only delta / full sync, colocated" in table and "P7 LoRA adapter-only / full sync, disk" in table
 
 
 @pytest.mark.slow
