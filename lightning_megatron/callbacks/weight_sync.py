@@ -163,14 +163,16 @@ class WeightSync(pl.Callback):
         chunks = [unwrap_model(chunk) for chunk in strategy.model_chunks]
         self._note_trained(trainer)
         changing = None if full else self._changing_tensors(strategy.bridge, chunks)
+        metadata = self._measure(trainer, version)
         with torch.no_grad():  # a GPU model's export broadcasts its (grad-requiring) parameters in place
             if self.lora_form == "adapter":
-                report = self._sync_adapter_to_disk(strategy, version, trainer.is_global_zero)
+                report = self._sync_adapter_to_disk(strategy, version, metadata, trainer.is_global_zero)
             elif self.mode == "disk":
-                report = self._sync_to_disk(strategy.bridge, chunks, version, changing, trainer.is_global_zero)
+                report = self._sync_to_disk(strategy.bridge, chunks, version, changing, metadata,
+                                            trainer.is_global_zero)
             else:
-                report = self._sync_to_engine(strategy.bridge, chunks, version, changing, trainer.is_global_zero,
-                                              strategy.root_device)
+                report = self._sync_to_engine(strategy.bridge, chunks, version, changing, metadata,
+                                              trainer.is_global_zero, strategy.root_device)
         self.version = version
         self._trained = set()
         self.reports.append(report)
@@ -178,6 +180,10 @@ class WeightSync(pl.Callback):
         rank_zero_info(f"WeightSync: version {version} ({self.mode}{delta}, {report.bytes / 1e9:.3f} GB, "
                        f"{len(report.requests)} request(s)) in {report.seconds:.2f} s")
         return report
+
+    def _measure(self, trainer: pl.Trainer, version: int) -> dict[str, Any]:
+        """What the version's metadata records beside the weights."""
+        return {}
 
     # ------------------------------------------------------------------ what changed
 
@@ -209,14 +215,14 @@ class WeightSync(pl.Callback):
     # ------------------------------------------------------------------ the three modes
 
     def _sync_to_disk(self, bridge: Bridge, chunks: list[torch.nn.Module], version: int,
-                      changing: set[str] | None, is_global_zero: bool) -> SyncReport:
+                      changing: set[str] | None, metadata: dict[str, Any], is_global_zero: bool) -> SyncReport:
         assert self.root is not None
         started = time.perf_counter()
         base = None
         if self._delta_is_worth_it(bridge, changing):
             assert changing is not None
             base = leader_value(disk.delta_base(self.root, self.version, changing) if is_global_zero else None)
-        report = SyncReport(version, base_version=None if base is None else self.version)
+        report = SyncReport(version, base_version=None if base is None else self.version, metadata=metadata)
         extra_files = {disk.VERSION_FILE: json.dumps(version_record(version, report.base_version, report.metadata),
                                                      indent=2) + "\n"}
 
@@ -244,11 +250,11 @@ class WeightSync(pl.Callback):
         report.seconds = time.perf_counter() - started
         return report
 
-    def _sync_adapter_to_disk(self, strategy: MegatronStrategyContract, version: int,
+    def _sync_adapter_to_disk(self, strategy: MegatronStrategyContract, version: int, metadata: dict[str, Any],
                               is_global_zero: bool) -> SyncReport:
         assert self.root is not None
         started = time.perf_counter()
-        report = SyncReport(version)
+        report = SyncReport(version, metadata=metadata)
         extra_files = {disk.VERSION_FILE: json.dumps(version_record(version, None, report.metadata), indent=2) + "\n"}
         error: BaseException | None = None
         try:
@@ -264,7 +270,8 @@ class WeightSync(pl.Callback):
         return report
 
     def _sync_to_engine(self, bridge: Bridge, chunks: list[torch.nn.Module], version: int,
-                        changing: set[str] | None, is_global_zero: bool, device: torch.device) -> SyncReport:
+                        changing: set[str] | None, metadata: dict[str, Any], is_global_zero: bool,
+                        device: torch.device) -> SyncReport:
         if self._sender is None:
             assert self.engine_url is not None
             options = dict(bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, device=device)
@@ -279,7 +286,8 @@ class WeightSync(pl.Callback):
         if only is not None:
             specs = {name: specs[name] for name in only}
         tensors = bridge.export_hf_tensors(chunks, on_host=False, only=only)  # a GPU model's tensors stay on it
-        return self._sender.sync(tensors, specs, version, is_sender=is_global_zero, base_version=base_version)
+        return self._sender.sync(tensors, specs, version, is_sender=is_global_zero, base_version=base_version,
+                                 metadata=metadata)
 
     def _engine_version(self) -> str | None:
         assert self._sender is not None
