@@ -32,7 +32,7 @@ from lightning_megatron.mtp.probe import DraftAcceptance, DraftProbe
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
-from tests.mtp._helpers import SEQ, VOCAB, fit
+from tests.mtp._helpers import SEQ, VOCAB, block_logits, fit
 from tests.test_context_parallel import SequencesDataset
 
 TEMPERATURE, DEPTHS, ROWS = 0.7, 2, 4
@@ -64,30 +64,20 @@ def _direct(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], temp
             ) -> tuple[list[float], list[float], int]:
     """(greedy, sampled) acceptance per depth, pooled over `batches`, from the model's own MTP block output, and
     the positions counted at depth 1."""
-    from lightning_megatron.microbatch import model_inputs
-
     accepted, overlap, counted = [0.0] * DEPTHS, [0.0] * DEPTHS, [0.0] * DEPTHS
-    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    with torch.no_grad():
-        for batch in batches:
-            captured = {}
-            hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
-            model(**model_inputs(batch))
-            hook.remove()
-            main, *drafts = (model.output_layer(hidden, weight=tied)[0].transpose(0, 1).float()
-                             for hidden in captured["hidden"].chunk(1 + DEPTHS, dim=0))
-            seq = main.size(1)
-            ends = batch["cu_seqlens"][1:].tolist() if "cu_seqlens" in batch else [seq]
-            sequence = torch.bucketize(torch.arange(seq), torch.tensor(ends), right=True)
-            for k, draft in enumerate(drafts, start=1):
-                same_sequence = sequence[:-k] == sequence[k:]
-                mask = batch["loss_mask"][:, k:].bool() & same_sequence
-                p = torch.softmax(main[:, k:] / temperature, -1)
-                q = torch.softmax(draft[:, :-k] / temperature, -1)
-                greedy = draft[:, :-k].argmax(-1) == main[:, k:].argmax(-1)
-                accepted[k - 1] += float((greedy & mask).sum())
-                overlap[k - 1] += float((torch.minimum(p, q).sum(-1) * mask).sum())
-                counted[k - 1] += float(mask.sum())
+    for batch in batches:
+        main, *drafts = block_logits(model, batch)
+        seq = main.size(1)
+        ends = batch["cu_seqlens"][1:].tolist() if "cu_seqlens" in batch else [seq]
+        sequence = torch.bucketize(torch.arange(seq), torch.tensor(ends), right=True)
+        for k, draft in enumerate(drafts, start=1):
+            mask = batch["loss_mask"][:, k:].bool() & (sequence[:-k] == sequence[k:])
+            p = torch.softmax(main[:, k:] / temperature, -1)
+            q = torch.softmax(draft[:, :-k] / temperature, -1)
+            greedy = draft[:, :-k].argmax(-1) == main[:, k:].argmax(-1)
+            accepted[k - 1] += float((greedy & mask).sum())
+            overlap[k - 1] += float((torch.minimum(p, q).sum(-1) * mask).sum())
+            counted[k - 1] += float(mask.sum())
     return [a / c for a, c in zip(accepted, counted)], [o / c for o, c in zip(overlap, counted)], int(counted[0])
 
 
@@ -157,7 +147,7 @@ def test_the_probe_is_validation_at_depth_one_and_the_direct_computation_at_ever
 
 
 LAYOUTS = {"tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True), "dp2": {},
-           "pp2": dict(pipeline_model_parallel_size=2)}
+           "pp2": dict(pipeline_model_parallel_size=2), "cp2": dict(context_parallel_size=2)}
 
 
 def _parallel_probes(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict:
@@ -170,11 +160,12 @@ def _parallel_probes(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -
 
 
 @pytest.mark.slow
-def test_the_probe_under_tp_dp_and_pp_is_validation_and_the_one_process_figures(process_group, checkpoints,
-                                                                                tmp_path):
+def test_the_probe_under_tp_dp_pp_and_cp_is_validation_and_the_one_process_figures(process_group, checkpoints,
+                                                                                   tmp_path):
     """Two gloo processes: TP=2 with sequence parallelism (vocabulary-parallel argmax and softmax sums), DP=2 (the
-    rows split over the ranks, the counts pooled) and PP=2 (counted on the last stage, sent to the first): on every
-    rank the probe's depth 1 is validation's, and every depth equals the one-process probe."""
+    rows split over the ranks, the counts pooled), PP=2 (counted on the last stage, sent to the first) and CP=2
+    (each rank counts its chunks, the roll crossing them): on every rank the probe's depth 1 is validation's, and
+    every depth equals the one-process probe."""
     dataset = SequencesDataset(False, alignment=4, rows=ROWS)
     callback = ProbeAfterValidation(_probes(dataset))
     _validate(tmp_path / "one", str(checkpoints["qwen3_mtp"]), dataset, callback)
