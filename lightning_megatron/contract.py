@@ -4,6 +4,8 @@
 is what modules, callbacks and commands call on the strategy (`MegatronStrategy` implements it), reached through
 one accessor, `megatron_strategy`. The strategy imports this room and never the file that defines `SFTModule`;
 this room imports nothing of the strategy (it would be an import circle), hence the Protocol.
+`MeasuresDraftAcceptance` is what the draft probe calls on a module (`SFTModule` implements it); it is declared
+beside the probe in `mtp.probe`, a floor below, which checks modules against it, and is listed here with the rest.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_megatron.microbatch import LossOutput, Microbatch
+from lightning_megatron.mtp.probe import MeasuresDraftAcceptance
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
 from lightning_megatron.options import ModelOptions
 
 if TYPE_CHECKING:  # the bridges import Megatron-Core: a command's --help must not (tests/_compat/test_quiet.py)
     from lightning_megatron.bridges import Bridge
+
+__all__ = ["MeasuresDraftAcceptance", "MegatronLightningModule", "MegatronStrategyContract", "PreWrapHook",
+           "ValidatesMegatronSetup", "megatron_strategy"]
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 

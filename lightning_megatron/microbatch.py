@@ -132,31 +132,6 @@ def context_parallel_positions(boundaries: list[int], cp_rank: int, cp_size: int
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
 
 
-def whole_rows(microbatch: Microbatch, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """This context-parallel rank's `[b, s / cp]` per-token `tensors` (not autograd), put back into whole `[b, s]`
-    rows in the row's own order by an all-gather over the CP group. On CP ranks other than 0 it returns None, so
-    that a metric counts every token once; without CP the tensors come back unchanged."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    cp_size = parallel_state.get_context_parallel_world_size()
-    if cp_size == 1:
-        return tensors
-    group = parallel_state.get_context_parallel_group()
-    length = tensors[0].shape[1] * cp_size
-    slots = microbatch.get(CU_SEQLENS_PADDED, microbatch.get(CU_SEQLENS))
-    boundaries = [0, length] if slots is None else [int(b) for b in slots]
-    order = torch.cat([context_parallel_positions(boundaries, rank, cp_size) for rank in range(cp_size)])
-    rows = []
-    for tensor in tensors:
-        pieces = [torch.empty_like(tensor) for _ in range(cp_size)]
-        dist.all_gather(pieces, tensor.contiguous(), group=group)
-        row = torch.empty(tensor.shape[0], length, dtype=tensor.dtype, device=tensor.device)
-        row[:, order.to(tensor.device)] = torch.cat(pieces, dim=1)
-        rows.append(row)
-    return tuple(rows) if parallel_state.get_context_parallel_rank() == 0 else None
-
-
 def model_inputs(microbatch: Microbatch) -> dict[str, Any]:
     """The keyword arguments of a Megatron-Core `GPTModel` call for a microbatch in any layout: `packed_seq_params`
     (global `cu_seqlens`) for a packed row, `attention_mask = subtree_end` for a tree row, neither for padded rows."""

@@ -9,23 +9,18 @@ forward and backward passes of all of them (pipelined when PP > 1) and returns t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
 import torch
 
 from lightning_megatron.contract import MegatronLightningModule
-from lightning_megatron.generate import eos_token_ids, greedy_continuations, vocab_parallel_argmax
-from lightning_megatron.microbatch import (
-    CU_SEQLENS,
-    LossOutput,
-    Microbatch,
-    model_inputs,
-    packed_seq_params,
-    whole_rows,
-)
-from lightning_megatron.mtp.acceptance import MTPAcceptanceAccuracy, MTPSampledAcceptance, sampled_acceptance_overlap
+from lightning_megatron.generate import eos_token_ids, greedy_continuations
+from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs
+from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, PooledAcceptance
+from lightning_megatron.mtp.draft_capture import DraftCapture, reduce_draft_totals
 from lightning_megatron.mtp.parameters import (
     check_mtp_loss_scaling_factor,
     clear_mtp_tracker,
@@ -41,6 +36,7 @@ from lightning_megatron.mtp.self_distill import (
     use_mtp_depth_loss,
     use_mtp_depth_scales,
 )
+from lightning_megatron.mtp.probe import DraftAcceptance
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, depth_divergence
 from lightning_megatron.options import ModelOptions
@@ -109,7 +105,9 @@ class SFTModule(MegatronLightningModule):
     validation epoch: `val_lm_loss` and, with an MTP head, `val_mtp_acceptance` (the MTP draft at `t` equals the
     model's own greedy token at `t+2`: the speculative-decoding acceptance on the model's own continuations) and
     `val_mtp_sampled_acceptance` (the expected acceptance of speculative sampling at `mtp_sampling_temperature`,
-    `sum_x min(p, q)` per position, `MTPSampledAcceptance`), both of the first depth's draft.
+    `sum_x min(p, q)` per position, `MTPSampledAcceptance`), both of the first depth's draft, counted where the
+    drafted token is trained and in the same sequence (`mtp.draft_capture`). `draft_acceptance` measures both at
+    every depth on given batches (`DraftProbe`, per weight version in an RL loop).
     `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
     """
 
@@ -164,10 +162,9 @@ class SFTModule(MegatronLightningModule):
         self._divergence = (None if mtp_loss_type == "labels" else depth_divergence(
             mtp_loss_type, mtp_distill_temperature, mtp_sampling_temperature, mtp_tv_kl_decay))
         self.save_hyperparameters()
-        self.val_mtp_acceptance = MTPAcceptanceAccuracy()
+        self.val_mtp_acceptance = PooledAcceptance()
         self.val_mtp_sampled_acceptance = MTPSampledAcceptance()
         self._depth_loss_handles: list[Any] = []
-        self._captured_logits: list[torch.Tensor] = []
         self.generation_eos_token_ids: set[int] = set()  # where predict stops; read in setup("predict")
 
     def model_options(self) -> ModelOptions:
@@ -243,7 +240,8 @@ class SFTModule(MegatronLightningModule):
     def validation_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
         forward_step, loss_func = self.forward_step, self.loss_func
         if self.enable_mtp:
-            forward_step, loss_func = self._forward_step_capturing_logits, self._loss_func_counting_acceptance
+            capture = DraftCapture(self.forward_step, depths=1, temperature=self.hparams.mtp_sampling_temperature)
+            forward_step, loss_func = capture.forward_step, partial(self._loss_func_counting_acceptance, capture)
         metrics = self.megatron_strategy.forward_backward(microbatches, forward_step, loss_func, forward_only=True)
         # already reduced over the ranks by the strategy: sync_dist averages equal values (one scalar per epoch)
         self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True, sync_dist=True)
@@ -252,66 +250,34 @@ class SFTModule(MegatronLightningModule):
             self.log("val_mtp_sampled_acceptance", self.val_mtp_sampled_acceptance, on_step=False, on_epoch=True)
         return metrics["lm_loss"]
 
-    def _forward_step_capturing_logits(self, model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-        """`forward_step`, reading the output-layer calls of the last stage (the MTP depths first, then the main
-        logits: Megatron-Core's `GPTModel._postprocess` order) as they happen: the first depth's and the main call's
-        argmax, and at the main call the sampled-acceptance overlap. Megatron-Core's cross-entropy overwrites logits
-        in place (fp32 logits are not copied), so the MTP logits are copied when made and nothing reads logits after
-        their loss ran."""
-        from megatron.core.utils import unwrap_model
-
-        output_layer = getattr(unwrap_model(model), "output_layer", None)
-        if output_layer is None or not unwrap_model(model).post_process:
-            return self.forward_step(model, microbatch)
-        main_call = unwrap_model(model).config.mtp_num_layers + 1
-        calls: list[int] = []
-        captured: list[torch.Tensor] = []
-        mtp_logits: list[torch.Tensor] = []
-
-        def read(_module: torch.nn.Module, _args: tuple, output: tuple) -> None:
-            calls.append(len(calls) + 1)
-            if calls[-1] == 1:
-                captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
-                mtp_logits.append(output[0].clone())
-            elif calls[-1] == main_call:
-                captured.append(vocab_parallel_argmax(output[0]).transpose(0, 1))
-                captured.extend(self._sampled_acceptance_overlap(microbatch, mtp_logits.pop(), output[0]))
-
-        handle = output_layer.register_forward_hook(read)
-        try:
-            output = self.forward_step(model, microbatch)
-        finally:
-            handle.remove()
-        if len(calls) != main_call:
-            raise RuntimeError(f"expected {main_call - 1} MTP depth(s) and the main output-layer call, saw "
-                               f"{len(calls)} calls")
-        self._captured_logits = captured
-        return output
-
-    def _loss_func_counting_acceptance(self, microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
-        mtp_ids, main_ids, overlap, counted = self._captured_logits
-        self._captured_logits = []
-        rows = whole_rows(microbatch, mtp_ids, main_ids, microbatch["loss_mask"].to(main_ids.device))
-        if rows is not None:  # t + 2 is the next-but-one token of the whole row, not of this CP rank's chunks
-            self.val_mtp_acceptance.update(*rows)
-        self.val_mtp_sampled_acceptance.update(overlap, counted)
+    def _loss_func_counting_acceptance(self, capture: DraftCapture, microbatch: Microbatch,
+                                       output: torch.Tensor) -> LossOutput:
+        (first_depth,) = capture.positions()
+        self.val_mtp_acceptance.update(first_depth.greedy, first_depth.counted)
+        self.val_mtp_sampled_acceptance.update(first_depth.sampled, first_depth.counted)
         return self.loss_func(microbatch, output)
 
-    def _sampled_acceptance_overlap(self, microbatch: Microbatch, mtp_logits: torch.Tensor,
-                                    main_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(overlap, counted) of `val_mtp_sampled_acceptance`: the main logits and the mask rolled one token left
-        by Megatron-Core's own MTP roll (within packed sequences, across CP chunks), so every CP rank counts its own
-        positions."""
-        from megatron.core import parallel_state
-        from megatron.core.transformer.multi_token_prediction import roll_tensor
+    def draft_acceptance(self, batches: Iterable[list[Microbatch]], temperature: float) -> DraftAcceptance:
+        """The MTP head's teacher-forced acceptance at every depth (`mtp_depths`) on `batches` (`DraftProbe`, which
+        sets eval mode and no grad): greedy, and sampled at `temperature`; pooled over tokens and data-parallel
+        ranks, the same on every rank. Depth 1 is what validation logs on the same batches."""
+        if not self.enable_mtp:
+            raise ValueError("draft acceptance measures the MTP head: SFTModule(enable_mtp=True) on a checkpoint "
+                             "with one; this module has enable_mtp: false")
+        start, strategy = time.perf_counter(), self.megatron_strategy
+        capture = DraftCapture(self.forward_step, depths=self.hparams.mtp_depths, temperature=temperature)
+        totals = torch.zeros(self.hparams.mtp_depths, 3, dtype=torch.float64, device=strategy.root_device)
 
-        packed = packed_seq_params(microbatch) if CU_SEQLENS in microbatch else None
-        rolled = partial(roll_tensor, shifts=-1, dims=-1, cp_group=parallel_state.get_context_parallel_group(),
-                         packed_seq_params=packed)
-        overlap = sampled_acceptance_overlap(mtp_logits, main_logits, self.hparams.mtp_sampling_temperature,
-                                             lambda tensor: rolled(tensor)[0],
-                                             parallel_state.get_tensor_model_parallel_group())
-        return overlap, rolled(microbatch["loss_mask"].to(overlap.device).float())[0]
+        def count(microbatch: Microbatch, output: torch.Tensor) -> LossOutput:
+            totals.add_(torch.stack([depth.totals() for depth in capture.positions()]).to(totals.device))
+            return self.loss_func(microbatch, output)
+
+        read = 0
+        for microbatches in batches:
+            strategy.forward_backward(microbatches, capture.forward_step, count, forward_only=True)
+            read += 1
+        return DraftAcceptance.from_totals(reduce_draft_totals(totals), temperature, read,
+                                           time.perf_counter() - start)
 
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Greedy continuations, one `{"index", "token_ids"}` per prompt (the index is the prompt's dataset index)."""

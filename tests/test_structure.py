@@ -302,7 +302,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("hf_io.py", "sched_getaffinity"): "os: Linux has it, macOS does not",
     ("hf_io.py", "staging"): "a threading.local, set by each thread's first write",
     ("lora.py", "p"): LIBRARY + " (an adapter's dropout is a Dropout, or an identity without p)",
-    ("module.py", "output_layer"): MEGATRON,
+    ("mtp/draft_capture.py", "output_layer"): MEGATRON,
     ("mtp/self_distill.py", "mtp"): MEGATRON,
     ("mtp/self_distill.py", "bias"): MEGATRON,
     ("mtp/self_distill.py", "post_process"): MEGATRON,

@@ -75,16 +75,13 @@ def _token_ids(values: torch.Tensor, name: str) -> torch.Tensor:
                      f"{values.dtype} {list(values.shape)}")
 
 
-class MTPSampledAcceptance(Metric):
-    """Teacher-forced expected acceptance of speculative *sampling*: the mean over counted positions of
-    ``alpha = sum_x min(p(x), q(x))``, the probability that the draft sampled from the MTP head's ``q`` is accepted
-    by the target's ``p`` (Leviathan et al., 2023), both at the same sampling temperature.
-
-    ``update(overlap, counted)``: ``overlap [b, s]`` from :func:`sampled_acceptance_overlap` (position ``t``: the
-    MTP head at ``t`` against the target at ``t + 1``, both predicting token ``t + 2``) and the positions to count.
-    Sums are pooled over batches and processes like :class:`MTPAcceptanceAccuracy`'s counts (a position repeated
-    on every tensor-parallel rank is repeated in both sums, so the ratio is unchanged); NaN when nothing counted.
-    """
+class PooledAcceptance(Metric):
+    """An acceptance rate pooled over tokens: ``update(accepted, counted)`` adds ``sum(accepted * counted)`` and
+    ``sum(counted)`` (per-position values and weights of one shape, ``[b, s]``), ``compute`` divides; NaN when
+    nothing counted. Sums run over batches and, when synced, over processes (a position repeated on every
+    tensor-parallel rank is repeated in both sums, so the ratio is unchanged). The greedy acceptance of
+    validation (``accepted``: 1 where the draft's argmax is the target's greedy token) and the base of
+    :class:`MTPSampledAcceptance`."""
 
     is_differentiable = False
     higher_is_better = True
@@ -92,20 +89,32 @@ class MTPSampledAcceptance(Metric):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.add_state("overlap", default=torch.tensor(0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("accepted", default=torch.tensor(0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("counted", default=torch.tensor(0, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, overlap: torch.Tensor, counted: torch.Tensor) -> None:
-        if overlap.shape != counted.shape:
-            raise ValueError(f"counted must be shaped like overlap {list(overlap.shape)}, got {list(counted.shape)}")
+    def update(self, accepted: torch.Tensor, counted: torch.Tensor) -> None:
+        if accepted.shape != counted.shape:
+            raise ValueError(f"counted must be shaped like accepted {list(accepted.shape)}, got "
+                             f"{list(counted.shape)}")
         weights = counted.to(torch.float64)
-        self.overlap += (overlap.to(torch.float64) * weights).sum()
+        self.accepted += (accepted.to(torch.float64) * weights).sum()
         self.counted += weights.sum()
 
     def compute(self) -> torch.Tensor:
         if self.counted == 0:
             return torch.tensor(float("nan"))
-        return (self.overlap / self.counted).float()
+        return (self.accepted / self.counted).float()
+
+
+class MTPSampledAcceptance(PooledAcceptance):
+    """Teacher-forced expected acceptance of speculative *sampling*: the mean over counted positions of
+    ``alpha = sum_x min(p(x), q(x))``, the probability that the draft sampled from the MTP head's ``q`` is accepted
+    by the target's ``p`` (Leviathan et al., 2023), both at the same sampling temperature.
+
+    ``update(overlap, counted)``: ``overlap [b, s]`` from :func:`sampled_acceptance_overlap` (position ``t``: the
+    MTP head at ``t`` against the target at ``t + 1``, both predicting token ``t + 2``) and the positions to count,
+    pooled as :class:`PooledAcceptance` pools them.
+    """
 
 
 def sampled_acceptance_overlap(mtp_logits: torch.Tensor, main_logits: torch.Tensor, temperature: float,

@@ -177,3 +177,18 @@ def assert_main_head_on_demand_changes_only_lm_loss(on_demand: tuple, every_step
     assert on_demand_logs and len(on_demand_logs) == len(every_step_logs)
     for mine, other in zip(on_demand_logs, every_step_logs):
         assert "lm_loss" in mine and mine.keys() == other.keys() and mine == pytest.approx(other, rel=0, abs=1e-6)
+
+
+def block_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Whole-vocabulary fp32 logits `[b, s, V]` of the main head and then of each MTP depth, from the MTP block's
+    output in the model's own forward on `batch` (an unwrapped last-stage GPTModel of one process), under no grad."""
+    from lightning_megatron.microbatch import model_inputs
+
+    captured = {}
+    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
+    with torch.no_grad():
+        model(**model_inputs(batch))
+        hook.remove()
+        tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        return [model.output_layer(hidden, weight=tied)[0].transpose(0, 1).float()
+                for hidden in captured["hidden"].chunk(1 + model.config.mtp_num_layers, dim=0)]

@@ -27,6 +27,7 @@ from lightning_megatron.mtp.parameters import is_mtp_parameter
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
+from tests.mtp._helpers import block_logits
 from tests.test_context_parallel import SequencesDataset
 
 SCALE, TEMPERATURE = 0.5, 0.7
@@ -331,26 +332,17 @@ def test_serving_weighted_self_distillation_equals_the_direct_computation(proces
 def _direct_sampled_acceptance(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
     """Pooled `sum_x min(p, q)` at temperature 1 over the positions whose next-but-one token is trained and in the
     same sequence, from fresh full-vocabulary logits of the model's own hidden states."""
-    from lightning_megatron.microbatch import model_inputs
-
     total = count = 0.0
-    with torch.no_grad():
-        for batch in batches:
-            captured = {}
-            hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
-            model(**model_inputs(batch))
-            hook.remove()
-            tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-            main, mtp = (model.output_layer(hidden, weight=tied)[0].transpose(0, 1).float()
-                         for hidden in captured["hidden"].chunk(2, dim=0))
-            seq = main.size(1)
-            ends = {end - 1 for end in (batch["cu_seqlens"][1:].tolist() if "cu_seqlens" in batch else [seq])}
-            for b in range(main.size(0)):
-                for t in range(seq - 1):
-                    if t in ends or not batch["loss_mask"][b, t + 1]:
-                        continue
-                    total += float(torch.minimum(torch.softmax(main[b, t + 1], -1), torch.softmax(mtp[b, t], -1)).sum())
-                    count += 1
+    for batch in batches:
+        main, mtp = block_logits(model, batch)
+        seq = main.size(1)
+        ends = {end - 1 for end in (batch["cu_seqlens"][1:].tolist() if "cu_seqlens" in batch else [seq])}
+        for b in range(main.size(0)):
+            for t in range(seq - 1):
+                if t in ends or not batch["loss_mask"][b, t + 1]:
+                    continue
+                total += float(torch.minimum(torch.softmax(main[b, t + 1], -1), torch.softmax(mtp[b, t], -1)).sum())
+                count += 1
     return total / count
 
 
