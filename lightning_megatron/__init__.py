@@ -17,6 +17,7 @@ _EXPORTS = {
     "SFTModule": "lightning_megatron.module",
     "MTPOnlyCallback": "lightning_megatron.callbacks",
     "WeightSync": "lightning_megatron.callbacks",
+    "DraftProbe": "lightning_megatron.mtp.probe",
     "SFTDataModule": "lightning_megatron.data",
 }
 

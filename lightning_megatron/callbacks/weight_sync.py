@@ -19,6 +19,14 @@ full. The engine ends bit-equal to a full sync of the same step. A backend that 
 always syncs in full. A parameter changed outside the optimizer while frozen is not seen: call `sync(trainer,
 full=True)` after such a change.
 
+The draft head's quality per version (`probe=DraftProbe(...)`): before each sync every rank measures the MTP head's
+teacher-forced acceptance on the probe set (greedy and sampled at the rollout temperature, per MTP depth), logs it
+with the version as the step (`draft_acceptance/greedy_depth1`, ...) and writes it into the version's metadata
+(`draft_acceptance`): disk: `weight_version.json` inside the version folder, in place before the folder is renamed
+into place; colocated and collective: the last request's `weight_version_metadata`, which the engine keeps with the
+version (the package's receiver answers it in `/model_info`). A rollout worker reads which head quality it serves
+(`lightning_megatron.serving.served_version`). Put `WeightSync` after `MTPOnlyCallback` in the callbacks.
+
 LoRA: `lora_form="merged"` (the default) sends the adapted linears with their adapters merged in (a delta of only
 those); `lora_form="adapter"` (disk) writes each version as a PEFT folder of the adapters alone, for engines that
 serve LoRA adapters over the base model they hold (SGLang `/load_lora_adapter`, vLLM `/v1/load_lora_adapter`,
@@ -41,6 +49,7 @@ from lightning_megatron.bridges import Bridge
 from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
 from lightning_megatron.distributed import agree_on_failure, leader_value
 from lightning_megatron.lora import export_lora_adapter
+from lightning_megatron.mtp.probe import DraftProbe
 from lightning_megatron.serving import disk
 from lightning_megatron.serving.protocol import WeightSyncError, version_record
 from lightning_megatron.serving.sender import BucketSender, CollectiveSender, ColocatedSender, SyncReport
@@ -59,7 +68,8 @@ class WeightSync(pl.Callback):
     long one request or broadcast may take before the sync fails (then every rank raises `WeightSyncError` and the
     next sync reconnects). `backend`: the collective's ("auto": NCCL on GPU, gloo on CPU). `engine`: the disk
     notification's shape ("sglang" or "vllm"). `delta`: send only what changed since the engine's version;
-    `lora_form`: a LoRA model's weights merged, or its adapters alone as PEFT folders (module docstring).
+    `lora_form`: a LoRA model's weights merged, or its adapters alone as PEFT folders; `probe`: measure the draft
+    head's acceptance at each version and record it with the version (module docstring).
     """
 
     def __init__(
@@ -80,6 +90,7 @@ class WeightSync(pl.Callback):
         sync_on_train_end: bool = True,
         delta: bool = True,
         lora_form: LoRAForm = "merged",
+        probe: DraftProbe | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
@@ -114,6 +125,7 @@ class WeightSync(pl.Callback):
         self.sync_on_train_end = sync_on_train_end
         self.delta = delta
         self.lora_form = lora_form
+        self.probe = probe
         self.version: int | None = None
         self.reports: list[SyncReport] = []
         self._sender: BucketSender | None = None
@@ -182,8 +194,14 @@ class WeightSync(pl.Callback):
         return report
 
     def _measure(self, trainer: pl.Trainer, version: int) -> dict[str, Any]:
-        """What the version's metadata records beside the weights."""
-        return {}
+        """What the version's metadata records beside the weights: the draft head's acceptance, when probed (every
+        rank measures; the loggers get it with the version as the step)."""
+        if self.probe is None:
+            return {}
+        acceptance = self.probe.measure(trainer, trainer.lightning_module)
+        for logger in trainer.loggers:
+            logger.log_metrics(acceptance.as_metrics(), step=version)
+        return {"draft_acceptance": acceptance.as_json()}
 
     # ------------------------------------------------------------------ what changed
 

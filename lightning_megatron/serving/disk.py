@@ -34,7 +34,7 @@ import torch
 
 from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
 from lightning_megatron.hf_io import write_shard_files
-from lightning_megatron.serving.protocol import post_json
+from lightning_megatron.serving.protocol import get_json, post_json
 
 Engine = Literal["sglang", "vllm"]
 _VERSION_FOLDER = re.compile(r"^v(\d{8,})$")
@@ -110,6 +110,19 @@ def read_version_record(folder: str | Path) -> dict[str, Any] | None:
     """A version folder's `VERSION_FILE` (None for a folder written without one, e.g. a plain export)."""
     file = Path(folder) / VERSION_FILE
     return json.loads(file.read_text()) if file.is_file() else None
+
+
+def served_version(source: str | Path) -> dict[str, Any] | None:
+    """What a rollout worker reads of the version it serves: the version record (`version`, `base_version` and what
+    the trainer measured, e.g. `draft_acceptance`: `lightning_megatron.mtp.DraftAcceptance.from_json` reads it).
+    `source`: an engine's URL (its `/model_info`'s `weight_version_metadata`), a disk sync's root (the version
+    `latest` names) or a version folder. None where nothing was recorded."""
+    if str(source).startswith(("http://", "https://")):
+        return get_json(f"{str(source).rstrip('/')}/model_info", 60.0).get("weight_version_metadata")
+    folder = Path(source)
+    if (folder / "latest").is_file():
+        folder = read_latest(folder) or folder
+    return read_version_record(folder)
 
 
 def weight_map(folder: Path) -> dict[str, str]:

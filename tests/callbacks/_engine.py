@@ -81,12 +81,13 @@ class CompareAfterSync(pl.Callback):
 
 def fit_with_syncs(workdir: Path, hf_checkpoint: Path, syncs: list[WeightSync], url: str | None, *, steps: int = 3,
                    devices: int = 1, extra_callbacks: tuple = (), ckpt_path: str | None = None,
-                   module_kwargs: dict[str, Any] | None = None, **strategy_kwargs: Any) -> dict[str, Any]:
+                   module_kwargs: dict[str, Any] | None = None, logger: Any = False,
+                   **strategy_kwargs: Any) -> dict[str, Any]:
     options = dict(micro_batch_size=2, global_batch_size=4, precision="fp32") | strategy_kwargs
     mtp = options.get("bridge_type") == "megatron-bridge"
     compare = CompareAfterSync(syncs, url, workdir) if url is not None else pl.Callback()
     trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options), accelerator="cpu",
-                         devices=devices, max_steps=steps, logger=False, enable_progress_bar=False,
+                         devices=devices, max_steps=steps, logger=logger, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=workdir,
                          enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in extra_callbacks),
                          callbacks=[*syncs, compare, *extra_callbacks])

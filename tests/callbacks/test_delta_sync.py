@@ -17,7 +17,7 @@ from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback, WeightSy
 from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.hf_io import checkpoint_tensor_specs
 from lightning_megatron.options import ModelOptions
-from lightning_megatron.serving import ColocatedSender, WeightReceiver, WeightSyncError, read_latest
+from lightning_megatron.serving import ColocatedSender, WeightReceiver, WeightSyncError, read_latest, served_version
 from lightning_megatron.serving.disk import VERSION_FILE, read_version_record, weight_map
 from lightning_megatron.serving.protocol import post_json
 from lightning_megatron.serving.receiver import spawn_receiver
@@ -190,6 +190,71 @@ def test_the_adapter_form_is_refused_outside_disk_mode_naming_the_fix():
         WeightSync("colocated", engine_url="http://127.0.0.1:1", lora_form="adapter")
     with pytest.raises(ValueError, match="lora_form: 'peft' is not one of 'merged', 'adapter'"):
         WeightSync("disk", root="versions", lora_form="peft")
+
+
+class ProbeAgain(pl.Callback):
+    """After each sync (it runs after the WeightSync callbacks): the probe measured once more on the same weights,
+    the version record on the disk and the engine's."""
+
+    def __init__(self, syncs: list[WeightSync], url: str, root: Path) -> None:
+        self.syncs, self.url, self.root = syncs, url, root
+        self.seen: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        version = self.syncs[0].version
+        if version is None or (self.seen and self.seen[-1]["version"] == version):
+            return
+        assert self.syncs[0].probe is not None
+        again = self.syncs[0].probe.measure(trainer, trainer.lightning_module)
+        self.seen.append({"version": version, "again": again.as_json(),
+                          "reports": [sync.reports[-1].metadata for sync in self.syncs],
+                          "disk": served_version(self.root), "engine": served_version(self.url)})
+
+
+class MetricsByStep(pl.loggers.logger.Logger):
+    """What reaches a logger, by step."""
+
+    name, version = "recorded", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_step: dict[int, dict[str, float]] = {}
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.by_step.setdefault(step, {}).update(metrics)
+
+
+def test_each_version_carries_the_draft_acceptance_the_probe_measured_on_its_weights(process_group, checkpoint,
+                                                                                     engine, tmp_path):
+    from lightning_megatron import DraftProbe
+    from lightning_megatron.mtp.probe import DraftAcceptance
+    from lightning_megatron.testing.datasets import RandomTokenDataset
+    from tests.mtp.test_probe import Rows
+
+    probe = DraftProbe(batches=2, temperature=0.7, datamodule=Rows(RandomTokenDataset(8, 16, 384, seed=7), 2))
+    syncs = [WeightSync("colocated", every_n_steps=1, engine_url=engine, bucket_mb=1, timeout_s=60, probe=probe),
+             WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"), keep_last=3, probe=probe)]
+    again, logger = ProbeAgain(syncs, engine, tmp_path / "versions"), MetricsByStep()
+    fit_with_syncs(tmp_path, checkpoint, syncs, None, extra_callbacks=(MTPOnlyCallback(), again), logger=logger,
+                   **MTP_BRIDGE)
+
+    assert [seen["version"] for seen in again.seen] == [1, 2, 3]
+    for seen in again.seen:
+        measured = seen["again"]
+        for recorded in (*seen["reports"], seen["disk"], seen["engine"]):
+            assert {**recorded["draft_acceptance"], "seconds": 0} == {**measured, "seconds": 0}
+        assert seen["disk"]["version"] == seen["engine"]["version"] == seen["version"]
+        acceptance = DraftAcceptance.from_json(seen["engine"]["draft_acceptance"])
+        assert acceptance.temperature == 0.7 and 0 < acceptance.positions
+        logged = logger.by_step[seen["version"]]
+        assert logged["draft_acceptance/sampled_depth1"] == acceptance.sampled[0]
+        assert logged["draft_acceptance/greedy_depth1"] == acceptance.greedy[0]
+    assert [seen["engine"]["base_version"] for seen in again.seen] == [None, 1, 2]
+    first, last = (seen["again"]["sampled"][0] for seen in (again.seen[0], again.seen[-1]))
+    assert first != last  # the head trained between the versions, and the record follows it
 
 
 def _distributed_delta_syncs(rank: int, world_size: int, workdir: str, checkpoint: str,
