@@ -28,6 +28,7 @@ from lightning_megatron.mtp.parameters import (
     normalized_depth_weights,
     read_and_reset_mtp_tracker,
 )
+from lightning_megatron.mtp.probe import DraftAcceptance
 from lightning_megatron.mtp.self_distill import (
     DISTILL_WEIGHTINGS,
     MTP_LOSS_TYPES,
@@ -36,7 +37,6 @@ from lightning_megatron.mtp.self_distill import (
     use_mtp_depth_loss,
     use_mtp_depth_scales,
 )
-from lightning_megatron.mtp.probe import DraftAcceptance
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, depth_divergence
 from lightning_megatron.options import ModelOptions
