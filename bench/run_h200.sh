@@ -13,13 +13,17 @@
 #   mtp_memory          P2    MTP-only memory and step time vs joint and vs the plain MTP-only loop, 0.6B and 8B
 #   trunk_cache         P2    MTP-only epochs from the trunk cache vs joint (0.6B) and the plain MTP-only loop (8B)
 #   hf_io_8b            P3    HF load/save at the Qwen3-8B shape (untied, one MTP layer)
-#   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape
+#   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape; delta syncs after MTP-only training
+#                             and the LoRA adapter-only version against full syncs
 #   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
 #   gputests                  every `-m gpu` test (CI has no GPU), in two processes at once: $OUT/gputests.log, the
 #                             step fails if one does
 #   async_save                a save's blocked time, async vs sync, and the step times around it (Qwen3-8B shape,
 #                             MTP-only; checkpoints to /dev/shm, removed afterwards)
+# Recipes (not in the default list: each wants a call of its own), their JSON and figure copied into $OUT:
+#   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (about 12 minutes)
+#   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
 # bench/report.py then writes the markdown tables to $OUT/table.md. A failed step prints the end of its log; the
 # others still run, and the exit status is 1. Packages come from PYTHONPATH=/tmp/site:. (wheels installed with
@@ -92,6 +96,13 @@ gpu_tests() {  # two pytest processes at once, the folders of subprocess-spawnin
     return $rc
 }
 
+recipe() {  # a recipe's run in the scratch folder; its summary and figure into $OUT (the checkpoints stay behind)
+    local name=$1 folder="$SCRATCH/lightning_megatron_bench.$1" rc=0
+    python3 -m "lightning_megatron.recipes.$name" "$folder" --size gpu || rc=1
+    cp "$folder/$name.json" "$folder/$name.png" "$OUT/" 2>/dev/null || rc=1
+    return $rc
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.csv" 2>&1 || true
 case " $STEPS " in
     *" lightning_overhead "*|*" hf_io "*) step make_checkpoint python3 -m bench.make_checkpoint "$CHECKPOINT" ;;
@@ -108,6 +119,7 @@ for name in $STEPS; do
                       python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \
                          python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
+        mtp_quality|mtp_drift) step "$name" recipe "$name" ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

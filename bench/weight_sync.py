@@ -155,6 +155,7 @@ def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb
     from lightning_megatron.serving import ColocatedSender, disk
     from lightning_megatron.serving.receiver import spawn_receiver
 
+    shutil.rmtree(workdir / "versions", ignore_errors=True)  # the full syncs' last version: its room is needed here
     bridge = create_bridge("megatron-bridge", checkpoint)
     chunks = bridge.build(ModelOptions(params_dtype=next(iter(bridge.hf_tensor_specs().values())).dtype, mtp=True))
     specs = bridge.hf_tensor_specs()  # with the MTP head, now that the model has one
