@@ -26,7 +26,7 @@ How to add a model family:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
@@ -77,6 +77,8 @@ class ModelFamily:
     mtp: MTPNames | None = None  # None: the family has no MTP head
     moe: bool = False  # every MLP is routed experts
     vl_name: str | None = None  # the vision-language model's display name; None for a text model
+    linear_attention: bool = False  # some decoder layers are linear attention (Qwen3.5's gated DeltaNet): its state
+    # runs along the whole row, so a packed row or a tree is not a mask over tokens
 
 
 # Qwen3 (and Qwen3-MoE, which lays its MTP layer out as Qwen3-Next does, routed experts in the layer) keeps one
@@ -99,6 +101,9 @@ _MIMO_MTP = MTPNames(
     final_norm="model.mtp_layers.{i}.final_layernorm.weight",
     hidden_first=True,
 )
+# Qwen3.5 (Qwen/Qwen3.5-0.8B ... 27B, text model `qwen3_5_text`; megatron-bridge qwen/qwen35_bridge.py) stores its MTP
+# layer as Qwen3-Next does, under Qwen3's names, and declares it as `mtp_num_hidden_layers`.
+_QWEN3_5_MTP = replace(_QWEN3_MTP, layers_key="mtp_num_hidden_layers")
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     entry.model_type: entry
@@ -109,6 +114,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("mimo", "MiMoForCausalLM", mtp=_MIMO_MTP),
         ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", mtp=_QWEN3_MTP, moe=True),
         ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
+        ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),
     )
@@ -118,6 +124,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 MTP_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.mtp is not None)
 MOE_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.moe)
 VL_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.vl_name is not None)
+LINEAR_ATTENTION_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.linear_attention)
 
 
 def family(model_type: str | None) -> ModelFamily:

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from lightning_megatron.families import MTP_PREFIXES, MTPNames, distinct_mtp_names
+from lightning_megatron.families import MODEL_FAMILIES, MTP_PREFIXES, MTPNames, distinct_mtp_names
 
 
 class MTPDraftHead(nn.Module):
@@ -163,8 +163,12 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
 
 
 def _detect_layout(hf_path: Path, tensor_names: Collection[str]) -> tuple[str, MTPNames]:
-    """The family (the first in the table with these names) and MTP names whose projection the checkpoint holds."""
+    """The family and MTP names whose projection the checkpoint holds: the checkpoint's own family's when it has
+    them (Qwen3.5 spells its head as Qwen3 does), else the first family in the table with these names."""
     layouts = distinct_mtp_names()
+    own = MODEL_FAMILIES.get(_read_config(hf_path).get("model_type"))
+    if own is not None and own.mtp is not None:
+        layouts = {own.mtp: own.model_type, **layouts}
     for names, family in layouts.items():
         if names.head(0)["projection"] in tensor_names:
             return family, names

@@ -23,10 +23,11 @@ from tokenizers import Tokenizer
 
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.families import MODEL_FAMILIES, MOE_MODEL_TYPES, mtp_names
+from lightning_megatron.testing import qwen3_5
 from lightning_megatron.testing.mimo import write_mimo_remote_code
 from lightning_megatron.testing.tokenizer import build_tokenizer, special_token_roles, tokenizer_config
 
-Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe"]
+Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "qwen3_5_text"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -37,11 +38,15 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3_moe", False),
     ("qwen3_moe", True),
     ("qwen2_moe", False),
+    ("qwen3_5_text", False),
+    ("qwen3_5_text", True),
 )
 """Supported ``(family, mtp)`` combinations: MTP exists for Qwen3 (Qwen3-Next-style ``mtp.*`` keys) and MiMo
 (always, ``model.mtp_layers.0.*``); Qwen2 and Llama are plain decoders. Qwen3-MoE and Qwen2-MoE (with its gated
 shared expert) replace every MLP with routed experts (:class:`MoEShape`); a Qwen3-MoE MTP layer is a Qwen3-MoE
-decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out."""
+decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out. Qwen3.5 (``qwen3_5_text``) interleaves gated
+DeltaNet and gated full-attention layers, its MTP layer a full-attention one under the same keys
+(:mod:`lightning_megatron.testing.qwen3_5`)."""
 
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
@@ -120,7 +125,8 @@ def make_tiny_checkpoint(
     def write(folder: Path) -> None:
         config = _model_config(family, mtp, tied, dtype, shape, ids, moe)
         shapes = _with_experts(family, tensor_shapes(family, mtp, tied, shape), moe, shape)
-        tensors = {name: random_tensor(name, tensor_shape, seed).to(dtype) for name, tensor_shape in shapes.items()}
+        tensors = {name: random_tensor(name, tensor_shape, seed, zero_centred=qwen3_5.zero_centred(family, name))
+                   .to(dtype) for name, tensor_shape in shapes.items()}
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         write_json(folder / "config.json", config)
         write_json(
@@ -189,7 +195,7 @@ def _model_config(
     moe: MoEShape | None = None,
 ) -> dict[str, Any]:
     """config.json contents, produced by the transformers config class so it reads like a real checkpoint's."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
     fields: dict[str, Any] = dict(
         architectures=[MODEL_FAMILIES[family].architecture],
@@ -209,11 +215,13 @@ def _model_config(
     )
     if family in ("qwen3", "llama", "qwen3_moe"):
         fields["head_dim"] = shape.head_dim
+    if family == qwen3_5.MODEL_TYPE:
+        fields.update(qwen3_5.config_fields(shape), rope_parameters=qwen3_5.rope_parameters(_ROPE_THETA))
     if mtp:
         # The key megatron-bridge maps to mtp_num_layers (model_bridge.py CONFIG_MAPPING; mimo_bridge.py).
         fields[mtp_names(family).layers_key] = 1
     config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config,
-                  "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig}[family]
+                  "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, qwen3_5.MODEL_TYPE: Qwen3_5TextConfig}[family]
     if moe is not None:
         fields.update(_moe_config_fields(family, moe, shape))
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
@@ -238,7 +246,7 @@ def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape)
     if not tied:
         shapes["lm_head.weight"] = (vocab_size, hidden_size)
     for i in range(shape.num_layers):
-        shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape))
+        shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape, layer=i))
     if mtp:  # one MTP layer, named as the family table says
         names = mtp_names(family)
         for role, name in names.head(0).items():
@@ -247,8 +255,13 @@ def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape)
     return shapes
 
 
-def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's tensors: Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v biases."""
+def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, layer: int | None = None
+                          ) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors (`layer` None: the MTP layer): Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v
+    biases; Qwen3.5's layers are gated DeltaNet or gated full attention, its MTP layer full attention."""
+    if family == qwen3_5.MODEL_TYPE:
+        full_attention = layer is None or qwen3_5.is_full_attention(layer)
+        return qwen3_5.decoder_layer_shapes(prefix, shape, full_attention=full_attention)
     hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q_size, kv_size = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -272,17 +285,18 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape) -
     return shapes
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, *, zero_centred: bool = False) -> torch.Tensor:
     """A float32 tensor that depends only on (seed, name, shape).
 
     Norm weights are ``1 + N(0, 0.1)`` rather than ones, so that mixing up two norms (e.g. the MTP embedding and
-    hidden norms) changes the output; matrices are ``N(0, 1/fan_in)``, which keeps activations and logits O(1).
+    hidden norms) changes the output (``N(0, 0.1)`` for a ``zero_centred`` norm, which scales by ``1 + weight``);
+    matrices are ``N(0, 1/fan_in)``, which keeps activations and logits O(1).
     """
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     values = torch.randn(shape, generator=generator)
     if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * values
+        return 0.1 * values if zero_centred else 1.0 + 0.1 * values
     if name.endswith(".bias"):
         return 0.1 * values
     return values / shape[-1] ** 0.5

@@ -58,7 +58,7 @@ IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 2
 
 def _mtp_keys(family: str, mtp: bool) -> set[str]:
     return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS,
-            ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS}.get((family, mtp), set())
+            ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS, ("qwen3_5_text", True): QWEN3_MTP_KEYS}.get((family, mtp), set())
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,8 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
         assert bool(info["unexpected_keys"]) is mtp and all(key.startswith("mtp.") for key in info["unexpected_keys"])
     else:
         assert set(info["unexpected_keys"]) == expected_unexpected
-    assert config.get("num_nextn_predict_layers") == (1 if mtp else None)
+    layers_key = "mtp_num_hidden_layers" if family == "qwen3_5_text" else "num_nextn_predict_layers"
+    assert config.get(layers_key) == (1 if mtp else None)
     assert model.config.tie_word_embeddings is tied
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tied
     with torch.no_grad():
@@ -133,7 +134,7 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     assert {n for n in names if "mtp" in n} == _mtp_keys(family, mtp)
     has_bias = family in ("qwen2", "mimo", "qwen2_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
-    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family in ("qwen3", "qwen3_moe"))
+    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family in ("qwen3", "qwen3_moe", "qwen3_5_text"))
     is_moe = family in ("qwen3_moe", "qwen2_moe")
     assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
     assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family == "qwen2_moe")
@@ -307,3 +308,24 @@ def test_a_qwen3_vocabulary_is_filled_with_reserved_tokens(tmp_path: Path) -> No
     assert tokenizer.get_vocab_size() == 151936
     assert tokenizer.id_to_token(151935).startswith("<|reserved_")
     assert load_file(path / "model.safetensors")["model.embed_tokens.weight"].shape == (151936, 16)
+
+
+def test_qwen3_5_interleaves_gated_deltanet_and_gated_attention_as_its_checkpoints_do(checkpoints: dict) -> None:
+    """Qwen3.5-0.8B's tensor names, at the tiny sizes: layer 0 gated DeltaNet, layer 1 gated full attention (q_proj
+    twice the query size: queries and output gates), the MTP layer full attention; zero-centred norms near 0."""
+    path = checkpoints["qwen3_5_text", True, False]
+    tensors = load_file(path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+    linear = {name.removeprefix("model.layers.0.linear_attn."): tuple(tensor.shape) for name, tensor in tensors.items()
+              if name.startswith("model.layers.0.linear_attn.")}
+    assert linear == {"in_proj_qkv.weight": (128, 64), "in_proj_z.weight": (64, 64), "in_proj_b.weight": (4, 64),
+                      "in_proj_a.weight": (4, 64), "conv1d.weight": (128, 1, 4), "dt_bias": (4,), "A_log": (4,),
+                      "norm.weight": (16,), "out_proj.weight": (64, 64)}
+    assert not any(name.startswith("model.layers.0.self_attn.") for name in tensors)
+    for prefix in ("model.layers.1.", "mtp.layers.0."):
+        assert tensors[f"{prefix}self_attn.q_proj.weight"].shape == (2 * 64, 64)
+        assert tensors[f"{prefix}self_attn.o_proj.weight"].shape == (64, 64)
+    assert tensors["mtp.fc.weight"].shape == (64, 128)
+    assert tensors["model.norm.weight"].abs().mean() < 0.2  # scale 1 + weight
+    assert (tensors["model.layers.0.linear_attn.norm.weight"] - 1).abs().mean() < 0.2  # scale weight

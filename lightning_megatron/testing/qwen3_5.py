@@ -1,0 +1,96 @@
+"""The Qwen3.5 dense layout (HF `qwen3_5_text`) for the tiny-checkpoint maker (`testing.checkpoints`).
+
+Qwen3.5 interleaves gated DeltaNet linear-attention layers (`linear_attn.*`) with gated full-attention layers
+(`self_attn.*`, whose `q_proj` also produces the output gate, so it is twice the query size), by `layer_types`
+(here a full-attention layer every `FULL_ATTENTION_INTERVAL` layers; Qwen3.5's own checkpoints have one every 4th).
+Its MTP layer (`mtp.*`, the names of the family table) is one full-attention layer with a dense MLP, as in
+Qwen3.5-0.8B's index; every RMSNorm but the DeltaNet output norm is zero-centred (`1 + weight`). The linear-attention
+sizes follow the checkpoint's shape: as many key heads as KV heads, as many value heads as query heads, both of
+`head_dim`, a causal convolution of width 4 (Qwen3.5's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class CheckpointShape(Protocol):
+    """The sizes of `testing.checkpoints.CheckpointShape` a Qwen3.5 layer is made of."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+MODEL_TYPE = "qwen3_5_text"
+FULL_ATTENTION_INTERVAL = 2
+CONV_KERNEL = 4
+PARTIAL_ROTARY_FACTOR = 0.25  # Qwen3.5's: RoPE on the first quarter of each head
+
+
+def config_fields(shape: CheckpointShape) -> dict[str, Any]:
+    """The config fields of Qwen3.5 beyond a dense decoder's (`Qwen3_5TextConfig` derives `layer_types`)."""
+    return dict(
+        head_dim=shape.head_dim,
+        full_attention_interval=FULL_ATTENTION_INTERVAL,
+        linear_conv_kernel_dim=CONV_KERNEL,
+        linear_key_head_dim=shape.head_dim,
+        linear_value_head_dim=shape.head_dim,
+        linear_num_key_heads=shape.num_key_value_heads,
+        linear_num_value_heads=shape.num_attention_heads,
+    )
+
+
+def rope_parameters(theta: float) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": PARTIAL_ROTARY_FACTOR}
+
+
+def is_full_attention(layer: int) -> bool:
+    """Whether decoder layer `layer` has full attention (`Qwen3_5TextConfig`'s rule for `full_attention_interval`)."""
+    return (layer + 1) % FULL_ATTENTION_INTERVAL == 0
+
+
+def zero_centred(family: str, name: str) -> bool:
+    """Whether tensor `name` of a `family` checkpoint is a zero-centred RMSNorm weight (scale `1 + weight`): every
+    Qwen3.5 norm but the DeltaNet's gated output norm."""
+    return family == MODEL_TYPE and name.endswith("norm.weight") and ".linear_attn.norm." not in name
+
+
+def decoder_layer_shapes(prefix: str, shape: CheckpointShape, *, full_attention: bool) -> dict[str, tuple[int, ...]]:
+    """One Qwen3.5 decoder layer's tensors: gated full attention or gated DeltaNet, then a dense SwiGLU MLP."""
+    hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}input_layernorm.weight": (hidden_size,),
+        f"{prefix}post_attention_layernorm.weight": (hidden_size,),
+        f"{prefix}mlp.gate_proj.weight": (ffn, hidden_size),
+        f"{prefix}mlp.up_proj.weight": (ffn, hidden_size),
+        f"{prefix}mlp.down_proj.weight": (hidden_size, ffn),
+    }
+    if full_attention:
+        q_size, kv_size = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
+        shapes.update({
+            f"{prefix}self_attn.q_proj.weight": (2 * q_size, hidden_size),  # queries and their output gates
+            f"{prefix}self_attn.k_proj.weight": (kv_size, hidden_size),
+            f"{prefix}self_attn.v_proj.weight": (kv_size, hidden_size),
+            f"{prefix}self_attn.o_proj.weight": (hidden_size, q_size),
+            f"{prefix}self_attn.q_norm.weight": (head_dim,),
+            f"{prefix}self_attn.k_norm.weight": (head_dim,),
+        })
+        return shapes
+    key_size = shape.num_key_value_heads * head_dim
+    value_heads = shape.num_attention_heads
+    value_size = value_heads * head_dim
+    conv_size = 2 * key_size + value_size
+    shapes.update({
+        f"{prefix}linear_attn.in_proj_qkv.weight": (conv_size, hidden_size),
+        f"{prefix}linear_attn.in_proj_z.weight": (value_size, hidden_size),
+        f"{prefix}linear_attn.in_proj_b.weight": (value_heads, hidden_size),
+        f"{prefix}linear_attn.in_proj_a.weight": (value_heads, hidden_size),
+        f"{prefix}linear_attn.conv1d.weight": (conv_size, 1, CONV_KERNEL),
+        f"{prefix}linear_attn.dt_bias": (value_heads,),
+        f"{prefix}linear_attn.A_log": (value_heads,),
+        f"{prefix}linear_attn.norm.weight": (head_dim,),
+        f"{prefix}linear_attn.out_proj.weight": (hidden_size, value_size),
+    })
+    return shapes
