@@ -14,6 +14,7 @@ from types import ModuleType
 from lightning_megatron._compat import (
     context_parallel,
     cpu,
+    gated_delta_net,
     mbridge,
     moe,
     no_te,
@@ -34,7 +35,7 @@ def prepare_megatron_core() -> list[str]:
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
-                   *quiet.SAVE_ADJUSTMENTS)
+                   *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 

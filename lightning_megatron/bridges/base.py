@@ -22,7 +22,13 @@ import torch.distributed as dist
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.distributed import ParallelSizes
-from lightning_megatron.families import MTP_CONFIG_KEYS, checkpoint_mtp_layers, family, is_hf_mtp_tensor
+from lightning_megatron.families import (
+    LINEAR_ATTENTION_MODEL_TYPES,
+    MTP_CONFIG_KEYS,
+    checkpoint_mtp_layers,
+    family,
+    is_hf_mtp_tensor,
+)
 from lightning_megatron.hf_io import (
     LoadReport,
     TensorSpec,
@@ -100,6 +106,7 @@ class Bridge(ABC):
     supports_lora: ClassVar[bool] = False  # LoRA adapters (`callbacks.LoRACallback`) and their HF export
     supports_vl: ClassVar[bool] = False  # the Qwen vision-language checkpoints of `bridges.vl`
     moe_model_types: ClassVar[tuple[str, ...]] = ()  # the MoE families whose experts this bridge maps
+    linear_attention_model_types: ClassVar[tuple[str, ...]] = ()  # the families whose linear attention it maps
     reads_model_config_before_build: ClassVar[bool] = False  # `router_updates_expert_bias`
     exports_selected_tensors: ClassVar[bool] = False  # `changed_hf_names`: an export of only what changed
 
@@ -156,6 +163,7 @@ class Bridge(ABC):
             check_vl_options(self.hf_config, attention_backend=options.attention_backend,
                              context_parallel_size=ParallelSizes.current().context)
         self._validate_moe(options)
+        self._validate_linear_attention()
         self._validate_vocabulary()
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
@@ -187,6 +195,24 @@ class Bridge(ABC):
                 f"tensor_model_parallel_size: {tensor_parallel} must divide the checkpoint's vocab_size "
                 f"({vocab_size}, {self.hf_path / 'config.json'}): the embedding and output rows are split evenly "
                 f"and the bridges do not pad them; {fix}")
+
+    def _validate_linear_attention(self) -> None:
+        """Linear-attention layers (Qwen3.5's gated DeltaNet): a backend that maps them, and no context parallelism
+        (upstream's all-to-all for it is untested without fla, `_compat.gated_delta_net`)."""
+        from megatron.core import parallel_state
+
+        model_type = self.hf_config.get("model_type")
+        if model_type not in LINEAR_ATTENTION_MODEL_TYPES:
+            return
+        if model_type not in self.linear_attention_model_types:
+            capable = capable_backends(lambda backend: model_type in backend.linear_attention_model_types)
+            raise BridgeError(f"bridge_type: {self.name} does not map the gated DeltaNet (linear-attention) layers of "
+                              f"{model_type!r} checkpoints; set bridge_type: {capable}")
+        context = ParallelSizes.current().context if parallel_state.model_parallel_is_initialized() else 1
+        if context > 1:
+            raise BridgeError(f"context_parallel_size: {context} is not supported for {model_type!r}: its gated "
+                              "DeltaNet layers would need megatron-core's head all-to-all, untested here; set "
+                              "context_parallel_size: 1")
 
     def _validate_moe(self, options: ModelOptions) -> None:
         from megatron.core import parallel_state

@@ -28,6 +28,7 @@ class MegatronBridge(Bridge):
     supports_vl = True
     exports_selected_tensors = True
     moe_model_types = ("qwen3_moe",)
+    linear_attention_model_types = ("qwen3_5_text",)
     reads_model_config_before_build = True
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:

@@ -3,6 +3,7 @@ micro-batches, padded or packed, through the tokenized-data cache (``cache.py``)
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from lightning_megatron.data.settings import DataSettings
 from lightning_megatron.data.sources import read_examples, size_of
 from lightning_megatron.data.tokenize import Overlong, tokenize_prompts
 from lightning_megatron.data.tree import TreeSFTDataset, collate_tree
+from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES
 
 
 class SFTDataModule(pl.LightningDataModule):
@@ -212,6 +214,7 @@ class SFTDataModule(pl.LightningDataModule):
         if self.packing == "tree":
             mtp_head = self.handed_settings is not None and self.handed_settings.mtp_head
             _check_tree_layout(self.micro_batch_size, self.context_parallel_size, mtp_head)
+            _check_tree_attention(self.hf_checkpoint)
         alignment = sequence_alignment(self.context_parallel_size)
         if self.seq_length % alignment != 0:
             raise ValueError(
@@ -263,6 +266,19 @@ def _default_workers(path: str) -> int:
     if size_of(path) < 4 << 20:
         return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _check_tree_attention(hf_checkpoint: str) -> None:
+    """Tree rows are a mask over tokens: refused for models whose linear-attention layers carry a state along the row
+    (Qwen3.5's gated DeltaNet), which no mask can branch."""
+    config = Path(hf_checkpoint) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type in LINEAR_ATTENTION_MODEL_TYPES:
+        raise ValueError(
+            f"packing='tree' cannot run {model_type!r} checkpoints: their linear-attention layers carry a state along "
+            "the row instead of attending through a mask, so a branch would read its siblings' tokens; use "
+            "packing: true (one state per sequence) or packing: false"
+        )
 
 
 def _check_tree_layout(micro_batch_size: int, context_parallel_size: int, with_mtp_head: bool) -> None:

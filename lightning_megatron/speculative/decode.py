@@ -122,6 +122,10 @@ def decode_batch(
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} must be at least 1 (or decode without a head)")
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"generators: {len(generators)} given for {len(prompts)} prompts; give one per prompt")
+    if "linear_attention" in (target.config.layer_types or ()):
+        raise ValueError("this target has linear-attention layers (Qwen3.5's gated DeltaNet), whose recurrent state "
+                         "cannot be cut back past rejected drafts as this decoder cuts its KV cache: measure its MTP "
+                         "head with val_mtp_acceptance (validation with SFTModule(enable_mtp=True)) instead")
     if len(prompts) > 1 and "sliding_attention" in (target.config.layer_types or ()):
         raise ValueError("this target has sliding-window attention layers, whose windows the batch's shared cache "
                          "slots would shift: decode its prompts one at a time (batch size 1)")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from lightning_megatron.families import MODEL_FAMILIES, MTP_PREFIXES, MTPNames, distinct_mtp_names
@@ -42,7 +42,8 @@ class MTPDraftHead(nn.Module):
         self.enorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.hnorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.layer = layer_class(config, layer_idx=0)  # layer index 0 of the head's own cache
+        self.layer = layer_class(config, layer_idx=_mtp_layer_kind(config))
+        self.layer.self_attn.layer_idx = 0  # layer index 0 of the head's own cache
         self.final_norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.embed_tokens = target.model.embed_tokens
         self.rotary_emb = target.model.rotary_emb
@@ -92,6 +93,13 @@ class MTPDraftHead(nn.Module):
             position_embeddings=self.rotary_emb(x, position_ids),
         )
         return self.final_norm(x)
+
+
+def _mtp_layer_kind(config: PretrainedConfig) -> int:
+    """The decoder layer an MTP layer is built as: a hybrid model's (Qwen3.5's) first full-attention layer, the kind
+    its MTP layer is; layer 0 of any other model."""
+    layer_types = getattr(config, "layer_types", None) or []
+    return layer_types.index("full_attention") if "linear_attention" in layer_types else 0
 
 
 def load_target(

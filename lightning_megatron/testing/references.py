@@ -31,17 +31,20 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
        concatenates ``[embedding, hidden]``).
 
     4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` holding the MTP layer's weights) with a
-       causal mask and the same rotary positions ``0..S-2``.
+       causal mask and the same rotary positions ``0..S-2``. Qwen3.5's is a ``Qwen3_5DecoderLayer`` built as its
+       first full-attention layer (gated attention; the MTP layer has no DeltaNet), its norms ``1 + weight``.
     5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
 
     Returns logits ``[batch, seq - 1, vocab]`` for positions ``0..seq-2``: position ``t`` predicts token ``t+2``.
     Megatron's MTP also computes a last position (from a rolled-in pad token); causal attention keeps it from
     affecting the others, so it is left out here.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config,
+                              Qwen3ForCausalLM)
     from transformers.masking_utils import create_causal_mask
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
     path = Path(path)
     if input_ids.ndim != 2 or input_ids.shape[1] < 2:
@@ -54,11 +57,12 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
     classes = {
         "mimo": (Qwen2Config, Qwen2ForCausalLM, Qwen2DecoderLayer, Qwen2RMSNorm),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, Qwen3DecoderLayer, Qwen3RMSNorm),
+        "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, Qwen3_5DecoderLayer, Qwen3_5RMSNorm),
     }
     model_type = raw_config["model_type"]
     names = MODEL_FAMILIES[model_type].mtp if model_type in classes else None
     if names is None or names.projection.format(i=0) not in weights:
-        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP or MiMo)")
+        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo or Qwen3.5)")
     config_cls, model_cls, layer_cls, norm_cls = classes[model_type]
     config = config_cls(**config_fields)
     head, layer_prefix = names.head(0), names.layer.format(i=0)
@@ -74,7 +78,8 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         module.load_state_dict({"weight": weights[head[role]]})
         return module
 
-    layer = layer_cls(config, layer_idx=0).eval()
+    full_attention = config.layer_types.index("full_attention") if model_type == "qwen3_5_text" else 0
+    layer = layer_cls(config, layer_idx=full_attention).eval()
     layer.load_state_dict({name: weights[layer_prefix + name] for name in layer.state_dict()})
 
     with torch.no_grad():

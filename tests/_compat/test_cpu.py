@@ -8,6 +8,7 @@ import torch
 from lightning_megatron._compat import (
     context_parallel,
     cpu,
+    gated_delta_net,
     moe,
     no_te,
     packed_mtp_roll,
@@ -48,7 +49,8 @@ def test_all_apply_once_and_are_idempotent(process_group):
                                                                     *moe.MEGATRON_CORE_ADJUSTMENTS,
                                                                     *packed_rope.ADJUSTMENTS,
                                                                     *packed_mtp_roll.ADJUSTMENTS,
-                                                                    *quiet.SAVE_ADJUSTMENTS))]
+                                                                    *quiet.SAVE_ADJUSTMENTS,
+                                                                    *gated_delta_net.ADJUSTMENTS))]
     assert prepare_megatron_core() == expected
     assert prepare_megatron_core() == expected
     assert len(torch.overrides._get_current_function_mode_stack()) == stack_depth

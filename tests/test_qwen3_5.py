@@ -1,0 +1,226 @@
+"""Qwen3.5 (`qwen3_5_text`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one process
+and TP=2; bit-identical exports and restored MTP heads; MTP-only (audited) and joint training; what the gated
+DeltaNet layers cannot do without `fla` refused before any build.
+
+The tiny checkpoint has Qwen3.5's layout: layer 0 gated DeltaNet (`linear_attn.*`), layer 1 gated full attention,
+zero-centred norms, partial RoPE, and its MTP layer (`mtp.*`, full attention with a dense MLP). Without Transformer
+Engine and `fla`, megatron-core builds it through `lightning_megatron._compat.gated_delta_net`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_megatron.bridges import BridgeError, create_bridge
+from lightning_megatron.callbacks import MTPOnlyCallback
+from lightning_megatron.data import SFTDataModule
+from lightning_megatron.families import is_hf_mtp_tensor
+from lightning_megatron.module import SFTModule
+from lightning_megatron.mtp.restore import restore_mtp_head
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
+from tests._adam import comparable_adam_eps
+from tests._distributed import run_distributed
+from tests.test_moe import LR, SEQ, _fit, _input_ids, _logits_difference, _mtp_only_module, _same_tensors
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen3_5")
+    return {"mtp": make_tiny_checkpoint(root / "mtp", "qwen3_5_text", mtp=True),
+            "plain": make_tiny_checkpoint(root / "plain", "qwen3_5_text")}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
+    """Max |Megatron's MTP-head logits - the independent HF reference's| (the vocabulary gathered over TP ranks)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    captured = {}
+    chunk.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
+    _logits_difference(chunk, hf_checkpoint)  # the forward that fills `captured`
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(chunk.output_layer(captured["hidden"][SEQ:])[0])
+    reference = hf_mtp_reference_logits(hf_checkpoint, _input_ids())
+    return float((logits.transpose(0, 1)[:, :-1] - reference).abs().max())
+
+
+def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dict[str, Any]:
+    bridge = create_bridge("megatron-bridge", hf_checkpoint)
+    chunks = bridge.build(ModelOptions(mtp=mtp))
+    result = {"logits": _logits_difference(chunks[0], hf_checkpoint)}
+    if mtp:
+        result["mtp_head"] = _mtp_head_difference(chunks[0], hf_checkpoint)
+    bridge.save_hf(chunks, export)
+    result["exported"] = set(_tensors(export))
+    result["export_unequal"] = [name for name, tensor in _tensors(export).items()
+                                if not torch.equal(tensor, _tensors(hf_checkpoint)[name])]
+    return result
+
+
+# one process ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
+    path = checkpoints["mtp"]
+    result = _build_check_and_export(path, tmp_path / "export", mtp)
+    assert result["logits"] <= 1e-5
+    assert result["export_unequal"] == []
+    assert result["exported"] == {name for name in _tensors(path) if mtp or not is_hf_mtp_tensor(name)}
+    if mtp:
+        assert result["mtp_head"] <= 1e-5
+
+
+def test_the_layers_are_gated_deltanet_and_gated_attention(model_parallel, checkpoints):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.utils import get_model_config
+
+    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    config = get_model_config(chunk)
+    assert (config.linear_attention_freq, config.attention_output_gate, config.rotary_percent) == ([1, 0], True, 0.25)
+    assert isinstance(chunk.decoder.layers[0].self_attention, GatedDeltaNet)
+    assert not isinstance(chunk.decoder.layers[1].self_attention, GatedDeltaNet)
+    assert not isinstance(chunk.mtp.layers[0].mtp_model_layer.self_attention, GatedDeltaNet)
+
+
+def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoints, tmp_path):
+    original = checkpoints["mtp"]
+    bridge = create_bridge("megatron-bridge", original)
+    finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
+    assert not any(name.startswith("mtp.") for name in _tensors(finetuned))
+    restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
+    assert _same_tensors(original, restored) == []
+    assert json.loads((restored / "config.json").read_text()) == json.loads((original / "config.json").read_text())
+    bridge = create_bridge("megatron-bridge", restored)
+    assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
+
+
+def test_a_head_copied_from_the_last_layer_is_a_full_attention_layer(model_parallel, checkpoints, tmp_path):
+    restored = restore_mtp_head(checkpoints["plain"], tmp_path / "restored", init="copy-last-layer")
+    written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
+    assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
+    assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
+    assert _mtp_head_difference(create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0],
+                                restored) <= 1e-5
+
+
+def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
+    with pytest.raises(BridgeError, match=r"bridge_type: mbridge does not map the gated DeltaNet .* 'qwen3_5_text' "
+                                          r"checkpoints; set bridge_type: megatron-bridge"):
+        create_bridge("mbridge", checkpoints["mtp"]).validate(ModelOptions())
+
+
+def test_tree_rows_are_refused_before_any_data_is_read(checkpoints):
+    data = SFTDataModule(train_path="unread.jsonl", hf_checkpoint=str(checkpoints["mtp"]), seq_length=64,
+                         packing="tree", micro_batch_size=1, context_parallel_size=1)
+    with pytest.raises(ValueError, match=r"packing='tree' cannot run 'qwen3_5_text' checkpoints: .* use "
+                                         r"packing: true"):
+        data.setup("fit")
+
+
+def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
+    """The Qwen3.5 model with its MTP layer (gated DeltaNet layers each sequence from a zero state, THD attention, MTP
+    rolls) on a pack made by the data pipeline, against the same sequences one per padded row: per-token losses and
+    every gradient."""
+    from torch.utils.data import default_collate
+
+    from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
+    from lightning_megatron.data.tokenize import TokenizedExample
+    from tests.test_attention import _per_token_loss_and_grads
+
+    generator = torch.Generator().manual_seed(0)
+    lengths, row = [9, 1, 6, 5], 32
+    examples = [TokenizedExample(f"s:{i}", torch.randint(0, 384, (n,), generator=generator),
+                                 torch.rand(n, generator=generator) < 0.7) for i, n in enumerate(lengths)]
+    packed = collate_packed([pack_examples(examples, row, pad_id=0)])
+    rows = default_collate([pad_example(example, row, pad_id=0) for example in examples])
+    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    packed_loss, packed_grads = _per_token_loss_and_grads(chunk, packed)
+    rows_loss, rows_grads = _per_token_loss_and_grads(chunk, rows)
+    for index, (start, n) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), lengths)):
+        torch.testing.assert_close(packed_loss[0, start:start + n], rows_loss[index, :n], rtol=0, atol=1e-5)
+    assert any(".self_attention.conv1d." in name for name in packed_grads)
+    for name, grad in rows_grads.items():  # the gradients of a summed loss, O(10): fp32's rounding relative to them
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# two processes: TP=2, PP=2, MTP-only and joint training ----------------------------------------------------------
+
+
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+    from megatron.core import parallel_state, tensor_parallel
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    root, checkpoint = Path(tmp), Path(hf_checkpoint)
+    prepare_megatron_core()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, root / "tp2_export", mtp=True)}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        create_bridge("megatron-bridge", checkpoint).validate(ModelOptions())
+    except BridgeError as error:
+        result["cp2_refused"] = str(error)
+    parallel_state.destroy_model_parallel()
+
+    mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
+                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), tensor_model_parallel_size=2)
+    result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
+    torch.distributed.barrier()  # global rank 0 writes the audit at the end of fit
+    result["audit"] = json.loads((root / "mtp_only" / "mtp_only_audit.json").read_text())
+    for name, parallel in (("tp2", dict(tensor_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2))):
+        joint = _fit(root / f"joint_{name}", checkpoint, 2, world_size, bridge_type="megatron-bridge",
+                     module=SFTModule(enable_mtp=True, lr=LR, warmup_steps=1, adam_eps=comparable_adam_eps(LR)),
+                     **parallel)
+        result["joint", name] = joint.steps
+    return result
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
+    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]))
+    for result in results:
+        assert result["tp2"]["logits"] <= 1e-5
+        assert result["tp2"]["mtp_head"] <= 1e-5
+        assert result["tp2"]["export_unequal"] == []
+        assert result["tp2"]["exported"] == set(_tensors(checkpoints["mtp"]))
+        assert result["cp2_refused"].startswith("context_parallel_size: 2 is not supported for 'qwen3_5_text'")
+        assert result["audit"]["frozen_bit_identical"]
+        assert result["mtp_only"][-1] < result["mtp_only"][0]
+        tp2, pp2 = result["joint", "tp2"], result["joint", "pp2"]
+        assert len(tp2) == len(pp2) == 2
+        # PP=2: the DeltaNet layer on stage 0. The first step's losses are the same weights' in two layouts; the
+        # second's weights moved by Adam steps that differ by 0.125 times the gradients' rounding (tests/_adam.py),
+        # which for gradients of norm ~16 is ~1e-6: compared relative to the loss.
+        for tensor_parallel, pipeline_parallel in zip(tp2, pp2):
+            for metric in ("lm_loss", "mtp_loss"):
+                assert pipeline_parallel[metric] == pytest.approx(tensor_parallel[metric], rel=1e-5, abs=1e-5)
+
+
+def test_the_speculative_decoder_refuses_a_linear_attention_target(checkpoints):
+    """The draft head itself loads and equals the reference; decoding with it is refused, naming the metric to use."""
+    from lightning_megatron.speculative.decode import speculative_decode
+    from lightning_megatron.speculative.mtp_head import load_mtp_head, load_target
+
+    target = load_target(checkpoints["mtp"])
+    head = load_mtp_head(checkpoints["mtp"], target)
+    input_ids = _input_ids()
+    with torch.no_grad():
+        hidden = target.model(input_ids).last_hidden_state
+        drafted = head(hidden[:, :-1], input_ids[:, 1:], torch.arange(SEQ - 1).expand(len(input_ids), -1))
+    assert float((drafted - hf_mtp_reference_logits(checkpoints["mtp"], input_ids)).abs().max()) <= 1e-5
+    with pytest.raises(ValueError, match=r"linear-attention layers .* val_mtp_acceptance"):
+        speculative_decode(target, head, [5, 17, 42], num_draft_tokens=2, max_new_tokens=8, eos_token_ids=[])
