@@ -85,8 +85,9 @@ class MegatronCLI(LightningCLI):
                  "trainer.strategy.init_args.hf_checkpoint if that folder does not exist yet.",
         )
         parser.add_argument(
-            "--tiny_checkpoint_family", type=Literal["qwen3", "qwen3_moe"], default="qwen3",
-            help="The family make_tiny_checkpoint writes (with its MTP layer): qwen3, or qwen3_moe (4 experts, top 2).",
+            "--tiny_checkpoint_family", type=Literal["qwen3", "qwen3_moe", "qwen3_5_text"], default="qwen3",
+            help="The family make_tiny_checkpoint writes (with its MTP layer): qwen3, qwen3_moe (4 experts, top 2), "
+                 "or qwen3_5_text (Qwen3.5's layout: gated DeltaNet and gated full-attention layers).",
         )
 
     def before_instantiate_classes(self) -> None:
