@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES
 from lightning_megatron.speculative.mtp_head import MTPDraftHead
 from lightning_megatron.speculative.sampling import GREEDY, Sampling, accepted_count, correction, probabilities
 
@@ -122,7 +123,7 @@ def decode_batch(
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} must be at least 1 (or decode without a head)")
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"generators: {len(generators)} given for {len(prompts)} prompts; give one per prompt")
-    if "linear_attention" in (target.config.layer_types or ()):
+    if target.config.model_type in LINEAR_ATTENTION_MODEL_TYPES:
         raise ValueError("this target has linear-attention layers (Qwen3.5's gated DeltaNet), whose recurrent state "
                          "cannot be cut back past rejected drafts as this decoder cuts its KV cache: measure its MTP "
                          "head with val_mtp_acceptance (validation with SFTModule(enable_mtp=True)) instead")

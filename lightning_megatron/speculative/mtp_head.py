@@ -22,7 +22,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from lightning_megatron.families import MODEL_FAMILIES, MTP_PREFIXES, MTPNames, distinct_mtp_names
+from lightning_megatron.families import (
+    LINEAR_ATTENTION_MODEL_TYPES,
+    MODEL_FAMILIES,
+    MTP_PREFIXES,
+    MTPNames,
+    distinct_mtp_names,
+)
 
 
 class MTPDraftHead(nn.Module):
@@ -98,8 +104,7 @@ class MTPDraftHead(nn.Module):
 def _mtp_layer_kind(config: PretrainedConfig) -> int:
     """The decoder layer an MTP layer is built as: a hybrid model's (Qwen3.5's) first full-attention layer, the kind
     its MTP layer is; layer 0 of any other model."""
-    layer_types = getattr(config, "layer_types", None) or []
-    return layer_types.index("full_attention") if "linear_attention" in layer_types else 0
+    return config.layer_types.index("full_attention") if config.model_type in LINEAR_ATTENTION_MODEL_TYPES else 0
 
 
 def load_target(
