@@ -197,22 +197,12 @@ class Bridge(ABC):
                 f"and the bridges do not pad them; {fix}")
 
     def _validate_linear_attention(self) -> None:
-        """Linear-attention layers (Qwen3.5's gated DeltaNet): a backend that maps them, and no context parallelism
-        (upstream's all-to-all for it is untested without fla, `_compat.gated_delta_net`)."""
-        from megatron.core import parallel_state
-
+        """Linear-attention layers (Qwen3.5's gated DeltaNet) need a backend that maps them."""
         model_type = self.hf_config.get("model_type")
-        if model_type not in LINEAR_ATTENTION_MODEL_TYPES:
-            return
-        if model_type not in self.linear_attention_model_types:
+        if model_type in LINEAR_ATTENTION_MODEL_TYPES and model_type not in self.linear_attention_model_types:
             capable = capable_backends(lambda backend: model_type in backend.linear_attention_model_types)
             raise BridgeError(f"bridge_type: {self.name} does not map the gated DeltaNet (linear-attention) layers of "
                               f"{model_type!r} checkpoints; set bridge_type: {capable}")
-        context = ParallelSizes.current().context if parallel_state.model_parallel_is_initialized() else 1
-        if context > 1:
-            raise BridgeError(f"context_parallel_size: {context} is not supported for {model_type!r}: its gated "
-                              "DeltaNet layers would need megatron-core's head all-to-all, untested here; set "
-                              "context_parallel_size: 1")
 
     def _validate_moe(self, options: ModelOptions) -> None:
         from megatron.core import parallel_state

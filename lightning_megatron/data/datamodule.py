@@ -214,7 +214,8 @@ class SFTDataModule(pl.LightningDataModule):
         if self.packing == "tree":
             mtp_head = self.handed_settings is not None and self.handed_settings.mtp_head
             _check_tree_layout(self.micro_batch_size, self.context_parallel_size, mtp_head)
-            _check_tree_attention(self.hf_checkpoint)
+        if self.packing:
+            _check_linear_attention_packing(self.packing, self.context_parallel_size, self.hf_checkpoint)
         alignment = sequence_alignment(self.context_parallel_size)
         if self.seq_length % alignment != 0:
             raise ValueError(
@@ -268,16 +269,25 @@ def _default_workers(path: str) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _check_tree_attention(hf_checkpoint: str) -> None:
-    """Tree rows are a mask over tokens: refused for models whose linear-attention layers carry a state along the row
-    (Qwen3.5's gated DeltaNet), which no mask can branch."""
+def _check_linear_attention_packing(packing: bool | str, context_parallel_size: int, hf_checkpoint: str) -> None:
+    """Models whose linear-attention layers carry a state along the row (Qwen3.5's gated DeltaNet) run packed rows
+    one sequence at a time: tree rows (a mask over tokens) cannot branch that state, and packed rows cut for
+    context parallelism are not tested."""
     config = Path(hf_checkpoint) / "config.json"
     model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    if model_type in LINEAR_ATTENTION_MODEL_TYPES:
+    if model_type not in LINEAR_ATTENTION_MODEL_TYPES:
+        return
+    if packing == "tree":
         raise ValueError(
             f"packing='tree' cannot run {model_type!r} checkpoints: their linear-attention layers carry a state along "
             "the row instead of attending through a mask, so a branch would read its siblings' tokens; use "
             "packing: true (one state per sequence) or packing: false"
+        )
+    if context_parallel_size > 1:
+        raise ValueError(
+            f"packing=True with context_parallel_size={context_parallel_size} is not supported for {model_type!r} "
+            "checkpoints (their linear-attention layers run packed sequences one by one, untested across context-"
+            "parallel ranks); set packing: false or context_parallel_size: 1"
         )
 
 
