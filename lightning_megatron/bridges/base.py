@@ -9,6 +9,7 @@ Bridges know nothing of Lightning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from abc import ABC, abstractmethod
@@ -256,8 +257,12 @@ class Bridge(ABC):
         """The tensors an export of the built model carries: the source checkpoint's names (its MTP tensors only
         when the model was built with MTP), shapes, and dtypes (the source's, or `dtype`)."""
         return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
-                for name, spec in checkpoint_tensor_specs(self.hf_path).items()
-                if self.options.mtp or not is_hf_mtp_tensor(name)}
+                for name, spec in self._checkpoint_specs.items() if self.options.mtp or not is_hf_mtp_tensor(name)}
+
+    @functools.cached_property
+    def _checkpoint_specs(self) -> dict[str, TensorSpec]:
+        """The source checkpoint's tensors, read from its headers once (every export and weight sync asks)."""
+        return checkpoint_tensor_specs(self.hf_path)
 
     def export_hf_tensors(self, chunks: list[torch.nn.Module], *, dtype: torch.dtype | None = None,
                           on_host: bool = True, only: Collection[str] | None = None
