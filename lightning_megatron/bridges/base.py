@@ -138,7 +138,7 @@ class Bridge(ABC):
                 "(lightning-megatron-restore-mtp), or set mtp: false"
             )
         if options.mtp and not options.random_weights and not any(
-                is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
+                is_hf_mtp_tensor(name, self.hf_config) for name in checkpoint_tensor_dtypes(self.hf_path)):
             raise BridgeError(
                 f"{self.hf_path}: config.json declares {self.checkpoint_mtp_layers} MTP layer(s) but the weights hold "
                 "no MTP tensor; restore the head with lightning-megatron-restore-mtp (--source or --init), "
@@ -249,7 +249,7 @@ class Bridge(ABC):
         when the model was built with MTP), shapes, and dtypes (the source's, or `dtype`)."""
         return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
                 for name, spec in checkpoint_tensor_specs(self.hf_path).items()
-                if self.options.mtp or not is_hf_mtp_tensor(name)}
+                if self.options.mtp or not is_hf_mtp_tensor(name, self.hf_config)}
 
     def export_hf_tensors(self, chunks: list[torch.nn.Module], *, dtype: torch.dtype | None = None,
                           on_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

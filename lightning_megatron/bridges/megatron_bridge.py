@@ -24,7 +24,7 @@ class MegatronBridge(Bridge):
     supports_mtp_training = True
     supports_lora = True
     supports_vl = True
-    moe_model_types = ("qwen3_moe",)
+    moe_model_types = ("qwen3_moe", "glm4_moe")
     reads_model_config_before_build = True
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
