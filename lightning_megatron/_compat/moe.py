@@ -293,9 +293,9 @@ MEGATRON_BRIDGE_ADJUSTMENTS = (
     ),
     Adjustment(
         "megatron_bridge.glm45_sequential_expert_names",
-        "megatron/bridge/models/glm/glm45_bridge.py:171-182, 254-269 map only TEGroupedMLP expert names: the local "
-        "spec's SequentialMLP experts load nothing ('No mapping found for megatron_param: "
-        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight', model_bridge.py)",
+        "megatron/bridge/models/glm/glm45_bridge.py:171-182, 254-269 map only TEGroupedMLP expert names: loading the local "
+        "spec's SequentialMLP experts fails at model_bridge.py:1100 ('NoneType' object has no attribute "
+        "'megatron_module', after 'No mapping found for megatron_param: ...local_experts.0.linear_fc1.weight')",
         _glm45_maps_no_sequential_experts,
         _install_glm45_sequential_expert_names,
     ),
