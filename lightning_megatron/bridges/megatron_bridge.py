@@ -14,6 +14,7 @@ from lightning_megatron.bridges.base import Bridge, apply_parallel_state, regist
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.hf_io import LoadReport
+from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
 from lightning_megatron.options import ModelOptions
 
@@ -47,10 +48,12 @@ class MegatronBridge(Bridge):
         return self._auto_bridge
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
-        if "moe_router_enable_expert_bias" in options.config_overrides:
-            return bool(options.config_overrides["moe_router_enable_expert_bias"])
+        # the provider's fields, then the checkpoint's router settings (`moe`), then the options' overrides
+        fields = {**router_settings(self.hf_config), **options.config_overrides}
         provider = self.auto_bridge.to_megatron_provider(load_weights=False)
-        return bool(getattr(provider, "moe_router_enable_expert_bias", False))
+        enabled = fields.get("moe_router_enable_expert_bias",
+                             getattr(provider, "moe_router_enable_expert_bias", False))
+        return bool(enabled) and fields.get("moe_router_bias_update_rate", provider.moe_router_bias_update_rate) > 0
 
     def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)

@@ -1,0 +1,195 @@
+"""GLM-4.5 (`glm4_moe`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one process,
+TP=2 and EP=2; bit-identical exports and restored MTP heads; MTP-only (audited) and joint training; mbridge refused
+before any build.
+
+The tiny checkpoint has GLM-4.5's layout: layer 0 dense, layer 1 MoE (sigmoid routing with an expert bias, one
+shared expert, routed_scaling_factor 2.5 as in GLM-4.5), q/k/v biases, partial RoPE, and its MTP layer stored as
+decoder layer 2 (routed experts, eh_proj, enorm, hnorm, shared_head.norm, copies of the embedding and LM head).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_megatron.bridges import BridgeError, create_bridge
+from lightning_megatron.callbacks import MTPOnlyCallback
+from lightning_megatron.families import is_hf_mtp_tensor, mtp_names
+from lightning_megatron.moe import router_settings
+from lightning_megatron.mtp.restore import restore_mtp_head
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
+from tests._distributed import run_distributed
+from tests.test_moe import SEQ, _assert_only_mtp_moved, _fit, _input_ids, _logits_difference, _mtp_only_module
+
+GLM = MoEShape(routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("glm4_moe")
+    return {"mtp": make_tiny_checkpoint(root / "mtp", "glm4_moe", mtp=True, moe=GLM),
+            "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM)}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def _unequal(expected: Path, written: Path) -> list[str]:
+    first, second = _tensors(expected), _tensors(written)
+    assert first.keys() == second.keys()
+    return [name for name in first if not torch.equal(first[name], second[name])]
+
+
+def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
+    """Max |Megatron's MTP-head logits - the independent HF reference's| (one process)."""
+    captured = {}
+    chunk.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
+    input_ids = _input_ids()
+    _logits_difference(chunk, hf_checkpoint)  # the forward that fills `captured`
+    with torch.no_grad():
+        logits, _ = chunk.output_layer(captured["hidden"][SEQ:])
+    return float((logits.transpose(0, 1)[:, :-1] - hf_mtp_reference_logits(hf_checkpoint, input_ids)).abs().max())
+
+
+def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    bridge = create_bridge("megatron-bridge", hf_checkpoint)
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    chunks = bridge.build(ModelOptions(mtp=mtp, sequence_parallel=tensor_parallel))
+    result = {"logits": _logits_difference(chunks[0], hf_checkpoint)}
+    bridge.save_hf(chunks, export)
+    result["exported"] = set(_tensors(export))
+    result["export_unequal"] = [name for name, tensor in _tensors(export).items()
+                                if not torch.equal(tensor, _tensors(hf_checkpoint)[name])]
+    return result
+
+
+# one process ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
+    path = checkpoints["mtp"]
+    result = _build_check_and_export(path, tmp_path / "export", mtp)
+    assert result["logits"] <= 1e-5
+    assert result["export_unequal"] == []
+    config = json.loads((path / "config.json").read_text())
+    assert result["exported"] == {name for name in _tensors(path) if mtp or not is_hf_mtp_tensor(name, config)}
+    if mtp:
+        chunk = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True))[0]
+        assert _mtp_head_difference(chunk, path) <= 1e-5
+
+
+def test_the_router_is_the_checkpoints(model_parallel, checkpoints):
+    from megatron.core.utils import get_model_config
+
+    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    config = get_model_config(chunk)
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (config.moe_router_topk_scaling_factor, config.moe_router_bias_update_rate) == (2.5, 0.0)
+    assert (config.moe_layer_freq, config.moe_shared_expert_intermediate_size) == ([0, 1], 32)
+    assert type(chunk.decoder.layers[0].mlp).__name__ == "MLP"  # first_k_dense_replace: 1
+    assert type(chunk.mtp.layers[0].mtp_model_layer.mlp).__name__ == "MoELayer"  # as GLM-4.5 stores it
+    hf = _tensors(checkpoints["mtp"])
+    assert torch.equal(chunk.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias,
+                       hf["model.layers.2.mlp.gate.e_score_correction_bias"])
+
+
+def test_router_settings_refuse_what_megatron_cannot_route():
+    base = {"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "first_k_dense_replace": 1, "norm_topk_prob": True}
+    assert router_settings(base)["moe_router_score_function"] == "sigmoid"
+    with pytest.raises(ValueError, match="norm_topk_prob: false with sigmoid routing"):
+        router_settings({**base, "norm_topk_prob": False})
+    with pytest.raises(ValueError, match=r"group-limited routing \(n_group: 2"):
+        router_settings({**base, "n_group": 2, "topk_group": 1})
+
+
+def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
+    with pytest.raises(BridgeError, match=r"bridge_type: mbridge does not map the experts of 'glm4_moe' checkpoints "
+                                          r".*; set bridge_type: megatron-bridge"):
+        create_bridge("mbridge", checkpoints["mtp"]).validate(ModelOptions())
+
+
+def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoints, tmp_path):
+    original = checkpoints["mtp"]
+    bridge = create_bridge("megatron-bridge", original)
+    finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
+    assert not any(name.startswith("model.layers.2.") for name in _tensors(finetuned))
+    restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
+    assert _unequal(original, restored) == []
+    bridge = create_bridge("megatron-bridge", restored)
+    assert _unequal(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
+
+
+def test_a_head_copied_from_the_last_layer_has_its_experts_and_the_shared_tensors(model_parallel, checkpoints,
+                                                                                  tmp_path):
+    restored = restore_mtp_head(checkpoints["plain"], tmp_path / "restored", init="copy-last-layer")
+    written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
+    assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
+    config = json.loads((restored / "config.json").read_text())
+    for main, copy in mtp_names("glm4_moe").copy_names(0, config).items():
+        assert torch.equal(written[copy], written[main])
+    for name in ("mlp.experts.3.up_proj.weight", "mlp.gate.e_score_correction_bias", "self_attn.q_proj.bias"):
+        assert torch.equal(written[f"model.layers.2.{name}"], written[f"model.layers.1.{name}"])
+    chunk = create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0]
+    assert torch.equal(chunk.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias,
+                       written["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+def test_mtp_only_refuses_a_router_that_updates_its_expert_bias(process_group, checkpoints, tmp_path):
+    module = _mtp_only_module()
+    module.model_options = lambda: ModelOptions(mtp=True, config_overrides={"moe_router_bias_update_rate": 1e-3})
+    with pytest.raises(ValueError, match=r"set config_overrides.moe_router_bias_update_rate: 0"):
+        _fit(tmp_path, checkpoints["mtp"], 1, bridge_type="megatron-bridge", module=module,
+             callbacks=(MTPOnlyCallback(),))
+
+
+# two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
+
+
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+    from megatron.core import parallel_state, tensor_parallel
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    root, checkpoint = Path(tmp), Path(hf_checkpoint)
+    prepare_megatron_core()
+    result: dict[str, Any] = {}
+    for name, sizes in (("tp2", dict(tensor_model_parallel_size=2)), ("ep2", dict(expert_model_parallel_size=2))):
+        parallel_state.initialize_model_parallel(**sizes)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        result[name] = _build_check_and_export(checkpoint, root / f"{name}_export", mtp=True)
+        parallel_state.destroy_model_parallel()
+
+    mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
+                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2)
+    _assert_only_mtp_moved(mtp_only)
+    result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
+    result["audit"] = json.loads((root / "mtp_only" / "mtp_only_audit.json").read_text())
+    joint = _fit(root / "joint", checkpoint, 2, world_size, bridge_type="megatron-bridge", module=_mtp_only_module(),
+                 expert_model_parallel_size=2)
+    result["joint"] = joint.steps
+    return result
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
+    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]))
+    for result in results:
+        for name in ("tp2", "ep2"):
+            assert result[name]["logits"] <= 1e-5
+            assert result[name]["export_unequal"] == []
+            assert result[name]["exported"] == set(_tensors(checkpoints["mtp"]))
+        assert result["audit"]["frozen_bit_identical"]
+        assert result["mtp_only"][-1] < result["mtp_only"][0]
+        assert {"lm_loss", "mtp_loss"} <= set(result["joint"][-1])
