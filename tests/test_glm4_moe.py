@@ -154,6 +154,32 @@ def test_mtp_only_refuses_a_router_that_updates_its_expert_bias(process_group, c
              callbacks=(MTPOnlyCallback(),))
 
 
+def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
+    """The GLM-4.5 model with its MTP layer (partial RoPE, routed experts, THD attention, MTP rolls) on a pack made by
+    the data pipeline, against the same sequences one per padded row: per-token losses and every gradient (the
+    load-balancing coefficient is the checkpoint's 0, and no expert capacity drops tokens)."""
+    from torch.utils.data import default_collate
+
+    from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
+    from lightning_megatron.data.tokenize import TokenizedExample
+    from tests.test_attention import _per_token_loss_and_grads
+
+    generator = torch.Generator().manual_seed(0)
+    lengths, row = [9, 1, 6, 5], 32
+    examples = [TokenizedExample(f"s:{i}", torch.randint(0, 384, (n,), generator=generator),
+                                 torch.rand(n, generator=generator) < 0.7) for i, n in enumerate(lengths)]
+    packed = collate_packed([pack_examples(examples, row, pad_id=0)])
+    rows = default_collate([pad_example(example, row, pad_id=0) for example in examples])
+    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    packed_loss, packed_grads = _per_token_loss_and_grads(chunk, packed)
+    rows_loss, rows_grads = _per_token_loss_and_grads(chunk, rows)
+    for index, (start, n) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), lengths)):
+        torch.testing.assert_close(packed_loss[0, start:start + n], rows_loss[index, :n], rtol=0, atol=1e-5)
+    assert any(name.startswith("mtp.") and ".local_experts." in name for name in packed_grads)
+    for name, grad in rows_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
 # two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
 
 
