@@ -219,3 +219,31 @@ def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp
         assert result["audit"]["frozen_bit_identical"]
         assert result["mtp_only"][-1] < result["mtp_only"][0]
         assert {"lm_loss", "mtp_loss"} <= set(result["joint"][-1])
+
+
+@pytest.mark.slow
+def test_the_tiny_glm_config_trains_the_mtp_head_on_two_processes(tmp_path):
+    """`lightning-megatron fit --config configs/tiny/glm4_moe_mtp_only.yaml`, shortened, writing under tmp_path."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "configs/tiny/glm4_moe_mtp_only.yaml").read_text())
+    config["trainer"].update(max_steps=2, val_check_interval=2, default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
+    config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
+    for callback in config["trainer"]["callbacks"]:
+        if "dirpath" in callback.get("init_args", {}):
+            callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+                                str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
+                               timeout=600, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
+    exported = _tensors(tmp_path / "hf")
+    assert exported.keys() == _tensors(tmp_path / "tiny").keys()  # the MTP layer 2 and its copies included
