@@ -26,7 +26,16 @@ from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._distributed import run_distributed
-from tests.test_moe import SEQ, _assert_only_mtp_moved, _fit, _input_ids, _logits_difference, _mtp_only_module
+from tests.test_moe import (
+    SEQ,
+    _assert_only_mtp_moved,
+    _fit,
+    _input_ids,
+    _logits_difference,
+    _mtp_only_module,
+    _same_tensors,
+    fit_shortened_config,
+)
 
 GLM = MoEShape(routed_scaling_factor=2.5)
 
@@ -40,12 +49,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
-
-
-def _unequal(expected: Path, written: Path) -> list[str]:
-    first, second = _tensors(expected), _tensors(written)
-    assert first.keys() == second.keys()
-    return [name for name in first if not torch.equal(first[name], second[name])]
 
 
 def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
@@ -126,9 +129,9 @@ def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoi
     finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
     assert not any(name.startswith("model.layers.2.") for name in _tensors(finetuned))
     restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
-    assert _unequal(original, restored) == []
+    assert _same_tensors(original, restored) == []
     bridge = create_bridge("megatron-bridge", restored)
-    assert _unequal(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
+    assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
 
 
 def test_a_head_copied_from_the_last_layer_has_its_experts_and_the_shared_tensors(model_parallel, checkpoints,
@@ -224,26 +227,7 @@ def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp
 @pytest.mark.slow
 def test_the_tiny_glm_config_trains_the_mtp_head_on_two_processes(tmp_path):
     """`lightning-megatron fit --config configs/tiny/glm4_moe_mtp_only.yaml`, shortened, writing under tmp_path."""
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
-    root = Path(__file__).resolve().parents[1]
-    config = yaml.safe_load((root / "configs/tiny/glm4_moe_mtp_only.yaml").read_text())
-    config["trainer"].update(max_steps=2, val_check_interval=2, default_root_dir=str(tmp_path))
-    config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
-    config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
-    for callback in config["trainer"]["callbacks"]:
-        if "dirpath" in callback.get("init_args", {}):
-            callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
-                                str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
-                               timeout=600, env=env)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    fit_shortened_config("configs/tiny/glm4_moe_mtp_only.yaml", tmp_path)
     assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
     exported = _tensors(tmp_path / "hf")
     assert exported.keys() == _tensors(tmp_path / "tiny").keys()  # the MTP layer 2 and its copies included

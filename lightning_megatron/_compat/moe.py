@@ -108,34 +108,35 @@ MEGATRON_CORE_ADJUSTMENTS = (
 # megatron-bridge --------------------------------------------------------------------------------------------------
 
 
+def _set_provider_fields(patches: Patches, bridge_class: type, fields: dict[str, Any]) -> None:
+    """`bridge_class.provider_bridge` followed by setting `fields` on the provider it returns."""
+    provider_bridge = bridge_class.provider_bridge
+
+    @functools.wraps(provider_bridge)
+    def provider_bridge_with_fields(bridge: Any, hf_pretrained: Any) -> Any:
+        provider = provider_bridge(bridge, hf_pretrained)
+        for name, value in fields.items():
+            setattr(provider, name, value)
+        return provider
+
+    patches.setattr(bridge_class, "provider_bridge", provider_bridge_with_fields)
+
+
 def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
     from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 
-    provider_bridge = Qwen3MoEBridge.provider_bridge
-
-    @functools.wraps(provider_bridge)
-    def provider_bridge_unfused(bridge: Any, hf_pretrained: Any) -> Any:
-        provider = provider_bridge(bridge, hf_pretrained)
-        provider.moe_permute_fusion = False  # TE's fused permutation; the unfused one computes the same
-        return provider
-
-    patches.setattr(Qwen3MoEBridge, "provider_bridge", provider_bridge_unfused)
+    # TE's fused permutation; the unfused one computes the same
+    _set_provider_fields(patches, Qwen3MoEBridge, {"moe_permute_fusion": False})
 
 
 def _install_glm45_local_fusions(patches: Patches) -> None:
     from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
 
-    provider_bridge = GLM45Bridge.provider_bridge
-
-    @functools.wraps(provider_bridge)
-    def provider_bridge_local(bridge: Any, hf_pretrained: Any) -> Any:
-        provider = provider_bridge(bridge, hf_pretrained)
-        provider.moe_permute_fusion = False  # TE's fused permutation; the unfused one computes the same
-        provider.persist_layer_norm = False  # Apex's persistent layer norm, refused by the local spec's torch norm
-        provider.moe_shared_expert_overlap = False  # the shared expert on a second CUDA stream
-        return provider
-
-    patches.setattr(GLM45Bridge, "provider_bridge", provider_bridge_local)
+    _set_provider_fields(patches, GLM45Bridge, {
+        "moe_permute_fusion": False,  # TE's fused permutation; the unfused one computes the same
+        "persist_layer_norm": False,  # Apex's persistent layer norm, refused by the local spec's torch norm
+        "moe_shared_expert_overlap": False,  # the shared expert on a second CUDA stream
+    })
 
 
 def _glm45_maps_no_sequential_experts() -> bool:
