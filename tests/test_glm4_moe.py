@@ -1,6 +1,6 @@
 """GLM-4.5 (`glm4_moe`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one process,
-TP=2 and EP=2; bit-identical exports and restored MTP heads; MTP-only (audited) and joint training; mbridge refused
-before any build.
+TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows; MTP-only (audited) and joint training at
+EP=2 and PP=2; mbridge refused before any build.
 
 The tiny checkpoint has GLM-4.5's layout: layer 0 dense, layer 1 MoE (sigmoid routing with an expert bias, one
 shared expert, routed_scaling_factor 2.5 as in GLM-4.5), q/k/v biases, partial RoPE, and its MTP layer stored as
@@ -20,13 +20,16 @@ from safetensors.torch import load_file
 from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.families import is_hf_mtp_tensor, mtp_names
+from lightning_megatron.module import SFTModule
 from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
+from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
 from tests.test_moe import (
+    LR,
     SEQ,
     _assert_only_mtp_moved,
     _fit,
@@ -130,6 +133,7 @@ def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoi
     assert not any(name.startswith("model.layers.2.") for name in _tensors(finetuned))
     restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
     assert _same_tensors(original, restored) == []
+    assert json.loads((restored / "config.json").read_text()) == json.loads((original / "config.json").read_text())
     bridge = create_bridge("megatron-bridge", restored)
     assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
 
@@ -205,10 +209,17 @@ def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> 
     _assert_only_mtp_moved(mtp_only)
     result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
     result["audit"] = json.loads((root / "mtp_only" / "mtp_only_audit.json").read_text())
-    joint = _fit(root / "joint", checkpoint, 2, world_size, bridge_type="megatron-bridge", module=_mtp_only_module(),
-                 expert_model_parallel_size=2)
-    result["joint"] = joint.steps
+    for name, parallel in (("ep2", dict(expert_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2))):
+        joint = _fit(root / f"joint_{name}", checkpoint, 2, world_size, bridge_type="megatron-bridge",
+                     module=_comparable_joint_module(), **parallel)
+        result["joint", name] = joint.steps
     return result
+
+
+def _comparable_joint_module() -> SFTModule:
+    """Joint SFT + MTP whose Adam steps are Lipschitz in the gradients (tests/_adam.py), so two layouts' fits stay
+    within the 1e-5 their losses are compared to."""
+    return SFTModule(enable_mtp=True, lr=LR, warmup_steps=1, adam_eps=comparable_adam_eps(LR))
 
 
 @pytest.mark.slow
@@ -221,7 +232,11 @@ def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp
             assert result[name]["exported"] == set(_tensors(checkpoints["mtp"]))
         assert result["audit"]["frozen_bit_identical"]
         assert result["mtp_only"][-1] < result["mtp_only"][0]
-        assert {"lm_loss", "mtp_loss"} <= set(result["joint"][-1])
+        ep2, pp2 = result["joint", "ep2"], result["joint", "pp2"]
+        assert len(ep2) == len(pp2) == 2
+        for expert_parallel, pipeline_parallel in zip(ep2, pp2):  # PP=2: the MoE layer and the MTP layer on stage 1
+            for metric in ("lm_loss", "mtp_loss"):
+                assert pipeline_parallel[metric] == pytest.approx(expert_parallel[metric], abs=1e-5)
 
 
 @pytest.mark.slow
