@@ -13,7 +13,10 @@ How to add a model family:
 
 1. Add one `ModelFamily` entry to `MODEL_FAMILIES`: the `model_type` of its config.json, its HF architecture class,
    its `MTPNames` if its checkpoints carry an MTP head (the names its megatron-bridge / mbridge mapping reads),
-   `moe=True` if every MLP is routed experts, `vl_name` if it is a vision-language model.
+   `moe=True` if its MLPs are routed experts, `vl_name` if it is a vision-language model. A family that stores its
+   MTP layers as decoder layers past `num_hidden_layers` (GLM-4.5, DeepSeek-V3) sets `MTPNames.after_decoder`: its
+   names then need the checkpoint's config (`MTPNames.head(i, hf_config)`, `is_hf_mtp_tensor(name, hf_config)`),
+   and `MTPNames.copies` lists the main-model tensors its checkpoints store again inside each MTP layer.
 2. Run `pytest tests/test_families.py tests/testing/test_checkpoints.py`: the consumer checks there say what else is
    needed.
    The tiny-checkpoint maker (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`, or
