@@ -22,7 +22,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from lightning_megatron.families import MTP_PREFIXES, MTPNames, distinct_mtp_names
+from lightning_megatron.families import MTPNames, distinct_mtp_names, mtp_prefixes
+from lightning_megatron.hf_io import hf_module_state
 
 
 class MTPDraftHead(nn.Module):
@@ -42,7 +43,10 @@ class MTPDraftHead(nn.Module):
         self.enorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.hnorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.layer = layer_class(config, layer_idx=0)  # layer index 0 of the head's own cache
+        # Built as the decoder layer the checkpoint stores it as (GLM-4.5's MTP layer, past its dense layers, has
+        # routed experts); its attention is layer 0 of the head's own cache.
+        self.layer = layer_class(config, layer_idx=names.index(0, config.to_dict()))
+        self.layer.self_attn.layer_idx = 0
         self.final_norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.embed_tokens = target.model.embed_tokens
         self.rotary_emb = target.model.rotary_emb
@@ -120,7 +124,7 @@ def load_target(
             model, info = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype, output_loading_info=True)
     finally:
         modeling_logger.setLevel(level)
-    not_mtp = [name for name in info["unexpected_keys"] if not name.startswith(MTP_PREFIXES)]
+    not_mtp = [name for name in info["unexpected_keys"] if not name.startswith(mtp_prefixes(raw_config))]
     if info["missing_keys"] or info["mismatched_keys"] or not_mtp:
         raise ValueError(
             f"{hf_path}: the target model does not load cleanly: missing={sorted(info['missing_keys'])}, "
@@ -138,9 +142,10 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
     hf_path = Path(hf_path)
     files = sorted(hf_path.glob("*.safetensors"))
     tensor_files = {name: file for file in files for name in _tensor_names(file)}
-    family, names = _detect_layout(hf_path, tensor_files)
+    hf_config = target.config.to_dict()
+    family, names = _detect_layout(hf_path, tensor_files, hf_config)
     head = MTPDraftHead(target, family, names)
-    tensors, layer_prefix = names.head(0), names.layer.format(i=0)
+    tensors, layer_prefix = names.head(0, hf_config), names.layer_prefix(0, hf_config)
 
     def read(name: str) -> torch.Tensor:
         with safe_open(tensor_files[name], framework="pt") as reader:
@@ -150,25 +155,27 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
     if names.hidden_first:
         hidden_half, embedding_half = projection.chunk(2, dim=1)
         projection = torch.cat([embedding_half, hidden_half], dim=1)
-    layer_names = [f"{layer_prefix}{name}" for name in head.layer.state_dict()]
-    missing = [name for name in layer_names if name not in tensor_files]
-    if missing:
-        raise ValueError(f"{hf_path}: the {family} MTP layer is missing tensors {missing}")
+    def read_layer_tensor(name: str) -> torch.Tensor:
+        if name not in tensor_files:
+            raise ValueError(f"{hf_path}: the {family} MTP layer is missing the tensor {name}")
+        return read(name)
+
+    layer_state = hf_module_state(head.layer.state_dict(), read_layer_tensor, layer_prefix)
     head.enorm.load_state_dict({"weight": read(tensors["embedding_norm"])})
     head.hnorm.load_state_dict({"weight": read(tensors["hidden_norm"])})
     head.eh_proj.load_state_dict({"weight": projection})
-    head.layer.load_state_dict({name.removeprefix(layer_prefix): read(name) for name in layer_names})
+    head.layer.load_state_dict(layer_state)
     head.final_norm.load_state_dict({"weight": read(tensors["final_norm"])})
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def _detect_layout(hf_path: Path, tensor_names: Collection[str]) -> tuple[str, MTPNames]:
+def _detect_layout(hf_path: Path, tensor_names: Collection[str], hf_config: dict) -> tuple[str, MTPNames]:
     """The family (the first in the table with these names) and MTP names whose projection the checkpoint holds."""
     layouts = distinct_mtp_names()
     for names, family in layouts.items():
-        if names.head(0)["projection"] in tensor_names:
+        if names.head(0, hf_config)["projection"] in tensor_names:
             return family, names
-    known = ", ".join(f"{family} ({names.head(0)['projection']})" for names, family in layouts.items())
+    known = ", ".join(f"{family} ({names.head(0, hf_config)['projection']})" for names, family in layouts.items())
     raise ValueError(
         f"{hf_path} has no MTP head in a layout this decoder knows: {known}. "
         "Export the checkpoint with its MTP head kept (ModelOptions(mtp=True))."
