@@ -8,7 +8,10 @@ Float16Module + DDP + distributed optimizer, forward-backward over the microbatc
     token as the experts a token visits (only the router's `h x experts` projection is extra; FLOPs leave it out).
 The local spec always builds `SequentialMLP` experts (megatron/core/models/backends.py), which loops over the
 experts and runs two small GEMMs per expert; a grouped GEMM (`TEGroupedMLP`, Transformer Engine) runs each
-projection of all local experts as one kernel. The JSON says which backend ran. Model FLOPs and MFU count the
+projection of all local experts as one kernel. Without TE on a GPU, `_compat.grouped_experts` runs
+`SequentialMLP`'s experts as two `torch._grouped_mm` GEMMs: the MoE model runs twice, with it (`moe`) and with
+upstream's loop (`moe_expert_loop`, the adjustment suspended), beside the dense model. The JSON says which backend
+ran. Model FLOPs and MFU count the
 active parameters (`bench/common.py`'s formula with FFN `top_k x moe_ffn`). Default shape:
 hidden 2048, 16 layers, 16 experts top 4 of FFN 1408 (2.4B total, 0.7B active parameters); `--tiny` is CPU-sized.
 """
@@ -121,9 +124,15 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
 
 
 def main() -> None:
+    from lightning_megatron._compat.grouped_experts import MEGATRON_CORE_ADJUSTMENTS
+
     args = _parse_args()
     init_single_process()
-    moe, dense = _run(args, moe=True), _run(args, moe=False)
+    grouped = MEGATRON_CORE_ADJUSTMENTS[0]
+    moe = _run(args, moe=True)
+    with grouped.suspended():
+        loop = _run(args, moe=True)
+    dense = _run(args, moe=False)
     active_per_layer = (args.hidden * args.heads * args.head_dim * 2 + 2 * args.hidden * args.kv_groups
                         * args.head_dim + 3 * args.hidden * args.top_k * args.moe_ffn + args.hidden * args.experts)
     emit({
@@ -133,16 +142,21 @@ def main() -> None:
                                                        "microbatches", "dtype")},
         "expert_parallel_size": 1,
         "active_parameters": args.layers * active_per_layer + args.vocab * args.hidden,
+        "experts_grouped_gemm": grouped.active,
         "moe": moe,
+        "moe_expert_loop": loop,
         "dense_equivalent": dense,
         "moe_over_dense_step_time": moe["step_s"] / dense["step_s"],
+        "expert_loop_over_dense_step_time": loop["step_s"] / dense["step_s"],
+        "grouped_over_expert_loop_step_time": moe["step_s"] / loop["step_s"],
         "moe_over_dense_peak_memory": (moe["peak_memory_gib"] / dense["peak_memory_gib"]
                                        if moe["peak_memory_gib"] else None),
-        "note": (f"experts ran as {moe['mlp_backend']} (the local spec's backend: a Python loop over the "
-                 f"{args.experts} experts, with two small GEMMs each in the forward pass). A grouped GEMM "
-                 "(TEGroupedMLP, Transformer Engine) runs each projection of all local experts as one kernel; the step-time gap to "
-                 "the dense model of the same active FLOPs bounds what it can recover (the router, permutation and "
-                 "all-to-all stay)"),
+        "note": (f"experts ran as {moe['mlp_backend']}, "
+                 + ("their GEMMs grouped by torch._grouped_mm (_compat.grouped_experts)" if grouped.active else
+                    f"a Python loop over the {args.experts} experts with two small GEMMs each (no CUDA, or no "
+                    "torch._grouped_mm)")
+                 + "; moe_expert_loop: upstream's loop in the same process. The step-time gap to the dense model of "
+                 "the same active FLOPs is what the router, the permutation and the all-to-all cost"),
     }, args.out)
 
 

@@ -13,7 +13,10 @@ How to add a model family:
 
 1. Add one `ModelFamily` entry to `MODEL_FAMILIES`: the `model_type` of its config.json, its HF architecture class,
    its `MTPNames` if its checkpoints carry an MTP head (the names its megatron-bridge / mbridge mapping reads),
-   `moe=True` if every MLP is routed experts, `vl_name` if it is a vision-language model.
+   `moe=True` if its MLPs are routed experts, `vl_name` if it is a vision-language model. A family that stores its
+   MTP layers as decoder layers past `num_hidden_layers` (GLM-4.5, DeepSeek-V3) sets `MTPNames.after_decoder`: its
+   names then need the checkpoint's config (`MTPNames.head(i, hf_config)`, `is_hf_mtp_tensor(name, hf_config)`),
+   and `MTPNames.copies` lists the main-model tensors its checkpoints store again inside each MTP layer.
 2. Run `pytest tests/test_families.py tests/testing/test_checkpoints.py`: the consumer checks there say what else is
    needed.
    The tiny-checkpoint maker (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`, or
@@ -56,16 +59,45 @@ class MTPNames:
     hidden_first: bool = False  # the projection's input is cat([hidden, embedding]) (MiMo); Megatron's eh_proj is
     # cat([embedding, hidden]), so the bridges swap its column halves on load
     layers_key: str = "num_nextn_predict_layers"  # the config key its checkpoints declare the MTP layer count under
+    after_decoder: bool = False  # MTP layer i is stored as decoder layer `num_hidden_layers + i` (GLM-4.5,
+    # DeepSeek-V3): `{i}` in the names is that decoder-layer index, so naming a tensor needs the HF config
+    copies: tuple[tuple[str, str], ...] = ()  # (main-model tensor, MTP layer's name for a copy of it): the shared
+    # embedding and LM head some checkpoints store again inside each MTP layer (GLM-4.5's `shared_head.head`)
 
     @property
     def norms(self) -> tuple[str, str, str]:
         """The embedding norm, the hidden norm and the final norm."""
         return self.embedding_norm, self.hidden_norm, self.final_norm
 
-    def head(self, i: int) -> dict[str, str]:
-        """MTP layer `i`'s own tensors (not its decoder sub-layer): role -> HF name."""
-        return {"projection": self.projection.format(i=i), "embedding_norm": self.embedding_norm.format(i=i),
-                "hidden_norm": self.hidden_norm.format(i=i), "final_norm": self.final_norm.format(i=i)}
+    def index(self, i: int, hf_config: dict[str, Any] | None = None) -> int:
+        """The `{i}` of MTP layer `i`'s names: `i` itself, or its decoder-layer index for `after_decoder` layouts."""
+        if not self.after_decoder:
+            return i
+        if hf_config is None:
+            raise ValueError(f"the MTP layout {self.layer!r} numbers MTP layers after the decoder's layers: pass "
+                             "the checkpoint's config (num_hidden_layers) to name its tensors")
+        return int(hf_config["num_hidden_layers"]) + i
+
+    def head(self, i: int, hf_config: dict[str, Any] | None = None) -> dict[str, str]:
+        """MTP layer `i`'s own tensors (not its decoder sub-layer, not its copies): role -> HF name."""
+        index = self.index(i, hf_config)
+        return {"projection": self.projection.format(i=index), "embedding_norm": self.embedding_norm.format(i=index),
+                "hidden_norm": self.hidden_norm.format(i=index), "final_norm": self.final_norm.format(i=index)}
+
+    def layer_prefix(self, i: int, hf_config: dict[str, Any] | None = None) -> str:
+        """The prefix of MTP layer `i`'s decoder sub-layer tensors."""
+        return self.layer.format(i=self.index(i, hf_config))
+
+    def copy_names(self, i: int, hf_config: dict[str, Any] | None = None) -> dict[str, str]:
+        """MTP layer `i`'s copies of main-model tensors: main-model name -> the copy's HF name."""
+        index = self.index(i, hf_config)
+        return {main: copy.format(i=index) for main, copy in self.copies}
+
+    def layer_prefixes(self, hf_config: dict[str, Any]) -> tuple[str, ...]:
+        """The name prefix of every MTP tensor of a checkpoint with this config (its declared MTP layers)."""
+        if not self.after_decoder:
+            return (self.prefix,)
+        return tuple(self.prefix.format(i=self.index(i, hf_config)) for i in range(checkpoint_mtp_layers(hf_config)))
 
 
 @dataclass(frozen=True)
@@ -75,12 +107,26 @@ class ModelFamily:
     model_type: str
     architecture: str  # the HF class config.json's `architectures` names
     mtp: MTPNames | None = None  # None: the family has no MTP head
-    moe: bool = False  # every MLP is routed experts
+    moe: bool = False  # routed experts (in every layer, or after `first_k_dense_replace` dense ones)
     vl_name: str | None = None  # the vision-language model's display name; None for a text model
     linear_attention: bool = False  # some decoder layers are linear attention (Qwen3.5's gated DeltaNet): its state
     # runs along the whole row, so a packed row or a tree is not a mask over tokens
 
 
+# GLM-4.5 / GLM-4.5-Air / GLM-4.6 (zai-org; megatron-bridge glm/glm45_bridge.py): each MTP layer is stored as one
+# more decoder layer (with routed experts), plus its own norms, projection and copies of the embedding and LM head.
+_GLM4_MOE_LAYER = "model.layers.{i}."
+_GLM4_MOE_MTP = MTPNames(
+    prefix=_GLM4_MOE_LAYER,
+    layer=_GLM4_MOE_LAYER,
+    projection=_GLM4_MOE_LAYER + "eh_proj.weight",
+    embedding_norm=_GLM4_MOE_LAYER + "enorm.weight",
+    hidden_norm=_GLM4_MOE_LAYER + "hnorm.weight",
+    final_norm=_GLM4_MOE_LAYER + "shared_head.norm.weight",
+    after_decoder=True,
+    copies=(("model.embed_tokens.weight", _GLM4_MOE_LAYER + "embed_tokens.weight"),
+            ("lm_head.weight", _GLM4_MOE_LAYER + "shared_head.head.weight")),
+)
 # Qwen3 (and Qwen3-MoE, which lays its MTP layer out as Qwen3-Next does, routed experts in the layer) keeps one
 # projection and one set of norms whatever the layer count (megatron-bridge 0.6.2 maps layer 0 only,
 # qwen/qwen3_bridge.py); MiMo (XiaomiMiMo/MiMo-7B, mimo/mimo_bridge.py) keeps them per layer.
@@ -114,6 +160,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("mimo", "MiMoForCausalLM", mtp=_MIMO_MTP),
         ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", mtp=_QWEN3_MTP, moe=True),
         ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
+        ModelFamily("glm4_moe", "Glm4MoeForCausalLM", mtp=_GLM4_MOE_MTP, moe=True),
         ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),
@@ -154,13 +201,26 @@ def distinct_mtp_names() -> dict[MTPNames, str]:
     return layouts
 
 
-MTP_PREFIXES = tuple(dict.fromkeys(names.prefix for names in distinct_mtp_names()))
-"""The name prefixes of every table family's MTP tensors: what an HF model class without MTP leaves unloaded."""
+MTP_PREFIXES = tuple(dict.fromkeys(names.prefix for names in distinct_mtp_names() if not names.after_decoder))
+"""The name prefixes of the MTP tensors of every table family whose MTP names do not depend on the config: what an
+HF model class without MTP leaves unloaded (`after_decoder` layouts: `mtp_prefixes(hf_config)`)."""
 
 
-def is_hf_mtp_tensor(name: str) -> bool:
-    """Whether an HF tensor name belongs to an MTP head, of any family (the one definition the package uses)."""
-    return name.startswith((*MTP_PREFIXES, *_OTHER_MTP_PREFIXES)) or _OTHER_MTP_INFIX in name
+def mtp_prefixes(hf_config: dict[str, Any] | None) -> tuple[str, ...]:
+    """The name prefixes of the MTP tensors of a checkpoint with this config, whatever its layout."""
+    entry = MODEL_FAMILIES.get((hf_config or {}).get("model_type"))
+    if entry is None or entry.mtp is None or not entry.mtp.after_decoder:
+        return MTP_PREFIXES
+    return (*MTP_PREFIXES, *entry.mtp.layer_prefixes(hf_config))
+
+
+def is_hf_mtp_tensor(name: str, hf_config: dict[str, Any] | None = None) -> bool:
+    """Whether an HF tensor name belongs to an MTP head, of any family (the one definition the package uses).
+
+    The layouts that store MTP layers after the decoder's (`MTPNames.after_decoder`) are recognised only with the
+    checkpoint's config (`num_hidden_layers` and the MTP layer count say which decoder layers are MTP layers).
+    """
+    return name.startswith((*mtp_prefixes(hf_config), *_OTHER_MTP_PREFIXES)) or _OTHER_MTP_INFIX in name
 
 
 def checkpoint_mtp_layers(hf_config: dict[str, Any]) -> int:

@@ -48,6 +48,24 @@ def safetensors_files(hf_path: Path) -> list[Path]:
     return sorted(Path(hf_path).glob("*.safetensors"))
 
 
+def hf_module_state(state: Mapping[str, torch.Tensor], read: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """A transformers module's state dict (`state`: its own, for the names and shapes) read from a checkpoint's
+    tensors under `prefix` (`read(name)` returns one). Checkpoints store routed experts one by one
+    (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`); transformers 5 fuses them into
+    `experts.gate_up_proj` [experts, 2 x ffn, hidden] (gate rows first) and `experts.down_proj`."""
+    loaded = {}
+    for name, value in state.items():
+        experts = prefix + name.rsplit(".", 1)[0] + "."
+        if name.endswith("experts.gate_up_proj"):
+            loaded[name] = torch.stack([torch.cat([read(f"{experts}{e}.gate_proj.weight"),
+                                                   read(f"{experts}{e}.up_proj.weight")]) for e in range(len(value))])
+        elif name.endswith("experts.down_proj"):
+            loaded[name] = torch.stack([read(f"{experts}{e}.down_proj.weight") for e in range(len(value))])
+        else:
+            loaded[name] = read(prefix + name)
+    return loaded
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One HF tensor as a checkpoint (or an export, or a wire) carries it."""

@@ -24,6 +24,8 @@ CHECKPOINT_ROUTER_FIELDS = (
     "moe_router_enable_expert_bias",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
+    "moe_router_topk_scaling_factor",
+    "moe_layer_freq",
 )
 # The load-balancing losses Megatron-Core's router records in its MoE metrics tracker (moe/router.py).
 LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
@@ -41,6 +43,12 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     Qwen-MoE routes with a softmax over all experts, keeps the top k and, with `norm_topk_prob`, renormalises them:
     Megatron's `moe_router_pre_softmax=False` (softmax over the top-k logits) is that renormalised softmax,
     `True` the plain one. The HF load-balancing coefficient `router_aux_loss_coef` becomes Megatron's `aux_loss`.
+
+    GLM-4.5 routes with a sigmoid, picks the top k of `sigmoid + e_score_correction_bias` (Megatron's expert bias),
+    renormalises the chosen sigmoids and scales them by `routed_scaling_factor`; its first `first_k_dense_replace`
+    layers are dense (`moe_layer_freq`) and every MoE layer adds one ungated shared expert. The checkpoint's
+    expert bias is kept as it is (`moe_router_bias_update_rate: 0`, as megatron-bridge's GLM-4.5 provider does):
+    a positive rate updates it every step from the routed token counts.
     """
     if not checkpoint_num_experts(hf_config):
         return {}
@@ -48,6 +56,8 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"hf_checkpoint: MoE model_type {model_type!r} is not supported; the MoE families are "
                          f"{', '.join(MOE_MODEL_TYPES)}")
+    if model_type == "glm4_moe":
+        return _glm4_moe_router_settings(hf_config)
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError("hf_checkpoint: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
                          "are not mapped by the bridges; use a checkpoint whose every layer is MoE")
@@ -70,13 +80,43 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
+    top_k = int(hf_config["num_experts_per_tok"])
+    if top_k > 1 and not hf_config.get("norm_topk_prob", True):
+        raise ValueError("hf_checkpoint: norm_topk_prob: false with sigmoid routing is not expressible in Megatron-Core "
+                         "(moe_utils.topk_routing_with_score_function always renormalises the top-k sigmoids); use a "
+                         "checkpoint with norm_topk_prob: true")
+    if int(hf_config.get("n_group") or 1) != 1 or int(hf_config.get("topk_group") or 1) != 1:
+        raise ValueError(f"hf_checkpoint: group-limited routing (n_group: {hf_config.get('n_group')}, topk_group: "
+                         f"{hf_config.get('topk_group')}) is not supported; use a checkpoint with n_group: 1")
+    num_layers, first_dense = int(hf_config["num_hidden_layers"]), int(hf_config.get("first_k_dense_replace", 0))
+    return {
+        "num_moe_experts": checkpoint_num_experts(hf_config),
+        "moe_router_topk": top_k,
+        "moe_ffn_hidden_size": int(hf_config["moe_intermediate_size"]),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_topk_scaling_factor": float(hf_config.get("routed_scaling_factor", 1.0)),
+        "moe_shared_expert_intermediate_size": int(hf_config["moe_intermediate_size"])
+        * int(hf_config.get("n_shared_experts", 1)),
+        "moe_shared_expert_gate": False,
+        "moe_shared_expert_overlap": False,  # overlaps the shared expert on a second CUDA stream
+        "moe_layer_freq": [0] * first_dense + [1] * (num_layers - first_dense),
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(hf_config.get("router_aux_loss_coef", 0.0)),
+        "moe_token_dispatcher_type": "alltoall",
+    }
+
+
 def moe_config_overrides(hf_config: dict[str, Any], config_overrides: dict[str, Any]) -> dict[str, Any]:
     """`config_overrides` with the checkpoint's router settings added; refuses overrides that contradict it."""
     settings = router_settings(hf_config)
     if not settings:
         return config_overrides
     for field in CHECKPOINT_ROUTER_FIELDS:
-        if field in config_overrides and config_overrides[field] != settings[field]:
+        if field in config_overrides and field in settings and config_overrides[field] != settings[field]:
             raise ValueError(f"config_overrides.{field}: {config_overrides[field]!r} contradicts the checkpoint, "
                              f"whose config.json asks for {settings[field]!r}; remove the override")
     return {**settings, **config_overrides}

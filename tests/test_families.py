@@ -23,6 +23,7 @@ from lightning_megatron.families import (
     is_hf_mtp_tensor,
     mtp_names,
 )
+from lightning_megatron.moe import checkpoint_num_experts
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.speculative.mtp_head import _detect_layout
 from lightning_megatron.testing.checkpoints import FAMILIES, make_tiny_checkpoint
@@ -31,7 +32,7 @@ from lightning_megatron.testing.vl import VL_FAMILIES, make_tiny_vl_checkpoint
 PACKAGE = Path(lightning_megatron.__file__).parent
 # Each MTP family's checkpoint minus its MTP head is this one: the same decoder (MiMo is Qwen2 plus MTP layers).
 BASE = {"qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False), "mimo": ("qwen2", False),
-        "qwen3_5_text": ("qwen3_5_text", False)}
+        "glm4_moe": ("glm4_moe", False), "qwen3_5_text": ("qwen3_5_text", False)}
 
 
 def _tensor_names(path: Path) -> set[str]:
@@ -52,8 +53,7 @@ def test_every_tiny_family_is_in_the_table_with_its_architecture(tiny: dict) -> 
     for (name, mtp), path in tiny.items():
         config = json.loads((path / "config.json").read_text())
         assert config["architectures"] == [MODEL_FAMILIES[name].architecture]
-        assert MODEL_FAMILIES[name].moe is (name in MOE_MODEL_TYPES) is ("num_experts" in config
-                                                                          or "num_local_experts" in config)
+        assert MODEL_FAMILIES[name].moe is (name in MOE_MODEL_TYPES) is (checkpoint_num_experts(config) > 0)
         assert checkpoint_mtp_layers(config) == int(mtp)
         if mtp:
             assert config[mtp_names(name).layers_key] == 1
@@ -70,16 +70,29 @@ def test_vl_architectures_match_the_table(tmp_path: Path, name: str) -> None:
 @pytest.mark.parametrize(("name", "mtp"), FAMILIES)
 def test_is_hf_mtp_tensor_selects_exactly_the_mtp_head(tiny: dict, name: str, mtp: bool) -> None:
     names = _tensor_names(tiny[name, mtp])
-    selected = {tensor for tensor in names if is_hf_mtp_tensor(tensor)}
+    config = json.loads((tiny[name, mtp] / "config.json").read_text())
+    selected = {tensor for tensor in names if is_hf_mtp_tensor(tensor, config)}
     if not mtp:
         assert not selected
         return
     assert names - selected == _tensor_names(tiny[BASE[name]])
     names_of = mtp_names(name)
-    head, layer = set(names_of.head(0).values()), names_of.layer.format(i=0)
-    assert head <= selected
+    head, layer = set(names_of.head(0, config).values()), names_of.layer_prefix(0, config)
+    assert head | set(names_of.copy_names(0, config).values()) <= selected
     assert all(tensor in head or tensor.startswith(layer) for tensor in selected)
-    assert all(tensor.startswith(names_of.prefix) for tensor in selected)
+    assert all(tensor.startswith(names_of.layer_prefixes(config)) for tensor in selected)
+    if names_of.after_decoder:  # without the config, the MTP layer reads as one more decoder layer
+        assert not any(is_hf_mtp_tensor(tensor) for tensor in names)
+
+
+def test_layouts_after_the_decoder_need_the_config_to_name_a_tensor() -> None:
+    names = mtp_names("glm4_moe")
+    with pytest.raises(ValueError, match=r"pass the checkpoint's config \(num_hidden_layers\)"):
+        names.head(0)
+    assert names.head(0, {"num_hidden_layers": 46})["final_norm"] == "model.layers.46.shared_head.norm.weight"
+    assert names.copy_names(0, {"num_hidden_layers": 46}) == {
+        "model.embed_tokens.weight": "model.layers.46.embed_tokens.weight",
+        "lm_head.weight": "model.layers.46.shared_head.head.weight"}
 
 
 @pytest.mark.parametrize("name", MTP_MODEL_TYPES)
@@ -95,7 +108,7 @@ def test_the_restore_tool_writes_the_tables_names(tiny: dict, tmp_path: Path, na
             (stripped / entry.name).write_bytes(entry.read_bytes())
     from safetensors.torch import load_file, save_file
 
-    save_file({k: v for k, v in load_file(source / "model.safetensors").items() if not is_hf_mtp_tensor(k)},
+    save_file({k: v for k, v in load_file(source / "model.safetensors").items() if not is_hf_mtp_tensor(k, config)},
               stripped / "model.safetensors")
     restored = restore_mtp_head(stripped, tmp_path / "restored", init="random")
     assert _tensor_names(restored) == _tensor_names(source)
@@ -103,7 +116,8 @@ def test_the_restore_tool_writes_the_tables_names(tiny: dict, tmp_path: Path, na
 
 @pytest.mark.parametrize("name", MTP_MODEL_TYPES)
 def test_the_speculative_decoder_finds_the_tables_layout(tiny: dict, name: str) -> None:
-    found, names = _detect_layout(tiny[name, True], _tensor_names(tiny[name, True]))
+    config = json.loads((tiny[name, True] / "config.json").read_text())
+    found, names = _detect_layout(tiny[name, True], _tensor_names(tiny[name, True]), config)
     assert names == mtp_names(name) and mtp_names(found) == names
 
 
@@ -132,6 +146,8 @@ HF_MTP_PATTERNS = [
         r"\binput_proj\b",
         r"\bmtp\.layers\.(\{i\}|\d+|\*)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\b",  # HF sub-layer
         r"^\.?mtp\.(layers\.(\{i\}|\d+|\*)\.?)?$",  # a bare prefix or infix ("mtp.", ".mtp.", "mtp.layers.*")
+        r"\bmodel\.layers\.(\{i\}|\d+|\*)\.(eh_proj|enorm|hnorm|embed_tokens)\b",  # GLM-4.5's MTP layer
+        r"\bshared_head\.(norm|head)\b",
     )
 ]
 # (file, literal): Megatron-side names that look like an HF prefix.
@@ -162,9 +178,13 @@ def test_no_module_but_the_family_table_spells_an_hf_mtp_tensor_name() -> None:
 
 def test_the_scan_sees_the_spellings_it_guards_against() -> None:
     """The patterns flag each family's HF names and none of Megatron's, so the scan above can fail."""
+    config = {"num_hidden_layers": 46}
     for name in MTP_MODEL_TYPES:
         head = mtp_names(name)
-        for spelled in (*head.head(0).values(), head.prefix, head.layer.format(i=0) + "input_layernorm.weight"):
+        spellings = [*head.head(0, config).values(), *head.copy_names(0, config).values()]
+        if not head.after_decoder:  # an MTP layer stored as a decoder layer has a decoder layer's names
+            spellings += [head.prefix, head.layer_prefix(0) + "input_layernorm.weight"]
+        for spelled in spellings:
             assert any(pattern.search(spelled) for pattern in HF_MTP_PATTERNS), spelled
     megatron = ["mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
                 "mtp.layers.0.final_layernorm.weight", "mtp.layers.*.mtp_model_layer",

@@ -430,7 +430,7 @@ def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_p
 
 def test_a_family_whose_experts_a_bridge_does_not_map_fails_before_the_build(model_parallel, checkpoints):
     with pytest.raises(BridgeError, match=r"bridge_type: megatron-bridge does not map the experts of 'qwen2_moe' "
-                                          r"checkpoints \(it maps qwen3_moe\); set bridge_type: mbridge"):
+                                          r"checkpoints \(it maps qwen3_moe, glm4_moe\); set bridge_type: mbridge"):
         create_bridge("megatron-bridge", checkpoints["qwen2_moe"]).validate(ModelOptions())
 
 
@@ -445,9 +445,9 @@ def test_restoring_an_mtp_head_on_qwen3_moe_gives_the_layout_the_bridge_maps(che
                        written["model.layers.1.mlp.experts.3.up_proj.weight"])
 
 
-@pytest.mark.slow
-def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_path):
-    """`lightning-megatron fit --config configs/tiny/moe_ep2.yaml`, shortened, writing under tmp_path."""
+def fit_shortened_config(config_file: str, tmp_path: Path) -> None:
+    """`lightning-megatron fit --config <config_file>` for 2 steps, writing everything under tmp_path (the tiny
+    checkpoint under tmp_path/tiny, each callback's folder under its own name)."""
     import os
     import subprocess
     import sys
@@ -455,7 +455,7 @@ def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_p
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    config = yaml.safe_load((root / "configs/tiny/moe_ep2.yaml").read_text())
+    config = yaml.safe_load((root / config_file).read_text())
     config["trainer"].update(max_steps=2, val_check_interval=2, default_root_dir=str(tmp_path))
     config["trainer"]["strategy"]["init_args"]["hf_checkpoint"] = str(tmp_path / "tiny")
     config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
@@ -468,6 +468,12 @@ def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_p
                                 str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
                                timeout=600, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_config_fits_on_two_processes_with_expert_parallelism(tmp_path):
+    """`lightning-megatron fit --config configs/tiny/moe_ep2.yaml`, shortened, writing under tmp_path."""
+    fit_shortened_config("configs/tiny/moe_ep2.yaml", tmp_path)
     header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"lm_loss", "moe_aux_loss", "val_lm_loss"} <= set(header)
     exported = load_file(tmp_path / "hf" / "model.safetensors")

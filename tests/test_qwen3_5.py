@@ -29,7 +29,16 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
-from tests.test_moe import LR, SEQ, _fit, _input_ids, _logits_difference, _mtp_only_module, _same_tensors
+from tests.test_moe import (
+    LR,
+    SEQ,
+    _fit,
+    _input_ids,
+    _logits_difference,
+    _mtp_only_module,
+    _same_tensors,
+    fit_shortened_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +234,14 @@ def test_the_speculative_decoder_refuses_a_linear_attention_target(checkpoints):
     assert float((drafted - hf_mtp_reference_logits(checkpoints["mtp"], input_ids)).abs().max()) <= 1e-5
     with pytest.raises(ValueError, match=r"linear-attention layers .* val_mtp_acceptance"):
         speculative_decode(target, head, [5, 17, 42], num_draft_tokens=2, max_new_tokens=8, eos_token_ids=[])
+
+
+@pytest.mark.slow
+def test_the_tiny_qwen3_5_config_trains_the_mtp_head_on_two_processes(tmp_path):
+    """`lightning-megatron fit --config configs/tiny/qwen3_5_mtp_only.yaml`, shortened, writing under tmp_path."""
+    fit_shortened_config("configs/tiny/qwen3_5_mtp_only.yaml", tmp_path)
+    assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
+    exported, original = _tensors(tmp_path / "hf"), _tensors(tmp_path / "tiny")
+    assert exported.keys() == original.keys()
+    assert {name for name in original if not torch.equal(exported[name], original[name])} == {
+        name for name in original if is_hf_mtp_tensor(name)}

@@ -101,8 +101,8 @@ def test_an_export_failing_mid_way_leaves_nothing(model_parallel, tmp_path):
     from lightning_megatron.bridges.mbridge import MBridge
 
     class FailsHalfWay(MBridge):
-        def export_hf_weights(self, chunks, *, on_host=True):
-            for index, (name, tensor) in enumerate(super().export_hf_weights(chunks, on_host=on_host)):
+        def export_hf_weights(self, chunks, **options):
+            for index, (name, tensor) in enumerate(super().export_hf_weights(chunks, **options)):
                 if index == 3:
                     raise BridgeError("the gather failed")
                 yield name, tensor

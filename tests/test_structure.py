@@ -273,6 +273,7 @@ CLI_NAMESPACE = "a jsonargparse value: a strategy given as class_path + init_arg
 # string. A contract between rooms is never among them: declare it (contract.py, a Protocol, a Bridge method).
 NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("_compat/_adjustment.py", "__dict__"): "any patched target: a module, a class or an instance",
+    ("_compat/grouped_experts.py", "_grouped_mm"): "torch's grouped GEMM, absent before torch 2.8",
     ("_compat/mbridge.py", "encoder_and_decoder"): UPSTREAM,
     ("_compat/mbridge.py", "rope_theta"): UPSTREAM,
     ("_compat/no_te.py", "mtp_num_layers"): MEGATRON,

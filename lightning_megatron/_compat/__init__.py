@@ -15,6 +15,7 @@ from lightning_megatron._compat import (
     context_parallel,
     cpu,
     gated_delta_net,
+    grouped_experts,
     mbridge,
     moe,
     no_te,
@@ -34,7 +35,8 @@ def prepare_megatron_core() -> list[str]:
     megatron-core's notice that its own checkpoint writer is deprecated is dropped wherever it still logs it.
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
-                   *moe.MEGATRON_CORE_ADJUSTMENTS, *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
+                   *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
+                   *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
                    *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 

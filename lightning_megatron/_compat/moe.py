@@ -108,18 +108,123 @@ MEGATRON_CORE_ADJUSTMENTS = (
 # megatron-bridge --------------------------------------------------------------------------------------------------
 
 
+def _set_provider_fields(patches: Patches, bridge_class: type, fields: dict[str, Any]) -> None:
+    """`bridge_class.provider_bridge` followed by setting `fields` on the provider it returns."""
+    provider_bridge = bridge_class.provider_bridge
+
+    @functools.wraps(provider_bridge)
+    def provider_bridge_with_fields(bridge: Any, hf_pretrained: Any) -> Any:
+        provider = provider_bridge(bridge, hf_pretrained)
+        for name, value in fields.items():
+            setattr(provider, name, value)
+        return provider
+
+    patches.setattr(bridge_class, "provider_bridge", provider_bridge_with_fields)
+
+
 def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
     from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 
-    provider_bridge = Qwen3MoEBridge.provider_bridge
+    # TE's fused permutation; the unfused one computes the same
+    _set_provider_fields(patches, Qwen3MoEBridge, {"moe_permute_fusion": False})
 
-    @functools.wraps(provider_bridge)
-    def provider_bridge_unfused(bridge: Any, hf_pretrained: Any) -> Any:
-        provider = provider_bridge(bridge, hf_pretrained)
-        provider.moe_permute_fusion = False  # TE's fused permutation; the unfused one computes the same
-        return provider
 
-    patches.setattr(Qwen3MoEBridge, "provider_bridge", provider_bridge_unfused)
+def _install_glm45_local_fusions(patches: Patches) -> None:
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    _set_provider_fields(patches, GLM45Bridge, {
+        "moe_permute_fusion": False,  # TE's fused permutation; the unfused one computes the same
+        "persist_layer_norm": False,  # Apex's persistent layer norm, refused by the local spec's torch norm
+        "moe_shared_expert_overlap": False,  # the shared expert on a second CUDA stream
+    })
+
+
+def _glm45_maps_no_sequential_experts() -> bool:
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    registry = GLM45Bridge.mapping_registry(_glm45_bridge_for_names())
+    return not any(".local_experts." in mapping.megatron_param for mapping in registry.mappings)
+
+
+def _glm45_bridge_for_names() -> Any:
+    """A bridge object that can list its mappings without a checkpoint (no MTP layer, no fused experts)."""
+    from types import SimpleNamespace
+
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    bridge = object.__new__(GLM45Bridge)
+    bridge.hf_config = SimpleNamespace(num_nextn_predict_layers=0, num_hidden_layers=1)
+    bridge.hf_pretrained = None
+    return bridge
+
+
+def _install_glm45_sequential_expert_names(patches: Patches) -> None:
+    """The local spec's `SequentialMLP` experts (`experts.local_experts.{k}.linear_fc1.weight`), in the decoder and
+    in the MTP layers, beside the `TEGroupedMLP` names (`experts.linear_fc1.weight{k}`) GLM-4.5's registry maps."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    mapping_registry = GLM45Bridge.mapping_registry
+
+    @functools.wraps(mapping_registry)
+    def mapping_registry_with_sequential_experts(bridge: Any) -> Any:
+        registry = mapping_registry(bridge)
+        sequential = []
+        for mapping in registry.mappings:
+            name = mapping.megatron_param
+            for grouped, local in ((".mlp.experts.linear_fc1.weight*", ".mlp.experts.local_experts.*.linear_fc1.weight"),
+                                   (".mlp.experts.linear_fc2.weight*", ".mlp.experts.local_experts.*.linear_fc2.weight")):
+                if not name.endswith(grouped):
+                    continue
+                local_name = name.removesuffix(grouped) + local
+                if isinstance(mapping, GatedMLPMapping):
+                    sequential.append(GatedMLPMapping(megatron_param=local_name, gate=mapping.hf_param["gate"],
+                                                      up=mapping.hf_param["up"]))
+                elif isinstance(mapping, AutoMapping):
+                    sequential.append(AutoMapping(megatron_param=local_name, hf_param=mapping.hf_param))
+        return MegatronMappingRegistry(*registry.mappings, *sequential)
+
+    patches.setattr(GLM45Bridge, "mapping_registry", mapping_registry_with_sequential_experts)
+
+
+def _glm45_exports_no_mtp_copies() -> bool:
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    return GLM45Bridge.maybe_modify_converted_hf_weight is MegatronModelBridge.maybe_modify_converted_hf_weight
+
+
+def _install_glm45_mtp_copies(patches: Patches) -> None:
+    """GLM-4.5 checkpoints store copies of the embedding and the LM head inside each MTP layer
+    (`families.MTPNames.copies`); Megatron's MTP layers share the model's own, so the export writes them again
+    from the shared tensors, only for a model built with its MTP layers (as upstream's GLM-4.7-Flash bridge does,
+    glm/glm47_flash_bridge.py:116-148, but for every MTP layer the model has)."""
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+    from megatron.core.utils import get_model_config
+
+    stream = GLM45Bridge.stream_weights_megatron_to_hf
+    patches.setattr(GLM45Bridge, "_exports_mtp", False)
+
+    @functools.wraps(stream)
+    def stream_noting_mtp(bridge: Any, megatron_model: Any, *args: Any, **kwargs: Any) -> Any:
+        chunks = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+        bridge._exports_mtp = bool(get_model_config(chunks[0]).mtp_num_layers)
+        yield from stream(bridge, megatron_model, *args, **kwargs)
+
+    def with_mtp_copies(bridge: Any, task: Any, converted: dict[str, torch.Tensor], hf_state_dict: Any
+                        ) -> dict[str, torch.Tensor]:
+        names = mtp_names("glm4_moe")
+        config = {"num_hidden_layers": bridge.hf_config.num_hidden_layers}
+        # the HF MTP layers the registry maps (a repeated MTP layer, `mtp_depths` > 1, is still one of them)
+        for i in range(bridge.hf_config.num_nextn_predict_layers if bridge._exports_mtp else 0):
+            for main, copy in names.copy_names(i, config).items():
+                if main in converted and copy not in converted:
+                    converted[copy] = converted[main].clone()
+        return converted
+
+    patches.setattr(GLM45Bridge, "stream_weights_megatron_to_hf", stream_noting_mtp)
+    patches.setattr(GLM45Bridge, "maybe_modify_converted_hf_weight", with_mtp_copies)
 
 
 def _qwen3_moe_mtp_names() -> dict[str, str]:
@@ -179,6 +284,29 @@ def _install_qwen3_moe_mtp_names(patches: Patches) -> None:
 
 
 MEGATRON_BRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_bridge.glm45_local_fusions",
+        "megatron/bridge/models/glm/glm45_bridge.py:69,75,81 moe_permute_fusion=True: 'fused permutation is not "
+        "available' without TE (megatron/core/transformer/transformer_config.py:2667); persist_layer_norm (Apex), "
+        "moe_shared_expert_overlap (a second CUDA stream)",
+        no_transformer_engine,
+        _install_glm45_local_fusions,
+    ),
+    Adjustment(
+        "megatron_bridge.glm45_sequential_expert_names",
+        "megatron/bridge/models/glm/glm45_bridge.py:171-182, 254-269 map only TEGroupedMLP expert names: loading the local "
+        "spec's SequentialMLP experts fails at model_bridge.py:1100 ('NoneType' object has no attribute "
+        "'megatron_module', after 'No mapping found for megatron_param: ...local_experts.0.linear_fc1.weight')",
+        _glm45_maps_no_sequential_experts,
+        _install_glm45_sequential_expert_names,
+    ),
+    Adjustment(
+        "megatron_bridge.glm45_mtp_copies",
+        "megatron/bridge/models/glm/glm45_bridge.py:272-295 maps no copy of the embedding or LM head in the MTP "
+        "layers, so the export omits two tensors of every GLM-4.5 checkpoint with MTP (its index lists them)",
+        _glm45_exports_no_mtp_copies,
+        _install_glm45_mtp_copies,
+    ),
     Adjustment(
         "megatron_bridge.qwen3_moe_mtp_names",
         "megatron/bridge/models/qwen/qwen3_moe_bridge.py:77 mapping_registry has no mtp.* names although the provider "

@@ -9,6 +9,7 @@ Bridges know nothing of Lightning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from abc import ABC, abstractmethod
@@ -146,7 +147,7 @@ class Bridge(ABC):
                 "(lightning-megatron-restore-mtp), or set mtp: false"
             )
         if options.mtp and not options.random_weights and not any(
-                is_hf_mtp_tensor(name) for name in checkpoint_tensor_dtypes(self.hf_path)):
+                is_hf_mtp_tensor(name, self.hf_config) for name in checkpoint_tensor_dtypes(self.hf_path)):
             raise BridgeError(
                 f"{self.hf_path}: config.json declares {self.checkpoint_mtp_layers} MTP layer(s) but the weights hold "
                 "no MTP tensor; restore the head with lightning-megatron-restore-mtp (--source or --init), "
@@ -272,8 +273,13 @@ class Bridge(ABC):
         """The tensors an export of the built model carries: the source checkpoint's names (its MTP tensors only
         when the model was built with MTP), shapes, and dtypes (the source's, or `dtype`)."""
         return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
-                for name, spec in checkpoint_tensor_specs(self.hf_path).items()
-                if self.options.mtp or not is_hf_mtp_tensor(name)}
+                for name, spec in self._checkpoint_specs.items()
+                if self.options.mtp or not is_hf_mtp_tensor(name, self.hf_config)}
+
+    @functools.cached_property
+    def _checkpoint_specs(self) -> dict[str, TensorSpec]:
+        """The source checkpoint's tensors, read from its headers once (every export and weight sync asks)."""
+        return checkpoint_tensor_specs(self.hf_path)
 
     def export_hf_tensors(self, chunks: list[torch.nn.Module], *, dtype: torch.dtype | None = None,
                           on_host: bool = True, only: Collection[str] | None = None
@@ -292,6 +298,8 @@ class Bridge(ABC):
                 raise BridgeError(f"the export gives {name} the shape {tuple(tensor.shape)}, but {self.hf_path} "
                                   f"has {spec.shape}")
             if name in exported:  # a tied embedding, exported by the first and the last pipeline stage: once
+                continue
+            if only is not None and name not in only:  # a backend that exports more than it was asked for
                 continue
             exported.add(name)
             yield name, tensor.detach().to(spec.dtype if spec is not None else tensor.dtype)

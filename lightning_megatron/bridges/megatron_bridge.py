@@ -15,7 +15,9 @@ from lightning_megatron.bridges.base import Bridge, apply_parallel_state, regist
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.distributed import cpu_group
+from lightning_megatron.families import MTP_MODEL_TYPES, mtp_names
 from lightning_megatron.hf_io import LoadReport
+from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
 from lightning_megatron.options import ModelOptions
 
@@ -27,7 +29,7 @@ class MegatronBridge(Bridge):
     supports_lora = True
     supports_vl = True
     exports_selected_tensors = True
-    moe_model_types = ("qwen3_moe",)
+    moe_model_types = ("qwen3_moe", "glm4_moe")
     linear_attention_model_types = ("qwen3_5_text",)
     reads_model_config_before_build = True
 
@@ -52,10 +54,12 @@ class MegatronBridge(Bridge):
         return self._auto_bridge
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
-        if "moe_router_enable_expert_bias" in options.config_overrides:
-            return bool(options.config_overrides["moe_router_enable_expert_bias"])
+        # the provider's fields, then the checkpoint's router settings (`moe`), then the options' overrides
+        fields = {**router_settings(self.hf_config), **options.config_overrides}
         provider = self.auto_bridge.to_megatron_provider(load_weights=False)
-        return bool(getattr(provider, "moe_router_enable_expert_bias", False))
+        enabled = fields.get("moe_router_enable_expert_bias",
+                             getattr(provider, "moe_router_enable_expert_bias", False))
+        return bool(enabled) and fields.get("moe_router_bias_update_rate", provider.moe_router_bias_update_rate) > 0
 
     def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)
@@ -116,7 +120,17 @@ class MegatronBridge(Bridge):
             gathered: list[set[str] | None] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, names, group=cpu_group())
             names = set().union(*gathered)
-        return names
+        return names | self._mtp_copies_of(names)
+
+    def _mtp_copies_of(self, names: set[str]) -> set[str]:
+        """The copies of main-model tensors a family's MTP layers store (GLM-4.5's embedding and LM head): written
+        with their originals, so they change with them."""
+        model_type = self.hf_config.get("model_type")
+        if not self.options.mtp or model_type not in MTP_MODEL_TYPES:
+            return set()
+        layout = mtp_names(model_type)
+        return {copy for i in range(self.checkpoint_mtp_layers)
+                for main, copy in layout.copy_names(i, self.hf_config).items() if main in names}
 
     def _conversion_tasks(self, chunks: list[torch.nn.Module]) -> list[Any]:
         """megatron-bridge's conversion tasks of these chunks (one per Megatron parameter, in the same order on every

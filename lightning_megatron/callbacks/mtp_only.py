@@ -120,7 +120,10 @@ class MTPOnlyCallback(pl.Callback):
                              "often raise log_every_n_steps, or leave log_lm_loss_every_n_steps null")
         if bridge.router_updates_expert_bias(module.model_options()):
             raise ValueError("MTPOnlyCallback cannot freeze a model whose MoE router updates its expert bias every "
-                             "step (moe_router_enable_expert_bias); set it to false or train jointly")
+                             "step (moe_router_enable_expert_bias with moe_router_bias_update_rate > 0): set "
+                             "config_overrides.moe_router_bias_update_rate: 0 to keep the bias as loaded (what "
+                             "GLM-4.5 checkpoints get by default), or moe_router_enable_expert_bias: false for a "
+                             "checkpoint without one, or train jointly")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

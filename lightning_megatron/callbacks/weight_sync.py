@@ -218,7 +218,8 @@ class WeightSync(pl.Callback):
         from megatron.core.utils import get_model_config
 
         changed = set(self._trained)
-        if get_model_config(chunks[0]).moe_router_enable_expert_bias:  # the routers update it without a gradient
+        config = get_model_config(chunks[0])
+        if config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate > 0:  # updated without grad
             changed.update(id(buffer) for chunk in chunks for name, buffer in chunk.named_buffers()
                            if name.endswith("expert_bias"))
         return bridge.changed_hf_names(chunks, changed) & set(bridge.hf_tensor_specs())

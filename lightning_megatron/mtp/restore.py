@@ -44,7 +44,7 @@ def restore_mtp_head(
     `source` is the checkpoint the fine-tuning started from: its MTP tensors and MTP layer count are copied, after
     checking that its family, hidden size, vocab size and every MTP tensor's shape fit the fine-tuned checkpoint.
     `init="random"` draws matrices from N(0, initializer_range) (config.json, default 0.02) with `seed`, norm
-    weights are ones, biases zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer
+    weights are ones, biases (and routers' expert biases) zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer
     layer, sets the MTP norms to ones and draws the projection (eh_proj / input_proj) as `random` does.
     MTP tensors take the dtype of the fine-tuned input embedding: source tensors of another dtype are cast.
     The folder is written atomically; an earlier HF checkpoint at `output` is replaced.
@@ -63,18 +63,20 @@ def restore_mtp_head(
     config = _read_config(finetuned, "finetuned")
     model_type, names = _mtp_family(config, finetuned, "finetuned")
     shapes = _tensor_shapes(finetuned, "finetuned")
-    present = sorted(name for name in shapes if name.startswith(names.prefix))
+    prefixes = _mtp_prefixes(names, config, 1)
+    present = sorted(name for name in shapes if name.startswith(prefixes))
     if checkpoint_mtp_layers(config) or present:
         raise MTPRestoreError(
             f"finetuned: {finetuned} already has an MTP head (config.json declares {checkpoint_mtp_layers(config)} MTP "
-            f"layer(s); {len(present)} {names.prefix}* tensor(s)); restore into a checkpoint exported with mtp=False"
+            f"layer(s); {len(present)} {prefixes[0]}* tensor(s)); restore into a checkpoint exported with mtp=False"
         )
 
     if source is not None:
         source_config = _read_config(source, "source")
         mtp_layers = _check_source(finetuned, config, source, source_config, model_type)
         expected = _mtp_shapes(names, config, shapes, mtp_layers)
-        _check_source_tensors(source, _tensor_shapes(source, "source"), names, expected)
+        _check_source_tensors(source, _tensor_shapes(source, "source"), _mtp_prefixes(names, config, mtp_layers),
+                              expected)
     else:
         source_config = {}
         mtp_layers = 1
@@ -97,6 +99,9 @@ def restore_mtp_head(
         mtp_tensors = _load_tensors(source, names=set(expected))
     else:
         mtp_tensors = _fresh_mtp_tensors(expected, tensors, init, std=config.get("initializer_range", 0.02), seed=seed)
+    for i in range(mtp_layers):  # the MTP layers' copies of the embedding and LM head: the fine-tuned ones
+        mtp_tensors.update({copy: tensors[main if main in tensors else "model.embed_tokens.weight"]
+                            for main, copy in names.copy_names(i, config).items()})
     mtp_tensors = {name: tensor.to(dtype) for name, tensor in mtp_tensors.items()}
 
     def write(folder: Path) -> None:
@@ -168,6 +173,11 @@ def _check_source(
     return mtp_layers
 
 
+def _mtp_prefixes(names: MTPNames, config: dict[str, Any], mtp_layers: int) -> tuple[str, ...]:
+    """The name prefixes of `mtp_layers` MTP layers of a checkpoint with this config."""
+    return names.layer_prefixes({**config, names.layers_key: mtp_layers})
+
+
 def _mtp_shapes(
     names: MTPNames, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], mtp_layers: int
 ) -> dict[str, tuple[tuple[int, ...], str | None]]:
@@ -185,23 +195,26 @@ def _mtp_shapes(
         )
     expected: dict[str, tuple[tuple[int, ...], str | None]] = {}
     for i in range(mtp_layers):
-        expected[names.projection.format(i=i)] = ((hidden, 2 * hidden), None)
-        expected.update({norm.format(i=i): ((hidden,), None) for norm in names.norms})
+        head = names.head(i, config)
+        expected[head.pop("projection")] = ((hidden, 2 * hidden), None)
+        expected.update({norm: ((hidden,), None) for norm in head.values()})
         for suffix, name in decoder_layer.items():
-            expected[names.layer.format(i=i) + suffix] = (shapes[name], name)
+            expected[names.layer_prefix(i, config) + suffix] = (shapes[name], name)
+        expected.update({copy: (shapes[main if main in shapes else "model.embed_tokens.weight"], None)
+                         for main, copy in names.copy_names(i, config).items()})
     return expected
 
 
 def _check_source_tensors(
     source: Path,
     shapes: dict[str, tuple[int, ...]],
-    names: MTPNames,
+    prefixes: tuple[str, ...],
     expected: dict[str, tuple[tuple[int, ...], str | None]],
 ) -> None:
-    present = {name for name in shapes if name.startswith(names.prefix)}
+    present = {name for name in shapes if name.startswith(prefixes)}
     if not present:
         raise MTPRestoreError(
-            f"source: {source} has no MTP head (no {names.prefix}* tensors, though config.json declares MTP layers)"
+            f"source: {source} has no MTP head (no {prefixes[0]}* tensors, though config.json declares MTP layers)"
         )
     missing = sorted(set(expected) - present)
     if missing:
@@ -234,7 +247,7 @@ def _fresh_mtp_tensors(
     for name, (shape, mirrored) in sorted(expected.items()):  # sorted: the same seed draws the same tensors
         if init == "copy-last-layer" and mirrored is not None:
             fresh[name] = tensors[mirrored].clone()
-        elif name.endswith(".bias"):
+        elif name.endswith("bias"):  # biases, and the routers' expert bias (GLM-4.5's e_score_correction_bias)
             fresh[name] = torch.zeros(shape)
         elif len(shape) == 1:  # the only other vectors are norm weights
             fresh[name] = torch.ones(shape)

@@ -25,10 +25,11 @@ from transformers.masking_utils import create_causal_mask
 from lightning_megatron.families import (
     LINEAR_ATTENTION_MODEL_TYPES,
     MODEL_FAMILIES,
-    MTP_PREFIXES,
     MTPNames,
     distinct_mtp_names,
+    mtp_prefixes,
 )
+from lightning_megatron.hf_io import hf_module_state
 
 
 class MTPDraftHead(nn.Module):
@@ -48,8 +49,10 @@ class MTPDraftHead(nn.Module):
         self.enorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.hnorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.layer = layer_class(config, layer_idx=_mtp_layer_kind(config))
-        self.layer.self_attn.layer_idx = 0  # layer index 0 of the head's own cache
+        # Built as the decoder layer the checkpoint stores it as (GLM-4.5's MTP layer, past its dense layers, has
+        # routed experts; Qwen3.5's is a full-attention layer); its attention is layer 0 of the head's own cache.
+        self.layer = layer_class(config, layer_idx=_mtp_layer_kind(config, names))
+        self.layer.self_attn.layer_idx = 0
         self.final_norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.embed_tokens = target.model.embed_tokens
         self.rotary_emb = target.model.rotary_emb
@@ -101,10 +104,12 @@ class MTPDraftHead(nn.Module):
         return self.final_norm(x)
 
 
-def _mtp_layer_kind(config: PretrainedConfig) -> int:
+def _mtp_layer_kind(config: PretrainedConfig, names: MTPNames) -> int:
     """The decoder layer an MTP layer is built as: a hybrid model's (Qwen3.5's) first full-attention layer, the kind
-    its MTP layer is; layer 0 of any other model."""
-    return config.layer_types.index("full_attention") if config.model_type in LINEAR_ATTENTION_MODEL_TYPES else 0
+    its MTP layer is; else the decoder layer the checkpoint stores it as (`MTPNames.index`)."""
+    if config.model_type in LINEAR_ATTENTION_MODEL_TYPES:
+        return config.layer_types.index("full_attention")
+    return names.index(0, config.to_dict())
 
 
 def load_target(
@@ -133,7 +138,7 @@ def load_target(
             model, info = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype, output_loading_info=True)
     finally:
         modeling_logger.setLevel(level)
-    not_mtp = [name for name in info["unexpected_keys"] if not name.startswith(MTP_PREFIXES)]
+    not_mtp = [name for name in info["unexpected_keys"] if not name.startswith(mtp_prefixes(raw_config))]
     if info["missing_keys"] or info["mismatched_keys"] or not_mtp:
         raise ValueError(
             f"{hf_path}: the target model does not load cleanly: missing={sorted(info['missing_keys'])}, "
@@ -151,9 +156,10 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
     hf_path = Path(hf_path)
     files = sorted(hf_path.glob("*.safetensors"))
     tensor_files = {name: file for file in files for name in _tensor_names(file)}
-    family, names = _detect_layout(hf_path, tensor_files)
+    hf_config = target.config.to_dict()
+    family, names = _detect_layout(hf_path, tensor_files, hf_config)
     head = MTPDraftHead(target, family, names)
-    tensors, layer_prefix = names.head(0), names.layer.format(i=0)
+    tensors, layer_prefix = names.head(0, hf_config), names.layer_prefix(0, hf_config)
 
     def read(name: str) -> torch.Tensor:
         with safe_open(tensor_files[name], framework="pt") as reader:
@@ -163,29 +169,31 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
     if names.hidden_first:
         hidden_half, embedding_half = projection.chunk(2, dim=1)
         projection = torch.cat([embedding_half, hidden_half], dim=1)
-    layer_names = [f"{layer_prefix}{name}" for name in head.layer.state_dict()]
-    missing = [name for name in layer_names if name not in tensor_files]
-    if missing:
-        raise ValueError(f"{hf_path}: the {family} MTP layer is missing tensors {missing}")
+    def read_layer_tensor(name: str) -> torch.Tensor:
+        if name not in tensor_files:
+            raise ValueError(f"{hf_path}: the {family} MTP layer is missing the tensor {name}")
+        return read(name)
+
+    layer_state = hf_module_state(head.layer.state_dict(), read_layer_tensor, layer_prefix)
     head.enorm.load_state_dict({"weight": read(tensors["embedding_norm"])})
     head.hnorm.load_state_dict({"weight": read(tensors["hidden_norm"])})
     head.eh_proj.load_state_dict({"weight": projection})
-    head.layer.load_state_dict({name.removeprefix(layer_prefix): read(name) for name in layer_names})
+    head.layer.load_state_dict(layer_state)
     head.final_norm.load_state_dict({"weight": read(tensors["final_norm"])})
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def _detect_layout(hf_path: Path, tensor_names: Collection[str]) -> tuple[str, MTPNames]:
+def _detect_layout(hf_path: Path, tensor_names: Collection[str], hf_config: dict) -> tuple[str, MTPNames]:
     """The family and MTP names whose projection the checkpoint holds: the checkpoint's own family's when it has
     them (Qwen3.5 spells its head as Qwen3 does), else the first family in the table with these names."""
     layouts = distinct_mtp_names()
-    own = MODEL_FAMILIES.get(_read_config(hf_path).get("model_type"))
+    own = MODEL_FAMILIES.get(hf_config.get("model_type"))
     if own is not None and own.mtp is not None:
         layouts = {own.mtp: own.model_type, **layouts}
     for names, family in layouts.items():
-        if names.head(0)["projection"] in tensor_names:
+        if names.head(0, hf_config)["projection"] in tensor_names:
             return family, names
-    known = ", ".join(f"{family} ({names.head(0)['projection']})" for names, family in layouts.items())
+    known = ", ".join(f"{family} ({names.head(0, hf_config)['projection']})" for names, family in layouts.items())
     raise ValueError(
         f"{hf_path} has no MTP head in a layout this decoder knows: {known}. "
         "Export the checkpoint with its MTP head kept (ModelOptions(mtp=True))."

@@ -27,7 +27,7 @@ from lightning_megatron.testing import qwen3_5
 from lightning_megatron.testing.mimo import write_mimo_remote_code
 from lightning_megatron.testing.tokenizer import build_tokenizer, special_token_roles, tokenizer_config
 
-Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "qwen3_5_text"]
+Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_5_text"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -38,14 +38,20 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3_moe", False),
     ("qwen3_moe", True),
     ("qwen2_moe", False),
+    ("glm4_moe", False),
+    ("glm4_moe", True),
     ("qwen3_5_text", False),
     ("qwen3_5_text", True),
 )
 """Supported ``(family, mtp)`` combinations: MTP exists for Qwen3 (Qwen3-Next-style ``mtp.*`` keys) and MiMo
 (always, ``model.mtp_layers.0.*``); Qwen2 and Llama are plain decoders. Qwen3-MoE and Qwen2-MoE (with its gated
 shared expert) replace every MLP with routed experts (:class:`MoEShape`); a Qwen3-MoE MTP layer is a Qwen3-MoE
-decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out. Qwen3.5 (``qwen3_5_text``) interleaves gated
-DeltaNet and gated full-attention layers, its MTP layer a full-attention one under the same keys
+decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out. GLM-4.5 (``glm4_moe``) keeps its first
+``MoEShape.first_dense_layers`` layers dense, routes with a sigmoid and an expert bias, adds an ungated shared expert
+and q/k/v biases, rotates half of each head (partial RoPE), and stores its MTP layer as decoder layer
+``num_layers`` (routed experts, ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm``, and copies of the
+embedding and LM head), as GLM-4.5-Air's checkpoint does. Qwen3.5 (``qwen3_5_text``) interleaves gated DeltaNet and
+gated full-attention layers, its MTP layer a full-attention one under Qwen3's ``mtp.*`` keys
 (:mod:`lightning_megatron.testing.qwen3_5`)."""
 
 _ROPE_THETA = 10000.0
@@ -127,6 +133,9 @@ def make_tiny_checkpoint(
         shapes = _with_experts(family, tensor_shapes(family, mtp, tied, shape), moe, shape)
         tensors = {name: random_tensor(name, tensor_shape, seed, zero_centred=qwen3_5.zero_centred(family, name))
                    .to(dtype) for name, tensor_shape in shapes.items()}
+        if mtp:  # the MTP layer's copies of the embedding and LM head (GLM-4.5) hold the main model's values
+            for main, copy in mtp_names(family).copy_names(0, config).items():
+                tensors[copy] = tensors[main if main in tensors else "model.embed_tokens.weight"].clone()
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         write_json(folder / "config.json", config)
         write_json(
@@ -195,7 +204,8 @@ def _model_config(
     moe: MoEShape | None = None,
 ) -> dict[str, Any]:
     """config.json contents, produced by the transformers config class so it reads like a real checkpoint's."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     fields: dict[str, Any] = dict(
         architectures=[MODEL_FAMILIES[family].architecture],
@@ -213,15 +223,19 @@ def _model_config(
         eos_token_id=special_ids["eos"],
         dtype=str(dtype).removeprefix("torch."),
     )
-    if family in ("qwen3", "llama", "qwen3_moe"):
+    if family in ("qwen3", "llama", "qwen3_moe", "glm4_moe"):
         fields["head_dim"] = shape.head_dim
+    if family == "glm4_moe":  # GLM-4.5's attention: q/k/v biases, no q/k norms, RoPE on half of each head
+        fields.update(attention_bias=True, use_qk_norm=False)
+        fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": 0.5}
     if family == qwen3_5.MODEL_TYPE:
         fields.update(qwen3_5.config_fields(shape), rope_parameters=qwen3_5.rope_parameters(_ROPE_THETA))
     if mtp:
         # The key megatron-bridge maps to mtp_num_layers (model_bridge.py CONFIG_MAPPING; mimo_bridge.py).
         fields[mtp_names(family).layers_key] = 1
     config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config,
-                  "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, qwen3_5.MODEL_TYPE: Qwen3_5TextConfig}[family]
+                  "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "glm4_moe": Glm4MoeConfig,
+                  qwen3_5.MODEL_TYPE: Qwen3_5TextConfig}[family]
     if moe is not None:
         fields.update(_moe_config_fields(family, moe, shape))
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
@@ -248,10 +262,11 @@ def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape)
     for i in range(shape.num_layers):
         shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape, layer=i))
     if mtp:  # one MTP layer, named as the family table says
-        names = mtp_names(family)
-        for role, name in names.head(0).items():
+        names, config = mtp_names(family), {"num_hidden_layers": shape.num_layers}
+        for role, name in names.head(0, config).items():
             shapes[name] = (hidden_size, 2 * hidden_size) if role == "projection" else (hidden_size,)
-        shapes.update(_decoder_layer_shapes(names.layer.format(i=0), family, shape))
+        shapes.update({copy: (vocab_size, hidden_size) for copy in names.copy_names(0, config).values()})
+        shapes.update(_decoder_layer_shapes(names.layer_prefix(0, config), family, shape))
     return shapes
 
 
@@ -278,7 +293,7 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, l
     if family in ("qwen3", "qwen3_moe"):
         shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
         shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
-    if family in ("qwen2", "mimo", "qwen2_moe"):
+    if family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe"):
         shapes[f"{prefix}self_attn.q_proj.bias"] = (q_size,)
         shapes[f"{prefix}self_attn.k_proj.bias"] = (kv_size,)
         shapes[f"{prefix}self_attn.v_proj.bias"] = (kv_size,)
@@ -312,7 +327,8 @@ class MoEShape:
     """The routed experts of an MoE checkpoint: ``num_experts`` experts of FFN size ``intermediate_size`` (default
     ``hidden_size // 2``), each token going to ``top_k``; ``norm_topk_prob`` renormalises the chosen experts'
     probabilities; Qwen2-MoE adds a sigmoid-gated shared expert of size ``shared_expert_intermediate_size``
-    (default ``hidden_size``)."""
+    (default ``hidden_size``). GLM-4.5 keeps its first ``first_dense_layers`` layers dense, adds one ungated shared
+    expert of the experts' size and scales the routing weights by ``routed_scaling_factor``."""
 
     num_experts: int = 4
     top_k: int = 2
@@ -320,6 +336,8 @@ class MoEShape:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 1e-3
     shared_expert_intermediate_size: int | None = None
+    first_dense_layers: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
@@ -346,6 +364,11 @@ def _moe_config_fields(family: Family, moe: MoEShape, shape: CheckpointShape) ->
     fields["moe_intermediate_size"] = expert_size
     if family == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = shared_size
+    if family == "glm4_moe":  # GLM-4.5's router: no auxiliary-loss coefficient, no decoder_sparse_step
+        for key in ("num_experts", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers"):
+            del fields[key]
+        fields.update(n_routed_experts=moe.num_experts, n_shared_experts=1, first_k_dense_replace=moe.first_dense_layers,
+                      routed_scaling_factor=moe.routed_scaling_factor, n_group=1, topk_group=1)
     return fields
 
 
@@ -363,10 +386,13 @@ def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoESh
     hidden_size = shape.hidden_size
     expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
     result: dict[str, tuple[int, ...]] = {}
+    dense = tuple(f"model.layers.{i}." for i in range(moe.first_dense_layers)) if family == "glm4_moe" else ()
     for name, tensor_shape in shapes.items():
+        if name.startswith(dense) or not name.endswith((".mlp.gate_proj.weight", ".mlp.up_proj.weight",
+                                                        ".mlp.down_proj.weight")):
+            result[name] = tensor_shape
+            continue
         if not name.endswith(".mlp.gate_proj.weight"):
-            if not name.endswith((".mlp.up_proj.weight", ".mlp.down_proj.weight")):
-                result[name] = tensor_shape
             continue
         mlp = name.removesuffix("gate_proj.weight")
         result[f"{mlp}gate.weight"] = (moe.num_experts, hidden_size)
@@ -379,4 +405,9 @@ def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoESh
             result[f"{mlp}shared_expert.up_proj.weight"] = (shared_size, hidden_size)
             result[f"{mlp}shared_expert.down_proj.weight"] = (hidden_size, shared_size)
             result[f"{mlp}shared_expert_gate.weight"] = (1, hidden_size)
+        if family == "glm4_moe":
+            result[f"{mlp}gate.e_score_correction_bias"] = (moe.num_experts,)
+            result[f"{mlp}shared_experts.gate_proj.weight"] = (expert_size, hidden_size)
+            result[f"{mlp}shared_experts.up_proj.weight"] = (expert_size, hidden_size)
+            result[f"{mlp}shared_experts.down_proj.weight"] = (hidden_size, expert_size)
     return result

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_megatron.families import MODEL_FAMILIES
+from lightning_megatron.hf_io import hf_module_state
 
 
 def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
@@ -30,7 +31,8 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
        is why megatron-bridge swaps the two column halves of its projection into ``eh_proj`` (Megatron
        concatenates ``[embedding, hidden]``).
 
-    4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` holding the MTP layer's weights) with a
+    4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` / ``Glm4MoeDecoderLayer`` holding the MTP
+       layer's weights; GLM-4.5's is built as the decoder layer it is stored as, so with its routed experts) with a
        causal mask and the same rotary positions ``0..S-2``. Qwen3.5's is a ``Qwen3_5DecoderLayer`` built as its
        first full-attention layer (gated attention; the MTP layer has no DeltaNet), its norms ``1 + weight``.
     5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
@@ -39,9 +41,10 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
     Megatron's MTP also computes a last position (from a rolled-in pad token); causal attention keeps it from
     affecting the others, so it is left out here.
     """
-    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM,
+                              Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM)
     from transformers.masking_utils import create_causal_mask
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
@@ -57,30 +60,43 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
     classes = {
         "mimo": (Qwen2Config, Qwen2ForCausalLM, Qwen2DecoderLayer, Qwen2RMSNorm),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, Qwen3DecoderLayer, Qwen3RMSNorm),
+        "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeDecoderLayer, Glm4MoeRMSNorm),
         "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, Qwen3_5DecoderLayer, Qwen3_5RMSNorm),
     }
     model_type = raw_config["model_type"]
     names = MODEL_FAMILIES[model_type].mtp if model_type in classes else None
-    if names is None or names.projection.format(i=0) not in weights:
-        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo or Qwen3.5)")
+    if names is None or names.head(0, raw_config)["projection"] not in weights:
+        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo, GLM-4.5 or Qwen3.5)")
     config_cls, model_cls, layer_cls, norm_cls = classes[model_type]
     config = config_cls(**config_fields)
-    head, layer_prefix = names.head(0), names.layer.format(i=0)
-    main_weights = {name: t for name, t in weights.items() if not name.startswith(names.prefix)}
+    head, layer_prefix = names.head(0, raw_config), names.layer_prefix(0, raw_config)
+    prefixes = names.layer_prefixes(raw_config)
+    main_weights = {name: t for name, t in weights.items() if not name.startswith(prefixes)}
 
     model = model_cls(config).eval()
-    missing, unexpected = model.load_state_dict(main_weights, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-        raise ValueError(f"{path}: main model weights do not match: missing={missing}, unexpected={unexpected}")
+    read: set[str] = set()
+
+    def read_main(name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        if name not in main_weights:
+            raise ValueError(f"{path}: the main model's weight {name} is missing")
+        read.add(name)
+        return main_weights[name]
+
+    model.load_state_dict(hf_module_state(model.state_dict(), read_main, ""))
+    if set(main_weights) - read:
+        raise ValueError(f"{path}: main model weights do not match: unexpected={sorted(set(main_weights) - read)}")
 
     def norm(role: str) -> torch.nn.Module:
         module = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
         module.load_state_dict({"weight": weights[head[role]]})
         return module
 
-    full_attention = config.layer_types.index("full_attention") if model_type == "qwen3_5_text" else 0
-    layer = layer_cls(config, layer_idx=full_attention).eval()
-    layer.load_state_dict({name: weights[layer_prefix + name] for name in layer.state_dict()})
+    # GLM-4.5's MTP layer is built as the decoder layer it is stored as; Qwen3.5's as its first full-attention layer
+    index = config.layer_types.index("full_attention") if model_type == "qwen3_5_text" else names.index(0, raw_config)
+    layer = layer_cls(config, layer_idx=index).eval()
+    layer.load_state_dict(hf_module_state(layer.state_dict(), weights.__getitem__, layer_prefix))
 
     with torch.no_grad():
         hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1]
@@ -101,3 +117,4 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         )
         x = norm("final_norm")(x)
         return model.lm_head(x)
+

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_megatron._compat import moe
-from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 from tests._compat.test_bridges import (  # noqa: F401  (fixtures)
     _assert_matches_hf,
     _logits,
@@ -148,3 +148,49 @@ def test_applying_twice_is_harmless(megatron_bridge: ModuleType, mbridge: Module
     after = (Qwen3MoEBridge.provider_bridge, Qwen3MoEBridge.mapping_registry,
              Bridge._weight_name_mapping_mcore_local_to_global)
     assert all(now is then for now, then in zip(after, before, strict=True))
+
+
+# GLM-4.5 through megatron-bridge's own GLM45Bridge settings (sigmoid routing with expert bias, a shared expert, the
+# first layer dense, one MTP layer with routed experts)
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe", mtp=True,
+                                moe=MoEShape(routed_scaling_factor=2.5))
+
+
+def test_megatron_bridge_glm45_local_fusions(megatron_bridge: ModuleType, glm_checkpoint: Path, input_ids) -> None:
+    with ADJUSTMENTS["megatron_bridge.glm45_local_fusions"].suspended():
+        with pytest.raises(ValueError, match="fused permutation is not available"):
+            _megatron_bridge_model(megatron_bridge, glm_checkpoint)
+    _assert_matches_hf(_megatron_bridge_model(megatron_bridge, glm_checkpoint), glm_checkpoint, input_ids)
+
+
+def test_megatron_bridge_glm45_sequential_expert_names(megatron_bridge: ModuleType, glm_checkpoint: Path,
+                                                      input_ids) -> None:
+    with ADJUSTMENTS["megatron_bridge.glm45_sequential_expert_names"].suspended():
+        with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'megatron_module'"):
+            _megatron_bridge_model(megatron_bridge, glm_checkpoint)
+
+    model = _megatron_bridge_model(megatron_bridge, glm_checkpoint)
+    hf, state = load_file(glm_checkpoint / "model.safetensors"), model.state_dict()
+    name = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert torch.equal(state[name], hf["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(state["mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.3.linear_fc2.weight"],
+                       hf["model.layers.2.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(state["decoder.layers.1.mlp.router.expert_bias"],
+                       hf["model.layers.1.mlp.gate.e_score_correction_bias"])
+    _assert_matches_hf(model, glm_checkpoint, input_ids)
+
+
+def test_megatron_bridge_glm45_mtp_copies(megatron_bridge: ModuleType, glm_checkpoint: Path, tmp_path: Path) -> None:
+    model = _megatron_bridge_model(megatron_bridge, glm_checkpoint)
+    bridge = megatron_bridge.AutoBridge.from_hf_pretrained(glm_checkpoint)
+    hf = load_file(glm_checkpoint / "model.safetensors")
+    copies = {"model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"}  # GLM-4.5-Air's index
+    with ADJUSTMENTS["megatron_bridge.glm45_mtp_copies"].suspended():
+        assert set(hf) - dict(bridge.export_hf_weights([model], cpu=True, show_progress=False)).keys() == copies
+    exported = dict(bridge.export_hf_weights([model], cpu=True, show_progress=False))
+    assert exported.keys() == hf.keys()
+    assert [name for name in hf if not torch.equal(hf[name], exported[name])] == []

@@ -150,9 +150,12 @@ def test_attention_benchmark_runs_tiny(tiny_runs):
 @pytest.mark.slow
 def test_moe_benchmark_runs_tiny(tiny_runs):
     result = _tiny_result(tiny_runs, "moe")
-    for figures in (result["moe"], result["dense_equivalent"]):
+    for figures in (result["moe"], result["moe_expert_loop"], result["dense_equivalent"]):
         _check_throughput(figures)
     assert result["moe"]["mlp_backend"] == "SequentialMLP" and result["dense_equivalent"]["mlp_backend"] == "MLP"
+    assert result["experts_grouped_gemm"] is False  # the CPU keeps upstream's loop: both MoE arms run it
+    assert result["grouped_over_expert_loop_step_time"] == pytest.approx(result["moe"]["step_s"]
+                                                                         / result["moe_expert_loop"]["step_s"])
     # the same active FLOPs (the router's h x experts projection is left out)
     assert result["moe"]["model_tflop_per_step"] == result["dense_equivalent"]["model_tflop_per_step"]
     assert result["moe"]["parameters"] > result["dense_equivalent"]["parameters"]

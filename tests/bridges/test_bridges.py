@@ -161,8 +161,8 @@ def test_save_that_would_omit_a_tensor_raises_and_writes_nothing(model_parallel,
     from lightning_megatron.bridges.mbridge import MBridge
 
     class DropsOneTensor(MBridge):
-        def export_hf_weights(self, chunks):
-            return ((n, t) for n, t in super().export_hf_weights(chunks) if n != "model.norm.weight")
+        def export_hf_weights(self, chunks, **options):
+            return ((n, t) for n, t in super().export_hf_weights(chunks, **options) if n != "model.norm.weight")
 
     bridge = DropsOneTensor(checkpoints["qwen3"])
     chunks = bridge.build(ModelOptions())

@@ -85,6 +85,37 @@ def test_after_mtp_only_steps_a_sync_sends_only_the_mtp_head_and_the_engine_equa
     assert json.loads((folders[2] / VERSION_FILE).read_text())["version"] == 3
 
 
+def test_a_glm_mtp_only_delta_sends_its_mtp_layer_but_not_the_copies_of_the_frozen_embedding_and_head(
+        process_group, tmp_path):
+    """GLM-4.5 stores its MTP layer as one more decoder layer (routed experts inside) with copies of the embedding
+    and the LM head; MTP-only training changes the layer, not what it copies, nor the routers' expert bias (updated
+    only at a positive moe_router_bias_update_rate)."""
+    from lightning_megatron.families import mtp_names
+    from lightning_megatron.hf_io import read_json
+    from lightning_megatron.testing.checkpoints import MoEShape
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "glm4_moe", "glm4_moe", mtp=True,
+                                      moe=MoEShape(routed_scaling_factor=2.5))
+    config = read_json(checkpoint / "config.json")
+    process, url = spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30)
+    sync = _sync("colocated", url, tmp_path)
+    try:
+        result = fit_with_syncs(tmp_path, checkpoint, [sync], url, steps=2, extra_callbacks=(MTPOnlyCallback(),),
+                                **MTP_BRIDGE)
+    finally:
+        process.kill()
+        process.wait()
+    assert_every_sync_matched(result["compared"], [1, 2])
+    specs = checkpoint_tensor_specs(checkpoint)
+    copies = set(mtp_names("glm4_moe").copy_names(0, config).values())
+    # the router's expert bias is a buffer its rate (GLM's: 0) would update, not a trained parameter
+    layer = sorted(name for name in specs if is_hf_mtp_tensor(name, config) and name not in copies
+                   and not name.endswith("e_score_correction_bias"))
+    assert copies and copies <= set(specs) and len(layer) > len(copies)
+    assert [report.base_version for report in sync.reports] == [None, 1]
+    assert _sent(sync.reports[1]) == layer
+
+
 class RestartEngine(pl.Callback):
     """Replace the engine by a fresh one (same port, the checkpoint's weights, no version) after `after_version`."""
 

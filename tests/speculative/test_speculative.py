@@ -58,6 +58,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mimo": make_tiny_checkpoint(root / "mimo", "mimo", mtp=True),
         "qwen3_tied": make_tiny_checkpoint(root / "qwen3_tied", "qwen3", mtp=True, tied=True),
         "qwen3_no_mtp": make_tiny_checkpoint(root / "qwen3_no_mtp", "qwen3"),
+        "glm4_moe": make_tiny_checkpoint(root / "glm4_moe", "glm4_moe", mtp=True),
     }
 
 
@@ -65,7 +66,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def loaded(checkpoints):
     """Per checkpoint: the target, its MTP head as stored, the encoded prompts and the end-of-sequence ids."""
     result = {}
-    for name in ("qwen3", "mimo", "qwen3_tied"):
+    for name in ("qwen3", "mimo", "qwen3_tied", "glm4_moe"):
         target = load_target(checkpoints[name])
         tokenizer = AutoTokenizer.from_pretrained(checkpoints[name])
         prompts = [encode_prompt(tokenizer, prompt) for prompt in PROMPTS]
@@ -85,7 +86,7 @@ def _random_ids(seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 384, (2, seq), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mimo", "qwen3_tied"])
+@pytest.mark.parametrize("name", ["qwen3", "mimo", "qwen3_tied", "glm4_moe"])
 def test_head_equals_the_hf_reference_with_and_without_its_cache(checkpoints, loaded, name):
     from transformers import DynamicCache
 
@@ -103,7 +104,7 @@ def test_head_equals_the_hf_reference_with_and_without_its_cache(checkpoints, lo
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mimo"])
+@pytest.mark.parametrize("name", ["qwen3", "mimo", "glm4_moe"])
 def test_head_equals_megatrons_mtp_logits(model_parallel, checkpoints, loaded, name):
     from lightning_megatron.bridges import create_bridge
     from lightning_megatron.options import ModelOptions
@@ -134,7 +135,7 @@ def _assert_matches_greedy_and_brute_force(target, head, prompt, max_new_tokens,
     return greedy, speculative
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mimo"])
+@pytest.mark.parametrize("name", ["qwen3", "mimo", "glm4_moe"])
 def test_random_head_decodes_exactly_greedy_with_near_zero_acceptance(loaded, name):
     target, head, prompts, eos = loaded[name]
     drafts = accepted = 0

@@ -53,12 +53,26 @@ QWEN3_MOE_MTP_KEYS = {name for name in QWEN3_MTP_KEYS if ".mlp." not in name} | 
     *(f"mtp.layers.0.mlp.experts.{expert}.{projection}_proj.weight"
       for expert in range(4) for projection in ("gate", "up", "down")),
 }
+# GLM-4.5's MTP layer (decoder layer num_hidden_layers = 2 here), spelled out from megatron-bridge 0.6.2's
+# glm/glm45_bridge.py mappings, plus the copies of the embedding and LM head GLM-4.5-Air's index lists.
+GLM4_MOE_MTP_KEYS = {
+    *(f"model.layers.2.{name}" for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                                            "embed_tokens.weight", "shared_head.head.weight", "input_layernorm.weight",
+                                            "post_attention_layernorm.weight", "mlp.gate.weight",
+                                            "mlp.gate.e_score_correction_bias")),
+    *(f"model.layers.2.self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")),
+    "model.layers.2.self_attn.o_proj.weight",
+    *(f"model.layers.2.mlp.shared_experts.{projection}_proj.weight" for projection in ("gate", "up", "down")),
+    *(f"model.layers.2.mlp.experts.{expert}.{projection}_proj.weight"
+      for expert in range(4) for projection in ("gate", "up", "down")),
+}
 IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 250, 383]])
 
 
 def _mtp_keys(family: str, mtp: bool) -> set[str]:
     return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS,
-            ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS, ("qwen3_5_text", True): QWEN3_MTP_KEYS}.get((family, mtp), set())
+            ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS,  # GLM-4.5's names have no "mtp"
+            ("qwen3_5_text", True): QWEN3_MTP_KEYS}.get((family, mtp), set())
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +126,9 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # Qwen3ForCausalLM has no MTP module: it skips exactly the MTP tensors. MiMo's remote code loads everything.
     expected_unexpected = QWEN3_MTP_KEYS if (family, mtp) == ("qwen3", True) else set()
-    if family == "qwen3_moe":  # transformers names the MTP experts it skips in its fused layout
-        assert bool(info["unexpected_keys"]) is mtp and all(key.startswith("mtp.") for key in info["unexpected_keys"])
+    if family in ("qwen3_moe", "glm4_moe"):  # transformers names the MTP experts it skips in its fused layout
+        prefix = "mtp." if family == "qwen3_moe" else "model.layers.2."
+        assert bool(info["unexpected_keys"]) is mtp and all(key.startswith(prefix) for key in info["unexpected_keys"])
     else:
         assert set(info["unexpected_keys"]) == expected_unexpected
     layers_key = "mtp_num_hidden_layers" if family == "qwen3_5_text" else "num_nextn_predict_layers"
@@ -132,12 +147,25 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     names = set(load_file(checkpoints[family, mtp, tied] / "model.safetensors"))
     assert ("lm_head.weight" in names) is not tied
     assert {n for n in names if "mtp" in n} == _mtp_keys(family, mtp)
-    has_bias = family in ("qwen2", "mimo", "qwen2_moe")
+    has_bias = family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
     assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family in ("qwen3", "qwen3_moe", "qwen3_5_text"))
-    is_moe = family in ("qwen3_moe", "qwen2_moe")
+    is_moe = family in ("qwen3_moe", "qwen2_moe", "glm4_moe")
     assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
     assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family == "qwen2_moe")
+    assert ("model.layers.0.mlp.experts.0.up_proj.weight" in names) is (family in ("qwen3_moe", "qwen2_moe"))
+    assert ({name for name in names if name.startswith("model.layers.2.")} == GLM4_MOE_MTP_KEYS) is (
+        family == "glm4_moe" and mtp)
+
+
+def test_glm4_moe_copies_the_embedding_and_lm_head_into_its_mtp_layer(checkpoints: dict) -> None:
+    tensors = load_file(checkpoints["glm4_moe", True, False] / "model.safetensors")
+    assert torch.equal(tensors["model.layers.2.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(tensors["model.layers.2.shared_head.head.weight"], tensors["lm_head.weight"])
+    plain = load_file(checkpoints["glm4_moe", False, False] / "model.safetensors")
+    assert all(torch.equal(plain[name], tensors[name]) for name in plain)
+    config = json.loads((checkpoints["glm4_moe", True, False] / "config.json").read_text())
+    assert (config["first_k_dense_replace"], config["n_shared_experts"], config["partial_rotary_factor"]) == (1, 1, 0.5)
 
 
 def test_dtype_and_sizes_follow_the_arguments(tmp_path: Path) -> None:
@@ -187,7 +215,7 @@ def test_tokenizer_round_trips_and_applies_the_chat_template(checkpoints: dict) 
     assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "Hello!<|im_end|>"
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mimo"])
+@pytest.mark.parametrize("family", ["qwen3", "mimo", "glm4_moe"])
 def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict, tmp_path: Path, family: str) -> None:
     path = checkpoints[family, True, False]
     logits = hf_mtp_reference_logits(path, IDS)
@@ -198,15 +226,19 @@ def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict,
     changed_last = IDS.clone()
     changed_last[:, -1] = 9
     other = hf_mtp_reference_logits(path, changed_last)
-    assert torch.equal(other[:, :-1], logits[:, :-1]) and not torch.allclose(other[:, -1], logits[:, -1])
+    # (routed experts: the changed token reaches other experts, whose matrix products over another number of tokens
+    # may round differently in float32, ~1e-7 here)
+    unchanged = (other[:, :-1] - logits[:, :-1]).abs().max()
+    assert (unchanged <= 1e-5 if family == "glm4_moe" else unchanged == 0)
+    assert not torch.allclose(other[:, -1], logits[:, -1])
 
     # Every part of the MTP head matters, including which half of the projection sees the hidden state.
-    prefix = "mtp." if family == "qwen3" else "model.mtp_layers.0."
-    proj, enorm, hnorm, final = (
-        ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
-        if family == "qwen3"
-        else ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm")
-    )
+    prefix = {"qwen3": "mtp.", "mimo": "model.mtp_layers.0.", "glm4_moe": "model.layers.2."}[family]
+    proj, enorm, hnorm, final = {
+        "qwen3": ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"),
+        "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm"),
+        "glm4_moe": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
+    }[family]
     layer = "layers.0." if family == "qwen3" else ""
     tensors = load_file(path / "model.safetensors")
     edits = {
@@ -214,14 +246,22 @@ def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict,
         f"{prefix}{hnorm}.weight": lambda t: t * 1.5,
         f"{prefix}{final}.weight": lambda t: t.flip(0),
         f"{prefix}{layer}self_attn.o_proj.weight": lambda t: t * 2,
-        f"{prefix}{layer}mlp.down_proj.weight": lambda t: -t,
         f"{prefix}{proj}.weight": lambda t: torch.cat(t.chunk(2, dim=1)[::-1], dim=1),
     }
+    if family == "glm4_moe":  # the routed experts, the shared expert and the expert bias
+        edits.update({f"{prefix}mlp.shared_experts.down_proj.weight": lambda t: -t,
+                      f"{prefix}mlp.gate.e_score_correction_bias": lambda t: -t})
+    else:
+        edits[f"{prefix}{layer}mlp.down_proj.weight"] = lambda t: -t
     edited = tmp_path / "edited"
     shutil.copytree(path, edited)
     for name, edit in edits.items():
         save_file({**tensors, name: edit(tensors[name])}, edited / "model.safetensors", metadata={"format": "pt"})
         assert (hf_mtp_reference_logits(edited, IDS) - logits).abs().max() > 1e-2, name
+    if family == "glm4_moe":  # the routed experts, together (the expert bias keeps some from every token)
+        experts = {name: -t for name, t in tensors.items() if name.startswith(f"{prefix}mlp.experts.")}
+        save_file({**tensors, **experts}, edited / "model.safetensors", metadata={"format": "pt"})
+        assert (hf_mtp_reference_logits(edited, IDS) - logits).abs().max() > 1e-2
 
 
 def test_mtp_reference_refuses_checkpoints_without_mtp(checkpoints: dict) -> None:

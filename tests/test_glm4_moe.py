@@ -1,0 +1,249 @@
+"""GLM-4.5 (`glm4_moe`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one process,
+TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows; MTP-only (audited) and joint training at
+EP=2 and PP=2; mbridge refused before any build.
+
+The tiny checkpoint has GLM-4.5's layout: layer 0 dense, layer 1 MoE (sigmoid routing with an expert bias, one
+shared expert, routed_scaling_factor 2.5 as in GLM-4.5), q/k/v biases, partial RoPE, and its MTP layer stored as
+decoder layer 2 (routed experts, eh_proj, enorm, hnorm, shared_head.norm, copies of the embedding and LM head).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_megatron.bridges import BridgeError, create_bridge
+from lightning_megatron.callbacks import MTPOnlyCallback
+from lightning_megatron.families import is_hf_mtp_tensor, mtp_names
+from lightning_megatron.module import SFTModule
+from lightning_megatron.moe import router_settings
+from lightning_megatron.mtp.restore import restore_mtp_head
+from lightning_megatron.options import ModelOptions
+from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
+from lightning_megatron.testing.references import hf_mtp_reference_logits
+from tests._adam import comparable_adam_eps
+from tests._distributed import run_distributed
+from tests.test_moe import (
+    LR,
+    SEQ,
+    _assert_only_mtp_moved,
+    _fit,
+    _input_ids,
+    _logits_difference,
+    _mtp_only_module,
+    _same_tensors,
+    fit_shortened_config,
+)
+
+GLM = MoEShape(routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("glm4_moe")
+    return {"mtp": make_tiny_checkpoint(root / "mtp", "glm4_moe", mtp=True, moe=GLM),
+            "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM)}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
+    """Max |Megatron's MTP-head logits - the independent HF reference's| (one process)."""
+    captured = {}
+    chunk.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
+    input_ids = _input_ids()
+    _logits_difference(chunk, hf_checkpoint)  # the forward that fills `captured`
+    with torch.no_grad():
+        logits, _ = chunk.output_layer(captured["hidden"][SEQ:])
+    return float((logits.transpose(0, 1)[:, :-1] - hf_mtp_reference_logits(hf_checkpoint, input_ids)).abs().max())
+
+
+def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    bridge = create_bridge("megatron-bridge", hf_checkpoint)
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    chunks = bridge.build(ModelOptions(mtp=mtp, sequence_parallel=tensor_parallel))
+    result = {"logits": _logits_difference(chunks[0], hf_checkpoint)}
+    bridge.save_hf(chunks, export)
+    result["exported"] = set(_tensors(export))
+    result["export_unequal"] = [name for name, tensor in _tensors(export).items()
+                                if not torch.equal(tensor, _tensors(hf_checkpoint)[name])]
+    return result
+
+
+# one process ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
+    path = checkpoints["mtp"]
+    result = _build_check_and_export(path, tmp_path / "export", mtp)
+    assert result["logits"] <= 1e-5
+    assert result["export_unequal"] == []
+    config = json.loads((path / "config.json").read_text())
+    assert result["exported"] == {name for name in _tensors(path) if mtp or not is_hf_mtp_tensor(name, config)}
+    if mtp:
+        chunk = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True))[0]
+        assert _mtp_head_difference(chunk, path) <= 1e-5
+
+
+def test_the_router_is_the_checkpoints(model_parallel, checkpoints):
+    from megatron.core.utils import get_model_config
+
+    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    config = get_model_config(chunk)
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (config.moe_router_topk_scaling_factor, config.moe_router_bias_update_rate) == (2.5, 0.0)
+    assert (config.moe_layer_freq, config.moe_shared_expert_intermediate_size) == ([0, 1], 32)
+    assert type(chunk.decoder.layers[0].mlp).__name__ == "MLP"  # first_k_dense_replace: 1
+    assert type(chunk.mtp.layers[0].mtp_model_layer.mlp).__name__ == "MoELayer"  # as GLM-4.5 stores it
+    hf = _tensors(checkpoints["mtp"])
+    assert torch.equal(chunk.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias,
+                       hf["model.layers.2.mlp.gate.e_score_correction_bias"])
+
+
+def test_router_settings_refuse_what_megatron_cannot_route():
+    base = {"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "first_k_dense_replace": 1, "norm_topk_prob": True}
+    assert router_settings(base)["moe_router_score_function"] == "sigmoid"
+    with pytest.raises(ValueError, match="norm_topk_prob: false with sigmoid routing"):
+        router_settings({**base, "norm_topk_prob": False})
+    with pytest.raises(ValueError, match=r"group-limited routing \(n_group: 2"):
+        router_settings({**base, "n_group": 2, "topk_group": 1})
+
+
+def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
+    with pytest.raises(BridgeError, match=r"bridge_type: mbridge does not map the experts of 'glm4_moe' checkpoints "
+                                          r".*; set bridge_type: megatron-bridge"):
+        create_bridge("mbridge", checkpoints["mtp"]).validate(ModelOptions())
+
+
+def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoints, tmp_path):
+    original = checkpoints["mtp"]
+    bridge = create_bridge("megatron-bridge", original)
+    finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
+    assert not any(name.startswith("model.layers.2.") for name in _tensors(finetuned))
+    restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
+    assert _same_tensors(original, restored) == []
+    assert json.loads((restored / "config.json").read_text()) == json.loads((original / "config.json").read_text())
+    bridge = create_bridge("megatron-bridge", restored)
+    assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
+
+
+def test_a_head_copied_from_the_last_layer_has_its_experts_and_the_shared_tensors(model_parallel, checkpoints,
+                                                                                  tmp_path):
+    restored = restore_mtp_head(checkpoints["plain"], tmp_path / "restored", init="copy-last-layer")
+    written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
+    assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
+    config = json.loads((restored / "config.json").read_text())
+    for main, copy in mtp_names("glm4_moe").copy_names(0, config).items():
+        assert torch.equal(written[copy], written[main])
+    for name in ("mlp.experts.3.up_proj.weight", "mlp.gate.e_score_correction_bias", "self_attn.q_proj.bias"):
+        assert torch.equal(written[f"model.layers.2.{name}"], written[f"model.layers.1.{name}"])
+    chunk = create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0]
+    assert torch.equal(chunk.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias,
+                       written["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+def test_mtp_only_refuses_a_router_that_updates_its_expert_bias(process_group, checkpoints, tmp_path):
+    module = _mtp_only_module()
+    module.model_options = lambda: ModelOptions(mtp=True, config_overrides={"moe_router_bias_update_rate": 1e-3})
+    with pytest.raises(ValueError, match=r"set config_overrides.moe_router_bias_update_rate: 0"):
+        _fit(tmp_path, checkpoints["mtp"], 1, bridge_type="megatron-bridge", module=module,
+             callbacks=(MTPOnlyCallback(),))
+
+
+def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
+    """The GLM-4.5 model with its MTP layer (partial RoPE, routed experts, THD attention, MTP rolls) on a pack made by
+    the data pipeline, against the same sequences one per padded row: per-token losses and every gradient (the
+    load-balancing coefficient is the checkpoint's 0, and no expert capacity drops tokens)."""
+    from torch.utils.data import default_collate
+
+    from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
+    from lightning_megatron.data.tokenize import TokenizedExample
+    from tests.test_attention import _per_token_loss_and_grads
+
+    generator = torch.Generator().manual_seed(0)
+    lengths, row = [9, 1, 6, 5], 32
+    examples = [TokenizedExample(f"s:{i}", torch.randint(0, 384, (n,), generator=generator),
+                                 torch.rand(n, generator=generator) < 0.7) for i, n in enumerate(lengths)]
+    packed = collate_packed([pack_examples(examples, row, pad_id=0)])
+    rows = default_collate([pad_example(example, row, pad_id=0) for example in examples])
+    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    packed_loss, packed_grads = _per_token_loss_and_grads(chunk, packed)
+    rows_loss, rows_grads = _per_token_loss_and_grads(chunk, rows)
+    for index, (start, n) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), lengths)):
+        torch.testing.assert_close(packed_loss[0, start:start + n], rows_loss[index, :n], rtol=0, atol=1e-5)
+    assert any(name.startswith("mtp.") and ".local_experts." in name for name in packed_grads)
+    for name, grad in rows_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+# two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
+
+
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+    from megatron.core import parallel_state, tensor_parallel
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    root, checkpoint = Path(tmp), Path(hf_checkpoint)
+    prepare_megatron_core()
+    result: dict[str, Any] = {}
+    for name, sizes in (("tp2", dict(tensor_model_parallel_size=2)), ("ep2", dict(expert_model_parallel_size=2))):
+        parallel_state.initialize_model_parallel(**sizes)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        result[name] = _build_check_and_export(checkpoint, root / f"{name}_export", mtp=True)
+        parallel_state.destroy_model_parallel()
+
+    mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
+                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2)
+    _assert_only_mtp_moved(mtp_only)
+    result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
+    torch.distributed.barrier()  # rank 0 writes the audit at the end of its fit
+    result["audit"] = json.loads((root / "mtp_only" / "mtp_only_audit.json").read_text())
+    for name, parallel in (("ep2", dict(expert_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2))):
+        joint = _fit(root / f"joint_{name}", checkpoint, 2, world_size, bridge_type="megatron-bridge",
+                     module=_comparable_joint_module(), **parallel)
+        result["joint", name] = joint.steps
+    return result
+
+
+def _comparable_joint_module() -> SFTModule:
+    """Joint SFT + MTP whose Adam steps are Lipschitz in the gradients (tests/_adam.py), so two layouts' fits stay
+    within the 1e-5 their losses are compared to."""
+    return SFTModule(enable_mtp=True, lr=LR, warmup_steps=1, adam_eps=comparable_adam_eps(LR))
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
+    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]))
+    for result in results:
+        for name in ("tp2", "ep2"):
+            assert result[name]["logits"] <= 1e-5
+            assert result[name]["export_unequal"] == []
+            assert result[name]["exported"] == set(_tensors(checkpoints["mtp"]))
+        assert result["audit"]["frozen_bit_identical"]
+        assert result["mtp_only"][-1] < result["mtp_only"][0]
+        ep2, pp2 = result["joint", "ep2"], result["joint", "pp2"]
+        assert len(ep2) == len(pp2) == 2
+        for expert_parallel, pipeline_parallel in zip(ep2, pp2):  # PP=2: the MoE layer and the MTP layer on stage 1
+            for metric in ("lm_loss", "mtp_loss"):
+                assert pipeline_parallel[metric] == pytest.approx(expert_parallel[metric], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_tiny_glm_config_trains_the_mtp_head_on_two_processes(tmp_path):
+    """`lightning-megatron fit --config configs/tiny/glm4_moe_mtp_only.yaml`, shortened, writing under tmp_path."""
+    fit_shortened_config("configs/tiny/glm4_moe_mtp_only.yaml", tmp_path)
+    assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
+    exported = _tensors(tmp_path / "hf")
+    assert exported.keys() == _tensors(tmp_path / "tiny").keys()  # the MTP layer 2 and its copies included
