@@ -16,7 +16,9 @@ How to add a model family:
    `moe=True` if its MLPs are routed experts, `vl_name` if it is a vision-language model. A family that stores its
    MTP layers as decoder layers past `num_hidden_layers` (GLM-4.5, DeepSeek-V3) sets `MTPNames.after_decoder`: its
    names then need the checkpoint's config (`MTPNames.head(i, hf_config)`, `is_hf_mtp_tensor(name, hf_config)`),
-   and `MTPNames.copies` lists the main-model tensors its checkpoints store again inside each MTP layer.
+   and `MTPNames.copies` lists the main-model tensors its checkpoints store again inside each MTP layer. A family
+   with linear-attention layers (Qwen3.5's gated DeltaNet) sets `linear_attention=True`: the bridges then build it
+   only where a backend lists it in `linear_attention_model_types`, and tree packing is refused.
 2. Run `pytest tests/test_families.py tests/testing/test_checkpoints.py`: the consumer checks there say what else is
    needed.
    The tiny-checkpoint maker (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`, or
