@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.callbacks import MTPOnlyCallback
@@ -29,6 +28,7 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
+from tests.test_glm4_moe import _build_check_and_export, _tensors
 from tests.test_moe import (
     LR,
     SEQ,
@@ -48,10 +48,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "plain": make_tiny_checkpoint(root / "plain", "qwen3_5_text")}
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(path / "model.safetensors")
-
-
 def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
     """Max |Megatron's MTP-head logits - the independent HF reference's| (the vocabulary gathered over TP ranks)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -65,31 +61,19 @@ def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
     return float((logits.transpose(0, 1)[:, :-1] - reference).abs().max())
 
 
-def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dict[str, Any]:
-    bridge = create_bridge("megatron-bridge", hf_checkpoint)
-    chunks = bridge.build(ModelOptions(mtp=mtp))
-    result = {"logits": _logits_difference(chunks[0], hf_checkpoint)}
-    if mtp:
-        result["mtp_head"] = _mtp_head_difference(chunks[0], hf_checkpoint)
-    bridge.save_hf(chunks, export)
-    result["exported"] = set(_tensors(export))
-    result["export_unequal"] = [name for name, tensor in _tensors(export).items()
-                                if not torch.equal(tensor, _tensors(hf_checkpoint)[name])]
-    return result
-
-
 # one process ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
     path = checkpoints["mtp"]
-    result = _build_check_and_export(path, tmp_path / "export", mtp)
+    result = _build_check_and_export(path, tmp_path / "export", mtp)  # GLM-4.5's checks: logits and export
     assert result["logits"] <= 1e-5
     assert result["export_unequal"] == []
     assert result["exported"] == {name for name in _tensors(path) if mtp or not is_hf_mtp_tensor(name)}
     if mtp:
-        assert result["mtp_head"] <= 1e-5
+        chunk = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True))[0]
+        assert _mtp_head_difference(chunk, path) <= 1e-5
 
 
 def test_the_layers_are_gated_deltanet_and_gated_attention(model_parallel, checkpoints):
@@ -181,7 +165,9 @@ def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> 
     prepare_megatron_core()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, root / "tp2_export", mtp=True)}
+    result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, root / "tp2_export", mtp=True)}  # with SP
+    chunk = create_bridge("megatron-bridge", checkpoint).build(ModelOptions(mtp=True))[0]
+    result["tp2"]["mtp_head"] = _mtp_head_difference(chunk, checkpoint)
     parallel_state.destroy_model_parallel()
 
     mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
