@@ -30,6 +30,7 @@ from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
 from tests.test_moe import (
     LR,
+    SAMPLES,
     SEQ,
     _assert_only_mtp_moved,
     _fit,
@@ -165,6 +166,12 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
     """The GLM-4.5 model with its MTP layer (partial RoPE, routed experts, THD attention, MTP rolls) on a pack made by
     the data pipeline, against the same sequences one per padded row: per-token losses and every gradient (the
     load-balancing coefficient is the checkpoint's 0, and no expert capacity drops tokens)."""
+    assert_packed_equals_one_sequence_per_row(checkpoints["mtp"])
+
+
+def assert_packed_equals_one_sequence_per_row(hf_checkpoint: Path) -> None:
+    """A pack made by the data pipeline against the same sequences one per padded row, through the model with its
+    MTP layer: per-token losses and every gradient (1e-5)."""
     from torch.utils.data import default_collate
 
     from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
@@ -177,7 +184,7 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
                                  torch.rand(n, generator=generator) < 0.7) for i, n in enumerate(lengths)]
     packed = collate_packed([pack_examples(examples, row, pad_id=0)])
     rows = default_collate([pad_example(example, row, pad_id=0) for example in examples])
-    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    chunk = create_bridge("megatron-bridge", hf_checkpoint).build(ModelOptions(mtp=True))[0]
     packed_loss, packed_grads = _per_token_loss_and_grads(chunk, packed)
     rows_loss, rows_grads = _per_token_loss_and_grads(chunk, rows)
     for index, (start, n) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), lengths)):
@@ -190,7 +197,10 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
 # two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
 
 
-def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, mtp_only_samples: int = SAMPLES
+                   ) -> dict[str, Any]:
+    """TP=2 and EP=2 builds, an MTP-only fit at EP=2 (on `mtp_only_samples` sequences) and joint fits at EP=2 and
+    PP=2."""
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
@@ -205,7 +215,8 @@ def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> 
         parallel_state.destroy_model_parallel()
 
     mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
-                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2)
+                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2,
+                    samples=mtp_only_samples)
     _assert_only_mtp_moved(mtp_only)
     result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
     torch.distributed.barrier()  # rank 0 writes the audit at the end of its fit
