@@ -158,6 +158,15 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
     assert_packed_equals_one_sequence_per_row(checkpoints["mtp"])
 
 
+def test_tree_rows_equal_each_sequence_alone(model_parallel, checkpoints):
+    """Tree-packed rows: every MLA layer's own YaRN table gathered at each token's depth (`tree_rotary`)."""
+    from tests.test_tree_rotary import _max_path_difference, branched_examples
+
+    chunk = create_bridge("megatron-bridge", checkpoints["plain"]).build(ModelOptions())[0].eval()
+    with torch.no_grad():
+        assert _max_path_difference(chunk, branched_examples()) <= 1e-5
+
+
 def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(checkpoints):
     """The speculative evaluator's HF draft head (MLA with its own KV cache, routed experts) against the cache-free
     reference, then 1- and 2-token drafting against greedy decoding, token for token."""
