@@ -18,21 +18,21 @@ import pytest
 import torch
 
 from lightning_megatron.bridges import BridgeError, create_bridge
-from lightning_megatron.families import is_hf_mtp_tensor, mtp_names
 from lightning_megatron.moe import router_settings
-from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._distributed import run_distributed
 from tests.test_glm4_moe import (
-    _build_check_and_export,
-    _mtp_head_difference,
     _parallel_case,
     _tensors,
+    assert_head_copied_from_the_last_layer,
+    assert_logits_mtp_head_and_round_trip,
     assert_packed_equals_one_sequence_per_row,
+    assert_parallel_results,
+    assert_restoring_the_mtp_head_round_trips,
 )
-from tests.test_moe import _input_ids, _same_tensors, fit_shortened_config
+from tests.test_moe import _input_ids, fit_shortened_config
 
 DEEPSEEK = MoEShape(routed_scaling_factor=2.5, n_group=2, topk_group=1)
 
@@ -49,15 +49,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
-    path = checkpoints["mtp"]
-    result = _build_check_and_export(path, tmp_path / "export", mtp)
-    assert result["logits"] <= 1e-5
-    assert result["export_unequal"] == []
-    config = json.loads((path / "config.json").read_text())
-    assert result["exported"] == {name for name in _tensors(path) if mtp or not is_hf_mtp_tensor(name, config)}
-    if mtp:
-        chunk = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True))[0]
-        assert _mtp_head_difference(chunk, path) <= 1e-5
+    assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
 
 
 def test_mla_yarn_and_the_router_are_the_checkpoints(model_parallel, checkpoints):
@@ -128,27 +120,12 @@ def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parall
 
 
 def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoints, tmp_path):
-    original = checkpoints["mtp"]
-    bridge = create_bridge("megatron-bridge", original)
-    finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
-    assert not any(name.startswith("model.layers.2.") for name in _tensors(finetuned))
-    restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
-    assert _same_tensors(original, restored) == []
-    assert json.loads((restored / "config.json").read_text()) == json.loads((original / "config.json").read_text())
-    bridge = create_bridge("megatron-bridge", restored)
-    assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
+    assert_restoring_the_mtp_head_round_trips(checkpoints["mtp"], tmp_path)
 
 
 def test_a_head_copied_from_the_last_layer_has_mla_experts_and_the_shared_tensors(model_parallel, checkpoints,
                                                                                   tmp_path):
-    restored = restore_mtp_head(checkpoints["plain"], tmp_path / "restored", init="copy-last-layer")
-    written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
-    assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
-    config = json.loads((restored / "config.json").read_text())
-    for main, copy in mtp_names("deepseek_v3").copy_names(0, config).items():
-        assert torch.equal(written[copy], written[main])
-    for name in ("mlp.experts.3.up_proj.weight", "mlp.gate.e_score_correction_bias", "self_attn.kv_b_proj.weight"):
-        assert torch.equal(written[f"model.layers.2.{name}"], written[f"model.layers.1.{name}"])
+    restored = assert_head_copied_from_the_last_layer(checkpoints, tmp_path, "self_attn.kv_b_proj.weight")
     assert create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))
 
 
@@ -195,18 +172,7 @@ def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp
     # MTP-only on 4 sequences, each step's global batch: the MTP loss falls on the sequences it trains on (new random
     # sequences every step leave a change of this size within their own spread)
     results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]), 4)
-    for result in results:
-        for name in ("tp2", "ep2"):
-            assert result[name]["logits"] <= 1e-5
-            assert result[name]["export_unequal"] == []
-            assert result[name]["exported"] == set(_tensors(checkpoints["mtp"]))
-        assert result["audit"]["frozen_bit_identical"]
-        assert result["mtp_only"][-1] < result["mtp_only"][0]
-        ep2, pp2 = result["joint", "ep2"], result["joint", "pp2"]
-        assert len(ep2) == len(pp2) == 2
-        for expert_parallel, pipeline_parallel in zip(ep2, pp2):  # PP=2: the MoE layer and the MTP layer on stage 1
-            for metric in ("lm_loss", "mtp_loss"):
-                assert pipeline_parallel[metric] == pytest.approx(expert_parallel[metric], abs=1e-5)
+    assert_parallel_results(results, checkpoints["mtp"])
 
 
 def _context_parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict:
