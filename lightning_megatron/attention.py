@@ -73,6 +73,8 @@ class SDPAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
@@ -94,8 +96,11 @@ class SDPAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
         # The local attention divides by `layer_number` under apply_query_key_layer_scaling and multiplies it back
-        # inside its fp32 softmax; the net scale is this one.
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        # inside its fp32 softmax; the net scale is this one. Multi-latent attention's key heads (`k_channels`)
+        # differ from its value heads (`v_channels`) and set the scale, as in Transformer Engine's attention;
+        # scaled_dot_product_attention takes values of any head size.
+        key_channels = config.kv_channels if k_channels is None else k_channels
+        self.softmax_scale = 1.0 / math.sqrt(key_channels) if softmax_scale is None else softmax_scale
         self.window_size = (
             config.window_size
             if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)

@@ -129,6 +129,10 @@ _GLM4_MOE_MTP = MTPNames(
     copies=(("model.embed_tokens.weight", _GLM4_MOE_LAYER + "embed_tokens.weight"),
             ("lm_head.weight", _GLM4_MOE_LAYER + "shared_head.head.weight")),
 )
+# DeepSeek-V3 (and Kimi-K2, Moonlight; megatron-bridge deepseek/deepseek_v3_bridge.py, deepseek/common.py) is the
+# layout GLM-4.5 took over: DeepSeek-V3's index lists model.layers.61.{enorm, hnorm, eh_proj, shared_head.norm,
+# shared_head.head, embed_tokens} beside the MTP layer's self_attn.* (MLA) and mlp.* (routed experts) tensors.
+_DEEPSEEK_V3_MTP = _GLM4_MOE_MTP
 # Qwen3 (and Qwen3-MoE, which lays its MTP layer out as Qwen3-Next does, routed experts in the layer) keeps one
 # projection and one set of norms whatever the layer count (megatron-bridge 0.6.2 maps layer 0 only,
 # qwen/qwen3_bridge.py); MiMo (XiaomiMiMo/MiMo-7B, mimo/mimo_bridge.py) keeps them per layer.
@@ -164,6 +168,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
         ModelFamily("glm4_moe", "Glm4MoeForCausalLM", mtp=_GLM4_MOE_MTP, moe=True),
         ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True),
+        ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", mtp=_DEEPSEEK_V3_MTP, moe=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),
     )

@@ -26,6 +26,8 @@ CHECKPOINT_ROUTER_FIELDS = (
     "moe_shared_expert_gate",
     "moe_router_topk_scaling_factor",
     "moe_layer_freq",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
 )
 # The load-balancing losses Megatron-Core's router records in its MoE metrics tracker (moe/router.py).
 LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
@@ -49,6 +51,13 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     layers are dense (`moe_layer_freq`) and every MoE layer adds one ungated shared expert. The checkpoint's
     expert bias is kept as it is (`moe_router_bias_update_rate: 0`, as megatron-bridge's GLM-4.5 provider does):
     a positive rate updates it every step from the routed token counts.
+
+    DeepSeek-V3 routes as GLM-4.5 does, but only among the experts of the `topk_group` of its `n_group` expert
+    groups that score best, a group's score being the sum of its two best experts' biased sigmoids. Megatron-Core
+    sums the best `num_experts_per_tok // topk_group` (`moe_utils.group_limited_topk`), so it routes DeepSeek-V3's
+    way only where that is 2 (DeepSeek-V3: 8 // 4) or where every group is kept (`topk_group` >= `n_group`, Kimi-K2
+    and Moonlight's n_group 1); other checkpoints are refused. Its load-balancing loss is sequence-wise, weighted by
+    the config's `aux_loss_alpha` (0 when absent: transformers trains none).
     """
     if not checkpoint_num_experts(hf_config):
         return {}
@@ -58,6 +67,8 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
                          f"{', '.join(MOE_MODEL_TYPES)}")
     if model_type == "glm4_moe":
         return _glm4_moe_router_settings(hf_config)
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_router_settings(hf_config)
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError("hf_checkpoint: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
                          "are not mapped by the bridges; use a checkpoint whose every layer is MoE")
@@ -108,6 +119,22 @@ def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         "moe_aux_loss_coeff": float(hf_config.get("router_aux_loss_coef", 0.0)),
         "moe_token_dispatcher_type": "alltoall",
     }
+
+
+def _deepseek_v3_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
+    top_k, groups = int(hf_config["num_experts_per_tok"]), int(hf_config.get("n_group") or 1)
+    group_topk = int(hf_config.get("topk_group") or 1)
+    if group_topk < groups and top_k // group_topk != 2:
+        raise ValueError(
+            f"hf_checkpoint: num_experts_per_tok: {top_k} with topk_group: {group_topk} of n_group: {groups} is not "
+            f"routable the HF way: Megatron-Core scores an expert group by its best num_experts_per_tok // "
+            f"topk_group = {top_k // group_topk} experts (moe_utils.group_limited_topk), DeepSeek-V3 by its best 2; "
+            "use a checkpoint with num_experts_per_tok // topk_group == 2, or with topk_group == n_group")
+    settings = _glm4_moe_router_settings({**hf_config, "n_group": 1, "topk_group": 1})
+    settings.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk,
+                    moe_router_load_balancing_type="seq_aux_loss",
+                    moe_aux_loss_coeff=float(hf_config.get("aux_loss_alpha") or 0.0))
+    return settings
 
 
 def moe_config_overrides(hf_config: dict[str, Any], config_overrides: dict[str, Any]) -> dict[str, Any]:

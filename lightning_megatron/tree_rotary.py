@@ -32,14 +32,25 @@ def install_depth_rotary(chunks: list[torch.nn.Module]) -> list[RemovableHandle]
     handles: list[RemovableHandle] = []
     for chunk in chunks:
         model = unwrap_model(chunk)
-        rotary = getattr(model, "rotary_pos_emb", None)
-        if rotary is None or getattr(model, "position_embedding_type", None) not in ("rope", "yarn"):
+        rotaries = _rotary_tables(model)
+        if not rotaries:
             continue
         state: dict[str, torch.Tensor | None] = {"positions": None}
         handles.append(model.register_forward_pre_hook(_remember_depths(model, state), with_kwargs=True))
         handles.append(model.register_forward_hook(_forget_depths(state), always_call=True))
-        handles.append(rotary.register_forward_hook(_gather_at_depths(state)))
+        handles.extend(rotary.register_forward_hook(_gather_at_depths(state)) for rotary in rotaries)
     return handles
+
+
+def _rotary_tables(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that make the rotary tables: the model's one, or each multi-latent attention layer's own
+    (DeepSeek-V3's MLA builds its YaRN table inside every attention layer; GPTModel then has none)."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None and getattr(model, "position_embedding_type", None) in ("rope", "yarn"):
+        return [rotary]
+    return [module.rotary_pos_emb for module in model.modules() if isinstance(module, MultiLatentAttention)]
 
 
 def _remember_depths(model: torch.nn.Module, state: dict[str, torch.Tensor | None]) -> Any:

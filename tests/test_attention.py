@@ -189,6 +189,31 @@ def test_packed_thd_equals_attention_sequence_by_sequence(model_parallel, sdpa_t
         assert torch.count_nonzero(actual[0][5:8]) == 0 and torch.count_nonzero(actual[0][15:]) == 0
 
 
+def _explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention written out ([s, b, heads, d] in, [s, b, heads * d_v] out): scores, mask, softmax, sum."""
+    scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * scale
+    probabilities = scores.masked_fill(_CAUSAL, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhqk,kbhd->qbhd", probabilities, value).flatten(2)
+
+
+def test_key_and_value_heads_of_different_sizes(model_parallel):
+    """Multi-latent attention passes its key (qk_nope + qk_rope) and value head sizes: the keys set the default scale
+    (as in Transformer Engine's attention), the output has value-sized heads; causal rows and packed THD rows."""
+    key_size, value_size = 12, 6
+    generator = torch.Generator().manual_seed(0)
+    query, key = (torch.randn(LENGTH, BATCH, HEADS, key_size, generator=generator).requires_grad_() for _ in "qk")
+    value = torch.randn(LENGTH, BATCH, HEADS, value_size, generator=generator).requires_grad_()
+    sdpa = _attention(SDPAttention, _config(), AttnMaskType.causal, k_channels=key_size, v_channels=value_size)
+    assert sdpa.softmax_scale == pytest.approx(key_size ** -0.5)
+    expected = _output_and_grads(lambda *qkv: _explicit_attention(*qkv[:3], key_size ** -0.5), [query, key, value], None)
+    _assert_close(_output_and_grads(sdpa, [query, key, value], None), expected)
+
+    thd = [t[:, 0].detach().requires_grad_() for t in (query, key, value)]  # row 0 as a pack of one sequence
+    expected = _output_and_grads(lambda *qkv: _explicit_attention(*(t.unsqueeze(1) for t in qkv[:3]),
+                                                                  key_size ** -0.5)[:, 0], thd, None)
+    _assert_close(_output_and_grads(sdpa, thd, None, packed_seq_params=_packed_params([0, LENGTH])), expected)
+
+
 def test_refuses_what_it_cannot_compute(model_parallel):
     with pytest.raises(ValueError, match="softmax_type='off-by-one'.*attention_backend: local"):
         _attention(SDPAttention, _config(softmax_type="off-by-one"), AttnMaskType.causal)

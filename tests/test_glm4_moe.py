@@ -30,6 +30,7 @@ from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
 from tests.test_moe import (
     LR,
+    SAMPLES,
     SEQ,
     _assert_only_mtp_moved,
     _fit,
@@ -84,7 +85,11 @@ def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dic
 
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
-    path = checkpoints["mtp"]
+    assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
+
+
+def assert_logits_mtp_head_and_round_trip(path: Path, tmp_path: Path, mtp: bool) -> None:
+    """HF logits and the MTP head's (1e-5) at one process; the export bit-identical, the MTP layer kept or dropped."""
     result = _build_check_and_export(path, tmp_path / "export", mtp)
     assert result["logits"] <= 1e-5
     assert result["export_unequal"] == []
@@ -127,7 +132,11 @@ def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parall
 
 
 def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoints, tmp_path):
-    original = checkpoints["mtp"]
+    assert_restoring_the_mtp_head_round_trips(checkpoints["mtp"], tmp_path)
+
+
+def assert_restoring_the_mtp_head_round_trips(original: Path, tmp_path: Path) -> None:
+    """Export without MTP, restore the head from the original, build and export again: bit for bit (MTP layer 2)."""
     bridge = create_bridge("megatron-bridge", original)
     finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
     assert not any(name.startswith("model.layers.2.") for name in _tensors(finetuned))
@@ -140,17 +149,26 @@ def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoi
 
 def test_a_head_copied_from_the_last_layer_has_its_experts_and_the_shared_tensors(model_parallel, checkpoints,
                                                                                   tmp_path):
+    restored = assert_head_copied_from_the_last_layer(checkpoints, tmp_path, "self_attn.q_proj.bias")
+    written = _tensors(restored)
+    chunk = create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0]
+    assert torch.equal(chunk.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias,
+                       written["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+def assert_head_copied_from_the_last_layer(checkpoints: dict[str, Path], tmp_path: Path, attention_tensor: str
+                                           ) -> Path:
+    """`--init copy-last-layer` on the plain checkpoint: the MTP checkpoint's names and shapes, the shared tensors'
+    copies, and layer 1's experts, expert bias and `attention_tensor` in MTP layer 2; returns the restored folder."""
     restored = restore_mtp_head(checkpoints["plain"], tmp_path / "restored", init="copy-last-layer")
     written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
     assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     config = json.loads((restored / "config.json").read_text())
-    for main, copy in mtp_names("glm4_moe").copy_names(0, config).items():
+    for main, copy in mtp_names(config["model_type"]).copy_names(0, config).items():
         assert torch.equal(written[copy], written[main])
-    for name in ("mlp.experts.3.up_proj.weight", "mlp.gate.e_score_correction_bias", "self_attn.q_proj.bias"):
+    for name in ("mlp.experts.3.up_proj.weight", "mlp.gate.e_score_correction_bias", attention_tensor):
         assert torch.equal(written[f"model.layers.2.{name}"], written[f"model.layers.1.{name}"])
-    chunk = create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0]
-    assert torch.equal(chunk.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias,
-                       written["model.layers.1.mlp.gate.e_score_correction_bias"])
+    return restored
 
 
 def test_mtp_only_refuses_a_router_that_updates_its_expert_bias(process_group, checkpoints, tmp_path):
@@ -165,6 +183,12 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
     """The GLM-4.5 model with its MTP layer (partial RoPE, routed experts, THD attention, MTP rolls) on a pack made by
     the data pipeline, against the same sequences one per padded row: per-token losses and every gradient (the
     load-balancing coefficient is the checkpoint's 0, and no expert capacity drops tokens)."""
+    assert_packed_equals_one_sequence_per_row(checkpoints["mtp"])
+
+
+def assert_packed_equals_one_sequence_per_row(hf_checkpoint: Path) -> None:
+    """A pack made by the data pipeline against the same sequences one per padded row, through the model with its
+    MTP layer: per-token losses and every gradient (1e-5)."""
     from torch.utils.data import default_collate
 
     from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
@@ -177,7 +201,7 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
                                  torch.rand(n, generator=generator) < 0.7) for i, n in enumerate(lengths)]
     packed = collate_packed([pack_examples(examples, row, pad_id=0)])
     rows = default_collate([pad_example(example, row, pad_id=0) for example in examples])
-    chunk = create_bridge("megatron-bridge", checkpoints["mtp"]).build(ModelOptions(mtp=True))[0]
+    chunk = create_bridge("megatron-bridge", hf_checkpoint).build(ModelOptions(mtp=True))[0]
     packed_loss, packed_grads = _per_token_loss_and_grads(chunk, packed)
     rows_loss, rows_grads = _per_token_loss_and_grads(chunk, rows)
     for index, (start, n) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), lengths)):
@@ -190,7 +214,10 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
 # two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
 
 
-def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, mtp_only_samples: int = SAMPLES
+                   ) -> dict[str, Any]:
+    """TP=2 and EP=2 builds, an MTP-only fit at EP=2 (on `mtp_only_samples` sequences) and joint fits at EP=2 and
+    PP=2."""
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
@@ -205,7 +232,8 @@ def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> 
         parallel_state.destroy_model_parallel()
 
     mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
-                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2)
+                    module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), expert_model_parallel_size=2,
+                    samples=mtp_only_samples)
     _assert_only_mtp_moved(mtp_only)
     result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
     torch.distributed.barrier()  # rank 0 writes the audit at the end of its fit
@@ -225,12 +253,18 @@ def _comparable_joint_module() -> SFTModule:
 
 @pytest.mark.slow
 def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
-    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]))
+    assert_parallel_results(run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"])),
+                            checkpoints["mtp"])
+
+
+def assert_parallel_results(results: list[dict[str, Any]], hf_checkpoint: Path) -> None:
+    """`_parallel_case`'s ranks: TP=2 and EP=2 logits and exports, the MTP-only audit and falling MTP loss, joint
+    fits at PP=2 equal to EP=2's (1e-5)."""
     for result in results:
         for name in ("tp2", "ep2"):
             assert result[name]["logits"] <= 1e-5
             assert result[name]["export_unequal"] == []
-            assert result[name]["exported"] == set(_tensors(checkpoints["mtp"]))
+            assert result[name]["exported"] == set(_tensors(hf_checkpoint))
         assert result["audit"]["frozen_bit_identical"]
         assert result["mtp_only"][-1] < result["mtp_only"][0]
         ep2, pp2 = result["joint", "ep2"], result["joint", "pp2"]

@@ -202,12 +202,13 @@ def _parameters(pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
 
 def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, devices: int = 1, *, export: Path | None = None,
          module: SFTModule | None = None, callbacks: tuple = (), ckpt_path: str | None = None,
-         trainer_kwargs: dict | None = None, **strategy_kwargs: Any) -> Metrics:
+         trainer_kwargs: dict | None = None, samples: int = SAMPLES, **strategy_kwargs: Any) -> Metrics:
+    """A fit on `samples` random sequences (fewer than the steps consume: the same ones again, epoch after epoch)."""
     options = dict(micro_batch_size=2, global_batch_size=4, precision="fp32") | strategy_kwargs
     strategy = MegatronStrategy(hf_checkpoint=str(hf_checkpoint), **options)
     metrics = Metrics()
     trainer = _trainer(tmp_path, strategy, steps, devices, [metrics, *callbacks], **(trainer_kwargs or {}))
-    loader = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
+    loader = DataLoader(RandomTokenDataset(samples, SEQ, VOCAB), batch_size=options["micro_batch_size"],
                         drop_last=True)
     trainer.fit(module or SFTModule(lr=LR, warmup_steps=1), loader, ckpt_path=ckpt_path)
     if export is not None:
@@ -430,7 +431,8 @@ def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_p
 
 def test_a_family_whose_experts_a_bridge_does_not_map_fails_before_the_build(model_parallel, checkpoints):
     with pytest.raises(BridgeError, match=r"bridge_type: megatron-bridge does not map the experts of 'qwen2_moe' "
-                                          r"checkpoints \(it maps qwen3_moe, glm4_moe\); set bridge_type: mbridge"):
+                                          r"checkpoints \(it maps qwen3_moe, glm4_moe, deepseek_v3\); "
+                                          r"set bridge_type: mbridge"):
         create_bridge("megatron-bridge", checkpoints["qwen2_moe"]).validate(ModelOptions())
 
 

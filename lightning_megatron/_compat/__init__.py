@@ -14,6 +14,7 @@ from types import ModuleType
 from lightning_megatron._compat import (
     context_parallel,
     cpu,
+    deepseek,
     gated_delta_net,
     grouped_experts,
     mbridge,
@@ -53,7 +54,8 @@ def import_megatron_bridge() -> ModuleType:
     Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
     """
     for adjustment in (*root_logger.ADJUSTMENTS, *no_te.MEGATRON_BRIDGE_ADJUSTMENTS,
-                       *vl.MEGATRON_BRIDGE_ADJUSTMENTS, *moe.MEGATRON_BRIDGE_ADJUSTMENTS):
+                       *vl.MEGATRON_BRIDGE_ADJUSTMENTS, *moe.MEGATRON_BRIDGE_ADJUSTMENTS,
+                       *deepseek.MEGATRON_BRIDGE_ADJUSTMENTS):
         adjustment.apply()
     return importlib.import_module("megatron.bridge")
 

@@ -108,7 +108,7 @@ MEGATRON_CORE_ADJUSTMENTS = (
 # megatron-bridge --------------------------------------------------------------------------------------------------
 
 
-def _set_provider_fields(patches: Patches, bridge_class: type, fields: dict[str, Any]) -> None:
+def set_provider_fields(patches: Patches, bridge_class: type, fields: dict[str, Any]) -> None:
     """`bridge_class.provider_bridge` followed by setting `fields` on the provider it returns."""
     provider_bridge = bridge_class.provider_bridge
 
@@ -126,13 +126,13 @@ def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
     from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 
     # TE's fused permutation; the unfused one computes the same
-    _set_provider_fields(patches, Qwen3MoEBridge, {"moe_permute_fusion": False})
+    set_provider_fields(patches, Qwen3MoEBridge, {"moe_permute_fusion": False})
 
 
 def _install_glm45_local_fusions(patches: Patches) -> None:
     from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
 
-    _set_provider_fields(patches, GLM45Bridge, {
+    set_provider_fields(patches, GLM45Bridge, {
         "moe_permute_fusion": False,  # TE's fused permutation; the unfused one computes the same
         "persist_layer_norm": False,  # Apex's persistent layer norm, refused by the local spec's torch norm
         "moe_shared_expert_overlap": False,  # the shared expert on a second CUDA stream
@@ -201,10 +201,18 @@ def _install_glm45_mtp_copies(patches: Patches) -> None:
     from the shared tensors, only for a model built with its MTP layers (as upstream's GLM-4.7-Flash bridge does,
     glm/glm47_flash_bridge.py:116-148, but for every MTP layer the model has)."""
     from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    install_mtp_copies(patches, GLM45Bridge, "glm4_moe")
+
+
+def install_mtp_copies(patches: Patches, bridge_class: type, model_type: str) -> None:
+    """`bridge_class`'s export writes the copies of main-model tensors the family's MTP layers store (`model_type`'s
+    `MTPNames.copies`) from the tensors they copy, after the bridge's own `maybe_modify_converted_hf_weight`."""
     from megatron.core.utils import get_model_config
 
-    stream = GLM45Bridge.stream_weights_megatron_to_hf
-    patches.setattr(GLM45Bridge, "_exports_mtp", False)
+    stream = bridge_class.stream_weights_megatron_to_hf
+    modify = bridge_class.maybe_modify_converted_hf_weight
+    patches.setattr(bridge_class, "_exports_mtp", False)
 
     @functools.wraps(stream)
     def stream_noting_mtp(bridge: Any, megatron_model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -212,9 +220,11 @@ def _install_glm45_mtp_copies(patches: Patches) -> None:
         bridge._exports_mtp = bool(get_model_config(chunks[0]).mtp_num_layers)
         yield from stream(bridge, megatron_model, *args, **kwargs)
 
+    @functools.wraps(modify)
     def with_mtp_copies(bridge: Any, task: Any, converted: dict[str, torch.Tensor], hf_state_dict: Any
                         ) -> dict[str, torch.Tensor]:
-        names = mtp_names("glm4_moe")
+        converted = modify(bridge, task, converted, hf_state_dict)
+        names = mtp_names(model_type)
         config = {"num_hidden_layers": bridge.hf_config.num_hidden_layers}
         # the HF MTP layers the registry maps (a repeated MTP layer, `mtp_depths` > 1, is still one of them)
         for i in range(bridge.hf_config.num_nextn_predict_layers if bridge._exports_mtp else 0):
@@ -223,8 +233,8 @@ def _install_glm45_mtp_copies(patches: Patches) -> None:
                     converted[copy] = converted[main].clone()
         return converted
 
-    patches.setattr(GLM45Bridge, "stream_weights_megatron_to_hf", stream_noting_mtp)
-    patches.setattr(GLM45Bridge, "maybe_modify_converted_hf_weight", with_mtp_copies)
+    patches.setattr(bridge_class, "stream_weights_megatron_to_hf", stream_noting_mtp)
+    patches.setattr(bridge_class, "maybe_modify_converted_hf_weight", with_mtp_copies)
 
 
 def _qwen3_moe_mtp_names() -> dict[str, str]:

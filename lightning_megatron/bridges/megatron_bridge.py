@@ -29,7 +29,7 @@ class MegatronBridge(Bridge):
     supports_lora = True
     supports_vl = True
     exports_selected_tensors = True
-    moe_model_types = ("qwen3_moe", "glm4_moe")
+    moe_model_types = ("qwen3_moe", "glm4_moe", "deepseek_v3")
     linear_attention_model_types = ("qwen3_5_text",)
     reads_model_config_before_build = True
 

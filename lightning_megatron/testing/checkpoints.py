@@ -24,10 +24,12 @@ from tokenizers import Tokenizer
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.families import MODEL_FAMILIES, MOE_MODEL_TYPES, mtp_names
 from lightning_megatron.testing import qwen3_5
+from lightning_megatron.testing.deepseek import deepseek_v3_config_fields, mla_attention_shapes
 from lightning_megatron.testing.mimo import write_mimo_remote_code
 from lightning_megatron.testing.tokenizer import build_tokenizer, special_token_roles, tokenizer_config
 
-Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_5_text"]
+Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3",
+                 "qwen3_5_text"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -40,6 +42,8 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen2_moe", False),
     ("glm4_moe", False),
     ("glm4_moe", True),
+    ("deepseek_v3", False),
+    ("deepseek_v3", True),
     ("qwen3_5_text", False),
     ("qwen3_5_text", True),
 )
@@ -50,8 +54,10 @@ decoder layer under the same ``mtp.*`` keys, as Qwen3-Next lays it out. GLM-4.5 
 ``MoEShape.first_dense_layers`` layers dense, routes with a sigmoid and an expert bias, adds an ungated shared expert
 and q/k/v biases, rotates half of each head (partial RoPE), and stores its MTP layer as decoder layer
 ``num_layers`` (routed experts, ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm``, and copies of the
-embedding and LM head), as GLM-4.5-Air's checkpoint does. Qwen3.5 (``qwen3_5_text``) interleaves gated DeltaNet and
-gated full-attention layers, its MTP layer a full-attention one under Qwen3's ``mtp.*`` keys
+embedding and LM head), as GLM-4.5-Air's checkpoint does. DeepSeek-V3 (``deepseek_v3``) has GLM-4.5's MoE and MTP
+layout with multi-head latent attention and YaRN RoPE in place of GLM's attention (`testing.deepseek`), and
+group-limited routing (``MoEShape.n_group``, ``topk_group``). Qwen3.5 (``qwen3_5_text``) interleaves gated DeltaNet
+and gated full-attention layers, its MTP layer a full-attention one under Qwen3's ``mtp.*`` keys
 (:mod:`lightning_megatron.testing.qwen3_5`)."""
 
 _ROPE_THETA = 10000.0
@@ -204,8 +210,16 @@ def _model_config(
     moe: MoEShape | None = None,
 ) -> dict[str, Any]:
     """config.json contents, produced by the transformers config class so it reads like a real checkpoint's."""
-    from transformers import (Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     fields: dict[str, Any] = dict(
         architectures=[MODEL_FAMILIES[family].architecture],
@@ -225,6 +239,9 @@ def _model_config(
     )
     if family in ("qwen3", "llama", "qwen3_moe", "glm4_moe"):
         fields["head_dim"] = shape.head_dim
+    if family == "deepseek_v3":
+        fields.update(deepseek_v3_config_fields(shape.hidden_size, shape.head_dim, shape.num_attention_heads,
+                                                shape.max_position_embeddings, _ROPE_THETA))
     if family == "glm4_moe":  # GLM-4.5's attention: q/k/v biases, no q/k norms, RoPE on half of each head
         fields.update(attention_bias=True, use_qk_norm=False)
         fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": 0.5}
@@ -235,7 +252,7 @@ def _model_config(
         fields[mtp_names(family).layers_key] = 1
     config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config,
                   "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "glm4_moe": Glm4MoeConfig,
-                  qwen3_5.MODEL_TYPE: Qwen3_5TextConfig}[family]
+                  "deepseek_v3": DeepseekV3Config, qwen3_5.MODEL_TYPE: Qwen3_5TextConfig}[family]
     if moe is not None:
         fields.update(_moe_config_fields(family, moe, shape))
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
@@ -290,6 +307,9 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, l
         f"{prefix}mlp.up_proj.weight": (ffn, hidden_size),
         f"{prefix}mlp.down_proj.weight": (hidden_size, ffn),
     }
+    if family == "deepseek_v3":  # multi-head latent attention in place of q/k/v projections
+        shapes = {name: size for name, size in shapes.items() if ".self_attn." not in name}
+        shapes.update(mla_attention_shapes(prefix, hidden_size, head_dim, shape.num_attention_heads))
     if family in ("qwen3", "qwen3_moe"):
         shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
         shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
@@ -338,6 +358,8 @@ class MoEShape:
     shared_expert_intermediate_size: int | None = None
     first_dense_layers: int = 1
     routed_scaling_factor: float = 1.0
+    n_group: int = 1  # DeepSeek-V3's group-limited routing: experts in n_group groups, tokens routed within the
+    topk_group: int = 1  # topk_group groups whose two best experts score highest
 
 
 def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
@@ -364,11 +386,11 @@ def _moe_config_fields(family: Family, moe: MoEShape, shape: CheckpointShape) ->
     fields["moe_intermediate_size"] = expert_size
     if family == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = shared_size
-    if family == "glm4_moe":  # GLM-4.5's router: no auxiliary-loss coefficient, no decoder_sparse_step
+    if family in ("glm4_moe", "deepseek_v3"):  # their router: no auxiliary-loss coefficient, no decoder_sparse_step
         for key in ("num_experts", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers"):
             del fields[key]
         fields.update(n_routed_experts=moe.num_experts, n_shared_experts=1, first_k_dense_replace=moe.first_dense_layers,
-                      routed_scaling_factor=moe.routed_scaling_factor, n_group=1, topk_group=1)
+                      routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group)
     return fields
 
 
@@ -386,7 +408,8 @@ def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoESh
     hidden_size = shape.hidden_size
     expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
     result: dict[str, tuple[int, ...]] = {}
-    dense = tuple(f"model.layers.{i}." for i in range(moe.first_dense_layers)) if family == "glm4_moe" else ()
+    first_dense = family in ("glm4_moe", "deepseek_v3")
+    dense = tuple(f"model.layers.{i}." for i in range(moe.first_dense_layers)) if first_dense else ()
     for name, tensor_shape in shapes.items():
         if name.startswith(dense) or not name.endswith((".mlp.gate_proj.weight", ".mlp.up_proj.weight",
                                                         ".mlp.down_proj.weight")):
@@ -405,7 +428,7 @@ def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoESh
             result[f"{mlp}shared_expert.up_proj.weight"] = (shared_size, hidden_size)
             result[f"{mlp}shared_expert.down_proj.weight"] = (hidden_size, shared_size)
             result[f"{mlp}shared_expert_gate.weight"] = (1, hidden_size)
-        if family == "glm4_moe":
+        if family in ("glm4_moe", "deepseek_v3"):
             result[f"{mlp}gate.e_score_correction_bias"] = (moe.num_experts,)
             result[f"{mlp}shared_experts.gate_proj.weight"] = (expert_size, hidden_size)
             result[f"{mlp}shared_experts.up_proj.weight"] = (expert_size, hidden_size)

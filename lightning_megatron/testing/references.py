@@ -31,19 +31,32 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
        is why megatron-bridge swaps the two column halves of its projection into ``eh_proj`` (Megatron
        concatenates ``[embedding, hidden]``).
 
-    4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` / ``Glm4MoeDecoderLayer`` holding the MTP
-       layer's weights; GLM-4.5's is built as the decoder layer it is stored as, so with its routed experts) with a
-       causal mask and the same rotary positions ``0..S-2``. Qwen3.5's is a ``Qwen3_5DecoderLayer`` built as its
-       first full-attention layer (gated attention; the MTP layer has no DeltaNet), its norms ``1 + weight``.
+    4. One decoder layer (``Qwen3DecoderLayer`` / ``Qwen2DecoderLayer`` / ``Glm4MoeDecoderLayer`` /
+       ``DeepseekV3DecoderLayer`` holding the MTP layer's weights; GLM-4.5's and DeepSeek-V3's are built as the
+       decoder layer they are stored as, so with their routed experts, DeepSeek-V3's with its multi-head latent
+       attention and YaRN rotary embedding) with a causal mask and the same rotary positions ``0..S-2``. Qwen3.5's
+       is a ``Qwen3_5DecoderLayer`` built as its first full-attention layer (gated attention; the MTP layer has no
+       DeltaNet), its norms ``1 + weight``.
     5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
 
     Returns logits ``[batch, seq - 1, vocab]`` for positions ``0..seq-2``: position ``t`` predicts token ``t+2``.
     Megatron's MTP also computes a last position (from a rolled-in pad token); causal attention keeps it from
     affecting the others, so it is left out here.
     """
-    from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM,
-                              Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
     from transformers.masking_utils import create_causal_mask
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
@@ -61,12 +74,14 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         "mimo": (Qwen2Config, Qwen2ForCausalLM, Qwen2DecoderLayer, Qwen2RMSNorm),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, Qwen3DecoderLayer, Qwen3RMSNorm),
         "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeDecoderLayer, Glm4MoeRMSNorm),
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3DecoderLayer, DeepseekV3RMSNorm),
         "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, Qwen3_5DecoderLayer, Qwen3_5RMSNorm),
     }
     model_type = raw_config["model_type"]
     names = MODEL_FAMILIES[model_type].mtp if model_type in classes else None
     if names is None or names.head(0, raw_config)["projection"] not in weights:
-        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo, GLM-4.5 or Qwen3.5)")
+        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo, GLM-4.5, DeepSeek-V3 or "
+                         "Qwen3.5)")
     config_cls, model_cls, layer_cls, norm_cls = classes[model_type]
     config = config_cls(**config_fields)
     head, layer_prefix = names.head(0, raw_config), names.layer_prefix(0, raw_config)

@@ -66,6 +66,11 @@ GLM4_MOE_MTP_KEYS = {
     *(f"model.layers.2.mlp.experts.{expert}.{projection}_proj.weight"
       for expert in range(4) for projection in ("gate", "up", "down")),
 }
+# DeepSeek-V3's MTP layer: GLM-4.5's layout with multi-head latent attention (megatron-bridge 0.6.2's
+# deepseek/common.py mappings, and the copies DeepSeek-V3's index lists as model.layers.61.*).
+DEEPSEEK_V3_MTP_KEYS = {name for name in GLM4_MOE_MTP_KEYS if ".self_attn." not in name} | {
+    f"model.layers.2.self_attn.{name}.weight" for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                                          "kv_a_layernorm", "kv_b_proj", "o_proj")}
 IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 250, 383]])
 
 
@@ -126,7 +131,7 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # Qwen3ForCausalLM has no MTP module: it skips exactly the MTP tensors. MiMo's remote code loads everything.
     expected_unexpected = QWEN3_MTP_KEYS if (family, mtp) == ("qwen3", True) else set()
-    if family in ("qwen3_moe", "glm4_moe"):  # transformers names the MTP experts it skips in its fused layout
+    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3"):  # transformers names the MTP experts it skips fused
         prefix = "mtp." if family == "qwen3_moe" else "model.layers.2."
         assert bool(info["unexpected_keys"]) is mtp and all(key.startswith(prefix) for key in info["unexpected_keys"])
     else:
@@ -150,12 +155,15 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     has_bias = family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
     assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family in ("qwen3", "qwen3_moe", "qwen3_5_text"))
-    is_moe = family in ("qwen3_moe", "qwen2_moe", "glm4_moe")
+    is_moe = family in ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
     assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
     assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family == "qwen2_moe")
     assert ("model.layers.0.mlp.experts.0.up_proj.weight" in names) is (family in ("qwen3_moe", "qwen2_moe"))
     assert ({name for name in names if name.startswith("model.layers.2.")} == GLM4_MOE_MTP_KEYS) is (
         family == "glm4_moe" and mtp)
+    assert ({name for name in names if name.startswith("model.layers.2.")} == DEEPSEEK_V3_MTP_KEYS) is (
+        family == "deepseek_v3" and mtp)
+    assert ("model.layers.0.self_attn.kv_b_proj.weight" in names) is (family == "deepseek_v3")
 
 
 def test_glm4_moe_copies_the_embedding_and_lm_head_into_its_mtp_layer(checkpoints: dict) -> None:
@@ -215,7 +223,7 @@ def test_tokenizer_round_trips_and_applies_the_chat_template(checkpoints: dict) 
     assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "Hello!<|im_end|>"
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mimo", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "mimo", "glm4_moe", "deepseek_v3"])
 def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict, tmp_path: Path, family: str) -> None:
     path = checkpoints[family, True, False]
     logits = hf_mtp_reference_logits(path, IDS)
@@ -229,15 +237,17 @@ def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict,
     # (routed experts: the changed token reaches other experts, whose matrix products over another number of tokens
     # may round differently in float32, ~1e-7 here)
     unchanged = (other[:, :-1] - logits[:, :-1]).abs().max()
-    assert (unchanged <= 1e-5 if family == "glm4_moe" else unchanged == 0)
+    assert (unchanged <= 1e-5 if family in ("glm4_moe", "deepseek_v3") else unchanged == 0)
     assert not torch.allclose(other[:, -1], logits[:, -1])
 
     # Every part of the MTP head matters, including which half of the projection sees the hidden state.
-    prefix = {"qwen3": "mtp.", "mimo": "model.mtp_layers.0.", "glm4_moe": "model.layers.2."}[family]
+    prefix = {"qwen3": "mtp.", "mimo": "model.mtp_layers.0.", "glm4_moe": "model.layers.2.",
+              "deepseek_v3": "model.layers.2."}[family]
     proj, enorm, hnorm, final = {
         "qwen3": ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"),
         "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm"),
         "glm4_moe": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
+        "deepseek_v3": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
     }[family]
     layer = "layers.0." if family == "qwen3" else ""
     tensors = load_file(path / "model.safetensors")
@@ -248,7 +258,7 @@ def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict,
         f"{prefix}{layer}self_attn.o_proj.weight": lambda t: t * 2,
         f"{prefix}{proj}.weight": lambda t: torch.cat(t.chunk(2, dim=1)[::-1], dim=1),
     }
-    if family == "glm4_moe":  # the routed experts, the shared expert and the expert bias
+    if family in ("glm4_moe", "deepseek_v3"):  # the routed experts, the shared expert and the expert bias
         edits.update({f"{prefix}mlp.shared_experts.down_proj.weight": lambda t: -t,
                       f"{prefix}mlp.gate.e_score_correction_bias": lambda t: -t})
     else:
@@ -258,7 +268,7 @@ def test_mtp_reference_logits_shape_causality_and_sensitivity(checkpoints: dict,
     for name, edit in edits.items():
         save_file({**tensors, name: edit(tensors[name])}, edited / "model.safetensors", metadata={"format": "pt"})
         assert (hf_mtp_reference_logits(edited, IDS) - logits).abs().max() > 1e-2, name
-    if family == "glm4_moe":  # the routed experts, together (the expert bias keeps some from every token)
+    if family in ("glm4_moe", "deepseek_v3"):  # the routed experts, together (the bias keeps some from every token)
         experts = {name: -t for name, t in tensors.items() if name.startswith(f"{prefix}mlp.experts.")}
         save_file({**tensors, **experts}, edited / "model.safetensors", metadata={"format": "pt"})
         assert (hf_mtp_reference_logits(edited, IDS) - logits).abs().max() > 1e-2
