@@ -50,7 +50,6 @@ from torch.utils.data import DataLoader
 from bench.common import (
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     emit,
     environment,
     fresh_memory,
@@ -59,6 +58,7 @@ from bench.common import (
     release_model,
     scratch_dir,
 )
+from bench.flops import ModelShape
 from bench.lightning_overhead import RandomWeightsSFTModule, Settings, StepTimer
 from lightning_megatron.callbacks import ManualGarbageCollection
 

@@ -42,10 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bench.common import (
-    JOINT,
-    MTP_ONLY,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     add_step_options,
     allocated_gib,
     checkpoint_scratch_bytes,
@@ -54,15 +51,13 @@ from bench.common import (
     fresh_memory,
     import_megatron_bridge_first,
     make_checkpoint,
-    model_flops,
     own_gib,
     parse_with_tiny,
-    peak_flops,
     peak_memory_gib,
     release_model,
     scratch_dir,
-    throughput,
 )
+from bench.flops import JOINT, MTP_ONLY, ModelShape, model_flops, peak_flops, throughput
 from lightning_megatron import MTPOnlyCallback, SFTModule
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.options import ModelOptions
