@@ -150,6 +150,7 @@ class ModelFamily:
     linear_attention: bool = False  # some decoder layers are linear attention (Qwen3.5's gated DeltaNet): its state
     # runs along the whole row, so a packed row or a tree is not a mask over tokens
     language_model: LanguageModel | None = None  # a multimodal checkpoint trained as the text model it holds
+    zero_centered_norms: bool = False  # its RMSNorms scale by `1 + weight` (Qwen3.5's): a fresh norm is zeros
 
 
 # GLM-4.5 / GLM-4.5-Air / GLM-4.6 (zai-org; megatron-bridge glm/glm45_bridge.py): each MTP layer is stored as one
@@ -209,9 +210,10 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", mtp=_QWEN3_MTP, moe=True),
         ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
         ModelFamily("glm4_moe", "Glm4MoeForCausalLM", mtp=_GLM4_MOE_MTP, moe=True),
-        ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True),
+        ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True,
+                    zero_centered_norms=True),
         ModelFamily("qwen3_5", "Qwen3_5ForConditionalGeneration", mtp=_QWEN3_5_MTP, linear_attention=True,
-                    language_model=_QWEN3_5_LANGUAGE_MODEL),
+                    language_model=_QWEN3_5_LANGUAGE_MODEL, zero_centered_norms=True),
         ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", mtp=_DEEPSEEK_V3_MTP, moe=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),

@@ -110,6 +110,9 @@ def test_a_head_copied_from_the_last_layer_is_a_full_attention_layer(model_paral
     written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
     assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
+    # the head's own norms scale by 1: Qwen3.5's scale by 1 + weight
+    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        assert torch.count_nonzero(written[norm]) == 0, norm
     assert _mtp_head_difference(create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0],
                                 restored) <= 1e-5
 

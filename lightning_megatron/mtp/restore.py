@@ -54,9 +54,10 @@ def restore_mtp_head(
 
     `source` is the checkpoint the fine-tuning started from: its MTP tensors and MTP layer count are copied, after
     checking that its family, hidden size, vocab size and every MTP tensor's shape fit the fine-tuned checkpoint.
-    `init="random"` draws matrices from N(0, initializer_range) (config.json, default 0.02) with `seed`, norm
-    weights are ones, biases (and routers' expert biases) zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer
-    layer, sets the MTP norms to ones and draws the projection (eh_proj / input_proj) as `random` does.
+    `init="random"` draws matrices from N(0, initializer_range) (config.json, default 0.02) with `seed`, norms
+    scale by 1 (weights ones; zeros where the family's norms scale by `1 + weight`, Qwen3.5's), biases (and routers'
+    expert biases) are zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer layer,
+    sets the MTP norms to scale by 1 and draws the projection (eh_proj / input_proj) as `random` does.
     MTP tensors take the dtype of the fine-tuned input embedding: source tensors of another dtype are cast.
     The folder is written atomically; an earlier HF checkpoint at `output` is replaced.
     """
@@ -112,7 +113,8 @@ def restore_mtp_head(
         mtp_tensors = _load_tensors(source, names=set(expected))
     else:
         mtp_tensors = _fresh_mtp_tensors(expected, tensors, init, seed=seed,
-                                         std=text_model_config(config).get("initializer_range", 0.02))
+                                         std=text_model_config(config).get("initializer_range", 0.02),
+                                         unit_norm=0.0 if family(model_type).zero_centered_norms else 1.0)
     for i in range(mtp_layers):  # the MTP layers' copies of the embedding and LM head: the fine-tuned ones
         mtp_tensors.update({copy: tensors[main if main in tensors else embedding]
                             for main, copy in names.copy_names(i, text_model_config(config)).items()})
@@ -258,7 +260,9 @@ def _fresh_mtp_tensors(
     *,
     std: float,
     seed: int,
+    unit_norm: float,
 ) -> dict[str, torch.Tensor]:
+    """`unit_norm`: the weight of a norm that scales by 1 (0 where the family's norms scale by `1 + weight`)."""
     generator = torch.Generator().manual_seed(seed)
     fresh = {}
     for name, (shape, mirrored) in sorted(expected.items()):  # sorted: the same seed draws the same tensors
@@ -267,7 +271,7 @@ def _fresh_mtp_tensors(
         elif name.endswith("bias"):  # biases, and the routers' expert bias (GLM-4.5's e_score_correction_bias)
             fresh[name] = torch.zeros(shape)
         elif len(shape) == 1:  # the only other vectors are norm weights
-            fresh[name] = torch.ones(shape)
+            fresh[name] = torch.full(shape, unit_norm)
         else:
             fresh[name] = torch.normal(0.0, std, shape, generator=generator)
     return fresh
