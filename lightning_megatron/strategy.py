@@ -49,7 +49,13 @@ from lightning_megatron.data.settings import DataSettings, hand_data_settings
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.moe import check_expert_parallel_world
-from lightning_megatron.optimizer import MegatronOptimizerAdapter, check_megatron_optimizers, megatron_optimizer
+from lightning_megatron.optimizer import (
+    MegatronOptimizerAdapter,
+    check_megatron_optimizers,
+    check_optimizer_offload,
+    check_optimizer_offload_device,
+    megatron_optimizer,
+)
 from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
 
 
@@ -63,6 +69,9 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
     `async_save`: saves made while training write their shards in the background (`background_save.py`).
     `cuda_graph: full_iteration`: training steps (full or packed rows) replayed from one captured CUDA graph (GPU).
+    `optimizer_offload_fraction`: that fraction of the optimizer's fp32 master weights and Adam states in host memory,
+    stepped on the CPU (Megatron-Core's `HybridDeviceOptimizer`; GPU, distributed optimizer; see `optimizer.py`):
+    what makes full fine-tuning of an 8B model fit one 141 GB GPU.
     """
 
     strategy_name = "megatron"
@@ -86,6 +95,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         overlap_grad_reduce: bool = False,
         grad_reduce_in_fp32: bool = True,
         clip_grad: float = 1.0,
+        optimizer_offload_fraction: float = 0.0,
         seed: int = 1234,
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
@@ -110,6 +120,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
             global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
             clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
+        check_optimizer_offload(optimizer_offload_fraction, use_distributed_optimizer=use_distributed_optimizer)
         self.cuda_graphs = StrategyCudaGraphs(cuda_graph, cuda_graph_sequences_per_row, ParallelSizes(
             pipeline=pipeline_model_parallel_size, context=context_parallel_size, expert=expert_model_parallel_size))
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
@@ -130,6 +141,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.clip_grad = clip_grad
+        self.optimizer_offload_fraction = optimizer_offload_fraction
         self.seed = seed
         self.trust_remote_code = trust_remote_code
         self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
@@ -221,6 +233,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         if self.hf_checkpoint is None:
             raise ValueError("hf_checkpoint: MegatronStrategy needs the HF checkpoint folder to build the model from")
         self.cuda_graphs.check_device(self.root_device)
+        check_optimizer_offload_device(self.optimizer_offload_fraction, self.root_device)
         prepare_megatron_core()
         self._init_parallel_state()
         self._build_model(module)
@@ -290,7 +303,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         optimizer's own hyperparameters (lr, betas, weight decay).
         """
         return megatron_optimizer(config, self.model_chunks, bf16=self.precision == "bf16",
-                                  use_distributed_optimizer=self.use_distributed_optimizer, clip_grad=self.clip_grad)
+                                  use_distributed_optimizer=self.use_distributed_optimizer, clip_grad=self.clip_grad,
+                                  offload_fraction=self.optimizer_offload_fraction)
 
     # ------------------------------------------------------------------ data
 
