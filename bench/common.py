@@ -62,6 +62,19 @@ QWEN3_8B: dict[str, Any] = dict(
 )
 """The Qwen3-8B shape (untied embeddings in the real model)."""
 
+QWEN3_4B: dict[str, Any] = dict(
+    num_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960,
+)
+"""The Qwen3-4B shape (tied embeddings in the real model)."""
+
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    num_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+)
+"""The Qwen3-30B-A3B shape (`qwen3_moe`, untied): every layer's MLP is 128 experts of FFN 768, 8 per token."""
+
 _HF_CONFIG_KEYS = {"num_layers": "num_hidden_layers"}
 
 
@@ -103,9 +116,14 @@ def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
 def reshape_config(folder: Path, shape: dict[str, Any]) -> None:
     """Give a tiny checkpoint's config.json the `make_tiny_checkpoint`-style `shape` (without its per-layer
     `layer_types`, which transformers >= 5.17 refuses when its count differs from the layers)."""
+    from lightning_megatron.moe import EXPERT_COUNT_KEYS
+
     config = json.loads((folder / "config.json").read_text())
     config.pop("layer_types", None)
-    config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
+    updates = {_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()}
+    if "num_experts" in updates:  # under the key this transformers version writes (5.x: num_local_experts)
+        updates[next((key for key in EXPERT_COUNT_KEYS if key in config), "num_experts")] = updates.pop("num_experts")
+    config.update(updates)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -154,10 +172,13 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
 def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied: bool, tiny: bool = False) -> Path:
     """A Qwen3+MTP checkpoint folder of `shape` without weights (config, tokenizer, generation config): what a model
     built with `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the
-    tiny shape itself (CPU runs)."""
-    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+    tiny shape itself (CPU runs). A `shape` with `num_experts` is a Qwen3-MoE one (`qwen3_moe`; tiny: 4 experts,
+    top 2)."""
+    from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(path, "qwen3", mtp=True, tied=tied)
+    moe = "num_experts" in shape
+    path = make_tiny_checkpoint(path, "qwen3_moe" if moe else "qwen3", mtp=True, tied=tied,
+                                moe=MoEShape() if moe else None)
     for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
         weights.unlink()
     if not tiny:
@@ -217,12 +238,19 @@ class ModelShape:
 
     @classmethod
     def from_hf_checkpoint(cls, path: str | Path) -> ModelShape:
+        """The checkpoint's shape; for an MoE one (every layer's MLP routed, as Qwen3-MoE's) `ffn` is what a token
+        sees, top-k x the experts' FFN: the active FLOPs (the router's h x experts projection left out)."""
+        from lightning_megatron.moe import checkpoint_num_experts
+
         config = json.loads((Path(path) / "config.json").read_text())
         heads = config["num_attention_heads"]
+        ffn = config["intermediate_size"]
+        if checkpoint_num_experts(config):
+            ffn = config["num_experts_per_tok"] * config["moe_intermediate_size"]
         return cls(
             layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
             kv_groups=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=config["intermediate_size"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=ffn,
             vocab=config["vocab_size"], mtp_layers=config.get("num_nextn_predict_layers", 0),
         )
 

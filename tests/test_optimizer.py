@@ -80,6 +80,12 @@ def test_the_offload_needs_a_cuda_device():
         check_optimizer_offload_device(0.5, torch.device("cpu"))
     check_optimizer_offload_device(0.0, torch.device("cpu"))
     check_optimizer_offload_device(0.5, torch.device("cuda", 0))
+    if not torch.cuda.is_available():  # why: Megatron-Core's hybrid optimizer takes CUDA streams when it is made
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+        with pytest.raises(RuntimeError, match="NVIDIA driver|CUDA"):
+            HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(4))], offload_fraction=1.0,
+                                  cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW)
 
 
 def test_an_offloaded_fit_on_the_cpu_is_refused_before_the_model_is_built(process_group, checkpoint, tmp_path):

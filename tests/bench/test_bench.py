@@ -73,6 +73,8 @@ TINY_RUNS = {
     "mtp_memory": _tiny("test_mtp_memory_benchmark_runs_tiny", "bench.mtp_memory", "--tiny"),
     "data": _tiny("test_data_benchmark_runs_tiny", "bench.data", "--tiny", workdir=True),
     "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
+    "sizes": _tiny("test_sizes_benchmark_runs_tiny", "bench.sizes", "--tiny", "--configs", "qwen3_8b_lora",
+                   "qwen3_0.6b_mtp_default", "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"),
 }
 
 
@@ -363,6 +365,38 @@ def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
     assert distilled["losses"][0][1] == small["runs"]["mtp_only"]["losses"][0][1]
     assert small["figures"]["self_distill_over_joint_step_time"] > 0
     assert large["targets"] == {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}
+
+
+@pytest.mark.slow
+def test_sizes_benchmark_runs_tiny(tiny_runs):
+    """Dense LoRA, joint SFT + MTP at the default settings and MoE LoRA, each through Lightning and the plain loop
+    (the graphed configuration needs CUDA: skipped, said so); fp32 on the CPU: both compute the same steps."""
+    result = _tiny_result(tiny_runs, "sizes")
+    configs = result["configs"]
+    assert result["benchmark"] == "sizes" and list(configs) == ["qwen3_8b_lora", "qwen3_0.6b_mtp_default",
+                                                                 "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"]
+    assert configs["qwen3_0.6b_mtp_graphed"] == {"skipped": "needs a CUDA device (CUDA graphs or the optimizer's "
+                                                             "offload)"}
+    for name in ("qwen3_8b_lora", "qwen3_0.6b_mtp_default", "qwen3_30b_a3b_lora"):
+        config = configs[name]
+        assert config["settings"]["lightning_graphed"] is False and config["settings"]["real_tokens_per_step"] > 0
+        (lightning,), (plain,) = config["runs"]["lightning"], config["runs"]["plain"]
+        for run in (lightning, plain):
+            _check_throughput(run)
+            assert len(run["losses"]) == 1 + 1 + 1  # warm-up, timed, profiled
+            assert run["profile"]["gpu_busy_fraction"] is None and run["profile"]["top_cpu_ops"]
+        # the same random initialization (LoRA adapters too), rows and optimizer: the same losses every step
+        assert lightning["losses"] == pytest.approx(plain["losses"], abs=1e-6), name
+        assert lightning["model_tflop_per_step"] == plain["model_tflop_per_step"]
+        figures = config["figures"]["lightning"]
+        assert figures["lightning_over_plain_step_time"] == pytest.approx(lightning["step_s"] / plain["step_s"])
+        assert figures["first_loss_difference"] < 1e-6
+    assert configs["qwen3_8b_lora"]["met"] == {"tokens_per_s": False, "lightning_over_plain_step_time": (
+        configs["qwen3_8b_lora"]["figures"]["lightning"]["lightning_over_plain_step_time"] <= 1.0)}
+    assert configs["qwen3_0.6b_mtp_default"]["met"]["mfu"] is None  # no peak to divide by on the CPU
+    table = report.render([("sizes.json", result)])
+    assert "**Sizes users train on one GPU" in table and "| Qwen3-30B-A3B LoRA, linear_qkv and linear_proj | plain |" \
+        in table
 
 
 def test_the_memory_breakdown_groups_what_is_live_at_the_training_peak():
