@@ -12,7 +12,8 @@ without them). It runs through the precision-aware distributed optimizer, so the
 the hybrid optimizer, never as a second copy on the GPU (optimizer_config.py:404-411, distrib_optimizer.py:421-455):
 a bf16 model on one GPU then holds 2 (weights) + 4 (fp32 main grads) + 12 x (1 - fraction) bytes per parameter
 instead of 18, and the host 16 x fraction (fp32 master, grads, Adam's two moments). It needs a CUDA device (CUDA
-streams, pinned memory), the distributed optimizer and decoupled weight decay (AdamW: `__init__.py:508-510`);
+streams, pinned memory), bf16 parameters, the distributed optimizer and decoupled weight decay (AdamW:
+`__init__.py:508-510`);
 `optimizer_config.py:430-446` asks for Transformer Engine's FusedAdam only when nothing is offloaded.
 """
 
@@ -111,7 +112,7 @@ def megatron_optimizer(config: Any, chunks: list[torch.nn.Module], *, bf16: bool
     return MegatronOptimizerAdapter(optimizer)
 
 
-def check_optimizer_offload(fraction: float, *, use_distributed_optimizer: bool) -> None:
+def check_optimizer_offload(fraction: float, *, use_distributed_optimizer: bool, precision: str) -> None:
     """`MegatronStrategy(optimizer_offload_fraction=...)`, checked when the strategy is made."""
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"optimizer_offload_fraction: {fraction!r} must be a number from 0 (the optimizer on the GPU) "
@@ -120,6 +121,12 @@ def check_optimizer_offload(fraction: float, *, use_distributed_optimizer: bool)
         raise ValueError(f"optimizer_offload_fraction: {fraction} needs use_distributed_optimizer: true (Megatron-Core "
                          "offloads through its precision-aware distributed optimizer); set use_distributed_optimizer: "
                          "true or optimizer_offload_fraction: 0")
+    if fraction > 0 and precision != "bf16":
+        # distrib_optimizer.py:466-469 hands fp32 parameters to the hybrid optimizer as views that are not leaves,
+        # which torch's optimizers refuse ("can't optimize a non-leaf Tensor")
+        raise ValueError(f"optimizer_offload_fraction: {fraction} needs precision: bf16 (Megatron-Core's offload takes "
+                         f"bf16 parameters with fp32 master weights), got {precision}; set precision: bf16 or "
+                         "optimizer_offload_fraction: 0")
 
 
 def check_optimizer_offload_device(fraction: float, device: torch.device) -> None:

@@ -70,7 +70,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     `async_save`: saves made while training write their shards in the background (`background_save.py`).
     `cuda_graph: full_iteration`: training steps (full or packed rows) replayed from one captured CUDA graph (GPU).
     `optimizer_offload_fraction`: that fraction of the optimizer's fp32 master weights and Adam states in host memory,
-    stepped on the CPU (Megatron-Core's `HybridDeviceOptimizer`; GPU, distributed optimizer; see `optimizer.py`):
+    stepped on the CPU (Megatron-Core's `HybridDeviceOptimizer`; GPU, bf16, distributed optimizer; `optimizer.py`):
     what makes full fine-tuning of an 8B model fit one 141 GB GPU.
     """
 
@@ -120,7 +120,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
             global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
             clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
-        check_optimizer_offload(optimizer_offload_fraction, use_distributed_optimizer=use_distributed_optimizer)
+        check_optimizer_offload(optimizer_offload_fraction, use_distributed_optimizer=use_distributed_optimizer,
+                                precision=precision)
         self.cuda_graphs = StrategyCudaGraphs(cuda_graph, cuda_graph_sequences_per_row, ParallelSizes(
             pipeline=pipeline_model_parallel_size, context=context_parallel_size, expert=expert_model_parallel_size))
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
