@@ -3,9 +3,9 @@
 Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `mtp_memory.py` (P2
 per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `hf_io.py` (P3), `attention.py`
 (P4, and the older attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7),
-`async_save.py` and `sizes.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table, a table of the ratios
-against their targets, an HF load/save table, the packing layouts and the source of every figure (command,
-device, versions, date).
+`async_save.py` and `sizes.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table,
+the sizes table, a table of the ratios against their targets, an HF load/save table, the packing layouts and the
+source of every figure (command, device, versions, date).
 """
 
 from __future__ import annotations

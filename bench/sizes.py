@@ -15,14 +15,14 @@ this process, one after the other, each released before the next (`common.releas
 
 | configuration | model | training | targets (issue 41) |
 |---|---|---|---|
-| `qwen3_8b_lora` | Qwen3-8B shape, untied | LoRA rank 8, alpha 16 on every linear layer | >= 8,429 tokens/s, Lightning/plain step <= 1.0x |
-| `qwen3_8b_lora_qkv_proj` | the same | LoRA on `linear_qkv`, `linear_proj` only (the installed Megatron-Bridge recipe's) | (not default) |
-| `qwen3_4b_full` | Qwen3-4B shape, tied | full SFT | >= 40% MFU |
-| `qwen3_0.6b_mtp_default` | Qwen3-0.6B shape, tied, one MTP layer | joint SFT + MTP, no strategy option set | >= 30% MFU, <= 1.01x |
+| `qwen3_8b_lora` | Qwen3-8B, untied | LoRA (rank 8, alpha 16), every linear | >= 8,429 tokens/s, <= 1.0x the loop |
+| `qwen3_8b_lora_qkv_proj` | the same | LoRA on `linear_qkv`, `linear_proj` only | (not default) |
+| `qwen3_4b_full` | Qwen3-4B, tied | full SFT | >= 40% MFU |
+| `qwen3_0.6b_mtp_default` | Qwen3-0.6B, tied, one MTP layer | joint SFT + MTP, no option | >= 30% MFU, <= 1.01x |
 | `qwen3_0.6b_mtp_eager` | the same | `cuda_graph: none` | <= 1.01x |
 | `qwen3_0.6b_mtp_graphed` | the same | `cuda_graph: full_iteration` | <= 1.01x |
-| `qwen3_30b_a3b_lora` | Qwen3-30B-A3B shape (128 experts, top 8, all 48 layers) | LoRA on attention (the recipe's) | tokens/s |
-| `qwen3_8b_full_offload` | Qwen3-8B shape | full SFT, 3/4 of the optimizer in host memory | tokens/s (not default) |
+| `qwen3_30b_a3b_lora` | Qwen3-30B-A3B (128 experts, top 8, 48 layers) | LoRA on attention | tokens/s |
+| `qwen3_8b_full_offload` | Qwen3-8B | full SFT, 3/4 of the optimizer on the host | tokens/s (not default) |
 
 Per run: the median step time over `--steps` steps after `--warmup` (from one synchronised step end to the next, as
 `bench/lightning_overhead.py` times them), real (non-pad) tokens/s, model TFLOP/s and MFU (Megatron-LM's count,

@@ -133,8 +133,8 @@ def check_optimizer_offload_device(fraction: float, device: torch.device) -> Non
     """The offload copies between CUDA streams and pinned host memory: refused, before any model is built, elsewhere."""
     if fraction > 0 and device.type != "cuda":
         raise ValueError(f"optimizer_offload_fraction: {fraction} needs a CUDA device (Megatron-Core's "
-                         f"HybridDeviceOptimizer copies through CUDA streams and pinned memory), got {device.type}; set "
-                         "optimizer_offload_fraction: 0 (or train on a GPU)")
+                         f"HybridDeviceOptimizer copies through CUDA streams and pinned memory), got {device.type}; "
+                         "set optimizer_offload_fraction: 0 (or train on a GPU)")
 
 
 def offloaded(config: Any, fraction: float) -> Any:

@@ -83,11 +83,13 @@ def test_the_offload_asks_megatron_core_for_the_precision_aware_hybrid_optimizer
     assert config.use_precision_aware_optimizer and config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
     # nothing else changed (but TE FusedAdam's `store_param_remainders`, which Megatron-Core turns off without TE)
     assert config.store_param_remainders is False
+    unchanged = dataclasses.replace(base, optimizer_offload_fraction=0.25)
     assert dataclasses.replace(config, use_precision_aware_optimizer=False, optimizer_cpu_offload=False,
-                               store_param_remainders=True) == dataclasses.replace(base, optimizer_offload_fraction=0.25)
+                               store_param_remainders=True) == unchanged
     with pytest.raises(RuntimeError, match="requires FusedAdam from TransformerEngine"):
         dataclasses.replace(config, optimizer_cpu_offload=False)  # why it is only offered with the offload
-    for refused in (dataclasses.replace(base, optimizer="sgd"), dataclasses.replace(base, decoupled_weight_decay=False)):
+    for refused in (dataclasses.replace(base, optimizer="sgd"),
+                    dataclasses.replace(base, decoupled_weight_decay=False)):
         with pytest.raises(ValueError, match="offloads Adam with decoupled weight decay only"):
             offloaded(refused, 0.5)
 
