@@ -20,7 +20,7 @@ them), the CPU time of the microbatch's host work and the top kernels and CPU op
 tables); and the ratios packed / full and packed / padded next to the padding fraction (the targets: packed >= 0.95x
 full, and packed beats padded by at least the padding fraction, packed / padded >= 1 + padding fraction; removing
 all padding would give 1 / (1 - fraction)); with every layout graphed (`bench/run_h200.sh`'s `packing_graphed` step:
-what the default does once `cuda_graph` chooses graphs by itself), issue 41's packed >= 0.95x full and >= 3x padded.
+the default's path, `cuda_graph: auto`, on a GPU), issue 41's packed >= 0.95x full and >= 3x padded.
 Full rows are host-bound too, so their speed follows the host's CPU: the
 same code measured 1.20-1.31 s a step on one H200 machine and 1.41-1.71 s on earlier ones (`environment()` records
 the CPU model).

@@ -8,17 +8,18 @@ tokens (P5's, `bench.packing_profile.sft_sequences`) packed first-fit by the dat
 this process, one after the other, each released before the next (`common.release_model`):
 
 - `lightning`: `Trainer` + `MegatronStrategy` + `SFTModule` (+ `LoRACallback`), with only the options the
-  configuration names (`cuda_graph` is not passed where the configuration says None: the strategy's default);
+  configuration names (`cuda_graph` is not passed where the configuration says None: the strategy's default, `auto`,
+  which graphs the dense configurations on a GPU and runs the MoE one eagerly);
 - `plain`: the plain Megatron-Core loop (`bench/megatron_loop.py`) on the same model, rows and options: the same
   LoRA transform, the same optimizer offload, and the whole-iteration CUDA graph exactly when the Lightning run
-  replayed one (for the default configuration: whatever the default chose).
+  replayed one (for the default configurations: whatever `auto` chose, read from the strategy's graph counts).
 
 | configuration | model | training | targets (issue 41) |
 |---|---|---|---|
 | `qwen3_8b_lora` | Qwen3-8B, untied | LoRA (rank 8, alpha 16), every linear | >= 8,429 tokens/s, <= 1.0x the loop |
 | `qwen3_8b_lora_qkv_proj` | the same | LoRA on `linear_qkv`, `linear_proj` only | (not default) |
 | `qwen3_4b_full` | Qwen3-4B, tied | full SFT | >= 40% MFU |
-| `qwen3_0.6b_mtp_default` | Qwen3-0.6B, tied, one MTP layer | joint SFT + MTP, no option | >= 30% MFU, <= 1.01x |
+| `qwen3_0.6b_mtp_default` | Qwen3-0.6B, tied, one MTP layer | joint SFT + MTP, `auto` | >= 30% MFU, <= 1.01x |
 | `qwen3_0.6b_mtp_eager` | the same | `cuda_graph: none` | <= 1.01x |
 | `qwen3_0.6b_mtp_graphed` | the same | `cuda_graph: full_iteration` | <= 1.01x |
 | `qwen3_30b_a3b_lora` | Qwen3-30B-A3B (128 experts, top 8, 48 layers) | LoRA on attention | tokens/s |
@@ -26,7 +27,7 @@ this process, one after the other, each released before the next (`common.releas
 
 Per run: the median step time over `--steps` steps after `--warmup` (from one synchronised step end to the next, as
 `bench/lightning_overhead.py` times them), real (non-pad) tokens/s, model TFLOP/s and MFU (Megatron-LM's count,
-`bench/common.py`, summed over the packed sequences: each sequence's attention is its own length squared; every
+`bench/flops.py`, summed over the packed sequences: each sequence's attention is its own length squared; every
 GEMM counted with three passes also under LoRA, as Megatron-Bridge's card counts its 387 TFLOP/s; the MoE's active
 FFN), peak memory of the training steps, and one more step profiled (`bench.packing_profile.profile_figures`: the
 GPU-busy fraction of the median step, kernel and graph launches, top kernels). A run that fails (out of memory
@@ -60,22 +61,19 @@ from bench.common import (
     QWEN3_8B,
     QWEN3_30B_A3B,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     allocated_gib,
     emit,
     environment,
     fresh_memory,
-    import_megatron_bridge_first,
     make_config_only_checkpoint,
-    model_flops,
     own_gib,
     parse_with_tiny,
-    peak_flops,
     peak_memory_gib,
     release_model,
     scratch_dir,
-    throughput,
+    start_single_process,
 )
+from bench.flops import ModelShape, model_flops, peak_flops, throughput
 from bench.lightning_overhead import RandomWeightsSFTModule, StepTimer, timed_trainer
 from bench.mtp_memory import ProfileStep
 from bench.packing_profile import packed_rows, profile_figures, profiler, sft_sequences
@@ -103,7 +101,7 @@ class SizeConfig:
     steps: int = 3  # timed steps per run (`--steps` overrides)
     mtp: bool = False
     lora_targets: tuple[str, ...] | None = None  # None: full fine-tuning
-    cuda_graph: str | None = None  # MegatronStrategy's cuda_graph; None: not passed (the default)
+    cuda_graph: str | None = None  # MegatronStrategy's cuda_graph; None: not passed (the default, auto)
     optimizer_offload_fraction: float = 0.0
     at_least: dict[str, float] = field(default_factory=dict)
     at_most: dict[str, float] = field(default_factory=dict)
@@ -204,7 +202,7 @@ def _dataset(step: Step, total_steps: int) -> list[dict[str, Any]]:
 
 def _timed_steps(args: argparse.Namespace, config: SizeConfig) -> tuple[int, int]:
     """(warm-up, timed) steps; a graphed run warms up eagerly, then captures: two steps at least."""
-    graphed = config.cuda_graph == "full_iteration" or (config.cuda_graph is None and torch.cuda.is_available())
+    graphed = config.cuda_graph != "none" and torch.cuda.is_available()  # full_iteration, or auto (the default)
     return (max(args.warmup, 2) if graphed else args.warmup), args.steps or config.steps
 
 
@@ -228,7 +226,7 @@ def run_lightning(config: SizeConfig, args: argparse.Namespace, checkpoint: Path
     loader = DataLoader(_dataset(step, warmup + steps + 1), batch_size=1, collate_fn=_one_row)
     try:
         trainer.fit(RandomWeightsSFTModule(enable_mtp=config.mtp, lr=LR), loader)
-        graph = getattr(strategy.cuda_graphs, "graph", None)
+        graph = strategy.cuda_graphs.graph  # None: the training steps were never going to be graphed
         graph_counts = None if graph is None else graph.counts()
     finally:
         release_model(strategy.model_chunks)
@@ -270,11 +268,10 @@ def summarize(run: dict[str, Any], warmup: int, steps: int, step: Step, flops: f
 
 
 def replayed_a_graph(run: dict[str, Any]) -> bool:
-    """Whether a Lightning run's steps replayed a whole-iteration graph: the strategy's graph counts where it keeps
-    them, else whether its profiled step launched a graph (the default may choose graphs by itself)."""
-    if run["graph"] is not None:
-        return bool(run["graph"]["replays"])
-    return bool(run["profile"]["graph_launch_calls"])
+    """Whether a Lightning run's steps replayed a whole-iteration graph (`FullIterationGraph.counts`): under
+    `cuda_graph: auto` the strategy makes no graph where the run or the model is in the way, and a graph that stepped
+    aside at the first batch or fell back after a failed capture replayed nothing."""
+    return run["graph"] is not None and run["graph"]["replays"] > 0
 
 
 def _failure(error: BaseException) -> dict[str, Any]:
@@ -375,12 +372,7 @@ def _write(args: argparse.Namespace, results: dict[str, Any], spent: dict[str, f
 
 def main() -> None:
     args = _parse_args()
-    if args.tiny:
-        torch.set_num_threads(1)
-    from lightning_megatron.distributed import init_single_process
-
-    init_single_process()
-    import_megatron_bridge_first()
+    start_single_process(tiny=args.tiny)
     peak = peak_flops(args.peak_tflops)
     results: dict[str, Any] = {}
     spent: dict[str, float] = {}

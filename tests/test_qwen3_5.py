@@ -1,7 +1,7 @@
 """Qwen3.5 (`qwen3_5_text`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one process
 and TP=2; bit-identical exports and restored MTP heads; packed rows; MTP-only (audited) and joint training at TP=2,
-PP=2 and CP=2; what its gated DeltaNet layers cannot do (mbridge, trees, packed rows under CP, the speculative
-evaluator) refused before any build or step.
+PP=2 and CP=2; the speculative evaluator with its head = greedy decoding; what its gated DeltaNet layers cannot do
+(mbridge, trees, packed rows under CP) refused before any build or step.
 
 The tiny checkpoint has Qwen3.5's layout: layer 0 gated DeltaNet (`linear_attn.*`), layer 1 gated full attention,
 zero-centred norms, partial RoPE, and its MTP layer (`mtp.*`, full attention with a dense MLP). Without Transformer
@@ -206,9 +206,10 @@ def test_tensor_and_pipeline_parallel_mtp_only_and_joint_training(checkpoints, t
                     assert layout[metric] == pytest.approx(tensor_parallel[metric], rel=1e-5, abs=1e-5)
 
 
-def test_the_speculative_decoder_refuses_a_linear_attention_target(checkpoints):
-    """The draft head itself loads and equals the reference; decoding with it is refused, naming the metric to use."""
-    from lightning_megatron.speculative.decode import speculative_decode
+def test_the_speculative_decoder_with_its_head_is_greedy_decoding(checkpoints):
+    """The draft head loads and equals the reference; decoding with it (the DeltaNet states put back after each
+    rejected draft: `tests/speculative/` holds the batched, sampled and fitted-head cases) is greedy decoding."""
+    from lightning_megatron.speculative.decode import greedy_decode, speculative_decode
     from lightning_megatron.speculative.mtp_head import load_mtp_head, load_target
 
     target = load_target(checkpoints["mtp"])
@@ -218,8 +219,10 @@ def test_the_speculative_decoder_refuses_a_linear_attention_target(checkpoints):
         hidden = target.model(input_ids).last_hidden_state
         drafted = head(hidden[:, :-1], input_ids[:, 1:], torch.arange(SEQ - 1).expand(len(input_ids), -1))
     assert float((drafted - hf_mtp_reference_logits(checkpoints["mtp"], input_ids)).abs().max()) <= 1e-5
-    with pytest.raises(ValueError, match=r"linear-attention layers .* val_mtp_acceptance"):
-        speculative_decode(target, head, [5, 17, 42], num_draft_tokens=2, max_new_tokens=8, eos_token_ids=[])
+    prompt = input_ids[0, :5].tolist()
+    greedy = greedy_decode(target, prompt, max_new_tokens=12, eos_token_ids=[])
+    speculative = speculative_decode(target, head, prompt, max_new_tokens=12, eos_token_ids=[], num_draft_tokens=2)
+    assert speculative.tokens == greedy.tokens and len(speculative.accepted) > 0
 
 
 @pytest.mark.slow

@@ -12,6 +12,12 @@ head's drafts for ``x_{m+1}..x_{m+K}``:
    reads its own final-normed output in place of the target's hidden state, and its previous draft. Those
    positions are dropped from its cache afterwards, so its cache only ever holds decided tokens.
 
+Linear-attention targets (Qwen3.5's gated DeltaNet layers) keep a recurrent state per layer instead of one cache
+slot per token: it cannot be cut back past a rejected draft, and a padded slot would flow into it. So their prompts
+decode one at a time, the states are copied before each verification, and after a rejection they are put back and
+the decided tokens read again (one more forward, not counted in ``target_forwards``: an engine such as SGLang keeps
+the state after every draft position instead).
+
 Several prompts decode at once, each row of the batch at its own positions. The rows share cache slots: a slot that
 a row must not read (the right padding of a shorter prompt, a draft it rejected while another row kept more, a
 padded MTP position because it decided fewer tokens) is 0 in that row's attention mask, and slots that no row reads
@@ -28,12 +34,14 @@ one.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES
 from lightning_megatron.speculative.mtp_head import MTPDraftHead
@@ -123,18 +131,20 @@ def decode_batch(
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} must be at least 1 (or decode without a head)")
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"generators: {len(generators)} given for {len(prompts)} prompts; give one per prompt")
-    if target.config.model_type in LINEAR_ATTENTION_MODEL_TYPES:
-        raise ValueError("this target has linear-attention layers (Qwen3.5's gated DeltaNet), whose recurrent state "
-                         "cannot be cut back past rejected drafts as this decoder cuts its KV cache: measure its MTP "
-                         "head with val_mtp_acceptance (validation with SFTModule(enable_mtp=True)) instead")
     if len(prompts) > 1 and "sliding_attention" in (target.config.layer_types or ()):
         raise ValueError("this target has sliding-window attention layers, whose windows the batch's shared cache "
                          "slots would shift: decode its prompts one at a time (batch size 1)")
     rows = [_Row(index, list(prompt), None if generators is None else generators[index])
             for index, prompt in enumerate(prompts)]
+    batches = [[row] for row in rows] if _has_linear_attention(target) else [rows]
+    decoder = _Batch(target, head, num_draft_tokens if head is not None else 0, max_new_tokens, eos_token_ids,
+                     sampling, on_finished)
     with torch.inference_mode():
-        return _Batch(target, head, num_draft_tokens if head is not None else 0, max_new_tokens, eos_token_ids,
-                      sampling, on_finished).run(rows)
+        return [decoded for batch in batches for decoded in decoder.run(batch)]
+
+
+def _has_linear_attention(target: PreTrainedModel) -> bool:
+    return target.config.model_type in LINEAR_ATTENTION_MODEL_TYPES
 
 
 def reference_accepts(
@@ -190,8 +200,9 @@ class _Slots:
     """A KV cache that the rows of a batch share, and which of its slots each row may read (``readable``, kept on
     the CPU: the masks it makes are copied to the device, no step waits on the device to trim)."""
 
-    def __init__(self, rows: int) -> None:
-        self.cache = DynamicCache()
+    def __init__(self, rows: int, config: PretrainedConfig | None = None) -> None:
+        # with a config, each layer gets its kind of cache (a linear-attention layer's holds recurrent states)
+        self.cache = DynamicCache(config=config) if config is not None else DynamicCache()
         self.readable = torch.zeros(rows, 0, dtype=torch.bool)
 
     def mask_with(self, new: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -202,7 +213,7 @@ class _Slots:
 
     def keep_rows(self, rows: list[int], device: torch.device) -> None:
         self.readable = self.readable[rows]
-        if self.cache.get_seq_length():
+        if rows and self.cache.get_seq_length():  # none left: the batch ends (a one-row batch's only way out)
             self.cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=device))
 
     def drop_last(self, count: int) -> None:
@@ -211,6 +222,25 @@ class _Slots:
         if count > 0:
             self.cache.crop(-count)
             self.readable = self.readable[:, :-count]
+
+    def linear_states(self) -> list[tuple[LinearAttentionCacheLayerMixin, dict]]:
+        """A copy of every linear-attention layer's state (its attributes: their layout differs between
+        transformers releases), for `rewind`."""
+        return [(layer, copy.deepcopy(vars(layer))) for layer in self.cache.layers
+                if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def rewind(self, states: list[tuple[LinearAttentionCacheLayerMixin, dict]], count: int) -> None:
+        """Back to before the last ``count`` slots: the linear-attention layers to ``states`` (taken then), the
+        other layers' last ``count`` slots dropped (cropping only those: a linear-attention layer cannot be cropped,
+        and some transformers releases raise on it)."""
+        restored = set()
+        for layer, state in states:
+            vars(layer).update(state)
+            restored.add(id(layer))
+        for layer in self.cache.layers:
+            if id(layer) not in restored:
+                layer.crop(-count)
+        self.readable = self.readable[:, :-count]
 
     def drop_unread_tail(self) -> None:
         """Forget the slots at the end that no row reads."""
@@ -233,7 +263,8 @@ class _Batch:
     def run(self, rows: list[_Row]) -> list[Decoded]:
         start = time.perf_counter()
         results: dict[int, Decoded] = {}
-        self.target_slots, self.mtp_slots = _Slots(len(rows)), _Slots(len(rows))
+        typed_cache = self.target.config if _has_linear_attention(self.target) else None
+        self.target_slots, self.mtp_slots = _Slots(len(rows), typed_cache), _Slots(len(rows))
         hidden, lengths = self._prefill(rows)
         last = hidden[torch.arange(len(rows), device=self.device), torch.tensor(lengths, device=self.device) - 1]
         for row, token in zip(rows, self._draw(self.target.lm_head(last), rows), strict=True):
@@ -273,6 +304,7 @@ class _Batch:
         positions = torch.tensor([row.position for row in rows], device=self.device).unsqueeze(1) + torch.arange(
             width, device=self.device)
         counts = torch.tensor([1 + len(row.drafts) for row in rows])
+        before = self.target_slots.linear_states() if _has_linear_attention(self.target) else None
         hidden = self._target_hidden(ids, positions, torch.arange(width).unsqueeze(0) < counts.unsqueeze(1))
         logits = self.target.lm_head(hidden)
         if self.sampling.greedy:
@@ -284,6 +316,9 @@ class _Batch:
             kept, next_tokens = self._verify_sampled(rows, probabilities(logits, self.sampling), width - 1)
         readable = torch.arange(width).unsqueeze(0) < torch.tensor(kept).unsqueeze(1) + 1
         self.target_slots.readable[:, -width:] = readable
+        if before is not None and kept[0] + 1 < width:  # one row (`decode_batch`); it read a rejected draft
+            self.target_slots.rewind(before, width)
+            self._target_hidden(ids[:, : kept[0] + 1], positions[:, : kept[0] + 1], readable[:, : kept[0] + 1])
         for row, count in zip(rows, kept, strict=True):
             row.target_forwards += 1
             if row.drafts:

@@ -75,6 +75,9 @@ TINY_RUNS = {
     "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
     "sizes": _tiny("test_sizes_benchmark_runs_tiny", "bench.sizes", "--tiny", "--configs", "qwen3_8b_lora",
                    "qwen3_0.6b_mtp_default", "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"),
+    # 2 MiB to plan GLM's cuts against: its tiny model's MTP-only training fits (1.1 MiB), joint training not (3 MiB)
+    "families": _tiny("test_families_benchmark_runs_tiny", "bench.families", "--tiny", "--free-gib", "0.002",
+                      "--reserve-gib", "0"),
 }
 
 
@@ -399,38 +402,40 @@ def test_sizes_benchmark_runs_tiny(tiny_runs):
         in table
 
 
-def test_the_memory_breakdown_groups_what_is_live_at_the_training_peak():
-    from bench.mtp_memory import MARKER_BYTES, peak_breakdown
-
-    def frames(path: str, line: int, name: str) -> list[dict]:
-        return [{"filename": "/usr/lib/python3/torch/nn/functional.py", "line": 1, "name": "linear"},
-                {"filename": f"/site-packages/{path}", "line": line, "name": name}]
-
-    logits = frames("megatron/core/tensor_parallel/layers.py", 420, "forward")
-    softmax = frames("megatron/core/tensor_parallel/cross_entropy.py", 27, "calculate_logits_max")
-    gib = 1024**3
-    trace = [
-        {"action": "alloc", "addr": 1, "size": 8 * gib, "frames": frames("bench/x.py", 1, "setup")},  # set-up peak
-        {"action": "free_completed", "addr": 1, "size": 8 * gib},
-        {"action": "alloc", "addr": 2, "size": MARKER_BYTES, "frames": []},
-        {"action": "free_completed", "addr": 2, "size": MARKER_BYTES},
-        {"action": "alloc", "addr": 3, "size": 1 * gib, "frames": logits},
-        {"action": "alloc", "addr": 4, "size": 2 * gib, "frames": softmax},
-        {"action": "alloc", "addr": 5, "size": 2 * gib, "frames": softmax},
-        {"action": "free_requested", "addr": 5, "size": 2 * gib},  # still counted until free_completed
-        {"action": "free_completed", "addr": 5, "size": 2 * gib},
-        {"action": "free_completed", "addr": 4, "size": 2 * gib},
-        {"action": "alloc", "addr": 6, "size": gib // 2, "frames": []},
-    ]
-    breakdown = peak_breakdown(trace, baseline_bytes=gib)
-    assert breakdown["peak_gib"] == 5.0  # traced after the marker (not the 8 GiB set-up), the baseline apart
-    assert breakdown["allocated_before_recording_gib"] == 1.0
-    assert breakdown["rows"] == [
-        {"allocated_at": "megatron/core/tensor_parallel/cross_entropy.py:27 calculate_logits_max", "gib": 4.0,
-         "blocks": 2},
-        {"allocated_at": "megatron/core/tensor_parallel/layers.py:420 forward", "gib": 1.0, "blocks": 1},
-    ]
-    assert "error" in peak_breakdown(trace[:2])  # no marker: training never started in the trace
+@pytest.mark.slow
+def test_families_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "families")
+    shapes = result["shapes"]
+    assert result["benchmark"] == "families" and set(shapes) == {"qwen3_5_2b", "glm4_5_air", "glm4_5_air_joint"}
+    qwen, glm, joint = shapes["qwen3_5_2b"], shapes["glm4_5_air"], shapes["glm4_5_air_joint"]
+    assert qwen["order"] == ["joint", "mtp_only", "plain_mtp_only"]
+    # GLM cut to what 2 MiB hold: MTP-only training of both tiny layers (a dense one, an MoE one), no joint training
+    assert glm["fit"]["mtp_only_layers"] == 2 and glm["fit"]["joint_layers"] is None and "skipped" in joint
+    assert glm["order"] == ["mtp_only", "plain_mtp_only"]
+    assert glm["label"] == "GLM-4.5-Air, first 2 of 2 layers (MTP-only fits)"
+    assert glm["shape"]["experts"]["moe_layers"] == [False, True]
+    for shape in (qwen, glm):
+        for figures in shape["runs"].values():
+            _check_throughput(figures)
+        # Megatron's random initialization and the same tokens: Lightning MTP-only and the plain MTP-only loop
+        # train the same MTP layer and leave the backbone alone (lm_loss only in the step Lightning logs)
+        ours, plain = shape["runs"]["mtp_only"], shape["runs"]["plain_mtp_only"]
+        assert ours["mtp_losses"][0] == pytest.approx(plain["mtp_losses"][0], abs=1e-5)
+        assert ours["losses"][0][1] == pytest.approx(plain["losses"][0][1], abs=1e-5)
+        assert ours["frozen_bit_identical"] is True
+        assert shape["figures"]["mtp_only_over_plain_mtp_only_step_time"] > 0
+        assert shape["targets"] == {"mtp_only_over_plain_mtp_only_step_time": 0.95,
+                                    "mtp_only_over_plain_mtp_only_peak_memory": 1.0}
+        assert shape["met"]["mtp_only_over_plain_mtp_only_peak_memory"] is None  # no peak memory on the CPU
+    assert qwen["runs"]["mtp_only"]["model_tflop_per_step"] < qwen["runs"]["joint"]["model_tflop_per_step"]
+    gdn = result["gdn"]  # the PyTorch path alone: fla's Triton kernels need fla and a GPU
+    assert gdn["pytorch"]["forward_backward_s"] > 0 and gdn["model_tflop_per_call"] > 0 and gdn["fla"]["skipped"]
+    assert result["gdn_kernels"].startswith("pytorch")
+    table = report.render([("families.json", result)])
+    assert ("| issue 40 GLM-4.5-Air, first 2 of 2 layers (MTP-only fits) MTP-only / plain MTP-only loop step time |"
+            in table)
+    assert "| Qwen3.5-2B: plain Megatron-Core MTP-only loop (non-MTP frozen) |" in table
+    assert "| GLM-4.5-Air (joint) | no cut with an MoE layer fits joint training in the budget |" in table
 
 
 @pytest.mark.gpu

@@ -3,12 +3,14 @@ Megatron-Bridge's Qwen3-8B card, the configurations' table, the packed rows, the
 targets of a run, and the report's rows. The tiny run on the CPU is in test_bench.py."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
 from bench import report
-from bench.common import QWEN3_8B, QWEN3_30B_A3B, ModelShape
+from bench.common import QWEN3_8B, QWEN3_30B_A3B, make_config_only_checkpoint
+from bench.flops import Experts, ModelShape, model_flops
 from bench.sizes import CONFIGS, Step, figures, packed_step, parameters, static_bytes_per_parameter, step_flops
 from lightning_megatron.lora import DEFAULT_TARGET_MODULES, LoRAConfig
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
@@ -129,8 +131,22 @@ def test_the_report_tables_each_run_and_each_target():
 
 
 def test_a_moe_shape_counts_the_ffn_a_token_sees(tmp_path):
+    """`bench.flops.Experts`: an MoE layer (the MTP layer's too) counts its top-k experts' FFN, the router left out:
+    the FLOPs of the dense model whose FFN is top-k x the experts' FFN."""
     from lightning_megatron.testing.checkpoints import MoEShape
 
-    checkpoint = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", moe=MoEShape(num_experts=4, top_k=2,
-                                                                                   intermediate_size=24))
-    assert ModelShape.from_hf_checkpoint(checkpoint).ffn == 2 * 24
+    checkpoint = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", mtp=True, moe=MoEShape(
+        num_experts=4, top_k=2, intermediate_size=24))
+    shape = ModelShape.from_hf_checkpoint(checkpoint)
+    assert shape.experts == Experts(experts=4, top_k=2, ffn=24, shared_ffn=0, moe_layers=(True, True))
+    dense = dataclasses.replace(shape, ffn=2 * 24, experts=None)
+    assert model_flops(shape, 2, 16) == model_flops(dense, 2, 16) > model_flops(dense, 2, 16, with_mtp=False)
+
+
+def test_the_30b_a3b_configuration_is_a_qwen3_moe_checkpoint_of_its_shape(tmp_path):
+    """The config-only checkpoint of the MoE configuration: Qwen3-MoE, its expert count under the key this
+    transformers version writes, every layer routed (top 8 of 128, FFN 768)."""
+    checkpoint = make_config_only_checkpoint(tmp_path / "30b", QWEN3_30B_A3B, tied=False)
+    shape = ModelShape.from_hf_checkpoint(checkpoint)
+    assert shape.experts == Experts(experts=128, top_k=8, ffn=768, shared_ffn=0, moe_layers=(True,) * 48)
+    assert (shape.layers, shape.hidden, shape.mtp_layers, shape.tied) == (48, 2048, 1, False)

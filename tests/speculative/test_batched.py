@@ -1,6 +1,7 @@
 """Batched decoding: several prompts at once give each prompt exactly what decoding it alone gives (greedy and
 seeded sampling, K = 1 and 3, prompts of different lengths, rows that stop early at an end-of-sequence token), and
-the KV caches are cut back only by removing tokens (negative `crop`), the form transformers keeps."""
+the KV caches are cut back only by removing tokens (negative `crop`), the form transformers keeps. Qwen3.5's
+(gated DeltaNet layers: one prompt at a time, the recurrent states put back after a rejection) included."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _repeat_drafter(path: Path, target):
     return head
 
 
-@pytest.fixture(scope="module", params=["qwen3", "mimo"])
+@pytest.fixture(scope="module", params=["qwen3", "mimo", "qwen3_5_text"])
 def model(request, tmp_path_factory: pytest.TempPathFactory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("batched") / request.param, request.param, mtp=True)
     target = load_target(path)

@@ -35,7 +35,7 @@ def test_top_p_keeps_the_smallest_nucleus_that_reaches_it():
         Sampling(1.0, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mimo"])
+@pytest.mark.parametrize("name", ["qwen3", "mimo", "qwen3_5"])
 def test_k_token_greedy_drafting_is_greedy_decoding(checkpoints, loaded, name):
     """K = 1..3 drafts per step, the head reapplied to its own output: token for token the greedy output, and with
     a head fitted to the target's continuations the later drafts are accepted too."""

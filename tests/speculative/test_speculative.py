@@ -59,6 +59,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen3_tied": make_tiny_checkpoint(root / "qwen3_tied", "qwen3", mtp=True, tied=True),
         "qwen3_no_mtp": make_tiny_checkpoint(root / "qwen3_no_mtp", "qwen3"),
         "glm4_moe": make_tiny_checkpoint(root / "glm4_moe", "glm4_moe", mtp=True),
+        "qwen3_5": make_tiny_checkpoint(root / "qwen3_5", "qwen3_5_text", mtp=True),
     }
 
 
@@ -66,7 +67,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def loaded(checkpoints):
     """Per checkpoint: the target, its MTP head as stored, the encoded prompts and the end-of-sequence ids."""
     result = {}
-    for name in ("qwen3", "mimo", "qwen3_tied", "glm4_moe"):
+    for name in ("qwen3", "mimo", "qwen3_tied", "glm4_moe", "qwen3_5"):
         target = load_target(checkpoints[name])
         tokenizer = AutoTokenizer.from_pretrained(checkpoints[name])
         prompts = [encode_prompt(tokenizer, prompt) for prompt in PROMPTS]
@@ -135,7 +136,7 @@ def _assert_matches_greedy_and_brute_force(target, head, prompt, max_new_tokens,
     return greedy, speculative
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mimo", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "mimo", "glm4_moe", "qwen3_5"])
 def test_random_head_decodes_exactly_greedy_with_near_zero_acceptance(loaded, name):
     target, head, prompts, eos = loaded[name]
     drafts = accepted = 0
@@ -182,7 +183,7 @@ def _train_on_own_continuations(path: Path, target, prompts, steps: int = 120):
     return head.eval(), ids, hidden, target_greedy
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mimo"])
+@pytest.mark.parametrize("name", ["qwen3", "mimo", "qwen3_5"])
 def test_fitted_head_is_accepted_and_still_decodes_exactly_greedy(checkpoints, loaded, name):
     target, random_head, prompts, eos = loaded[name]
     head, ids, hidden, target_greedy = _train_on_own_continuations(checkpoints[name], target, prompts)
