@@ -45,6 +45,19 @@ QWEN3_8B: dict[str, Any] = dict(
 )
 """The Qwen3-8B shape (untied embeddings in the real model)."""
 
+QWEN3_4B: dict[str, Any] = dict(
+    num_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960,
+)
+"""The Qwen3-4B shape (tied embeddings in the real model)."""
+
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    num_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+)
+"""The Qwen3-30B-A3B shape (`qwen3_moe`, untied): every layer's MLP is 128 experts of FFN 768, 8 per token."""
+
 QWEN3_5_2B: dict[str, Any] = dict(
     num_layers=24, hidden_size=2048, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=2,
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
@@ -113,9 +126,14 @@ def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
 def reshape_config(folder: Path, shape: dict[str, Any]) -> None:
     """Give a tiny checkpoint's config.json the `make_tiny_checkpoint`-style `shape` (its per-layer `layer_types`
     dropped unless `shape` gives them: transformers >= 5.17 refuses a count that differs from the layers)."""
+    from lightning_megatron.moe import EXPERT_COUNT_KEYS
+
     config = json.loads((folder / "config.json").read_text())
     config.pop("layer_types", None)
-    config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
+    updates = {_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()}
+    if "num_experts" in updates:  # under the key this transformers version writes (5.x: num_local_experts)
+        updates[next((key for key in EXPERT_COUNT_KEYS if key in config), "num_experts")] = updates.pop("num_experts")
+    config.update(updates)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -162,13 +180,16 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
 
 
 def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied: bool, tiny: bool = False,
-                                family: str = "qwen3") -> Path:
+                                family: str | None = None) -> Path:
     """A `family` checkpoint folder with one MTP layer, of `shape` (config.json fields, `num_layers` for the layer
     count), without weights (config, tokenizer, generation config): what a model built with
     `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the tiny shape
-    itself (CPU runs)."""
+    itself (CPU runs). `family` None: Qwen3, or Qwen3-MoE (`qwen3_moe`; tiny: 4 experts, top 2) for a `shape` with
+    `num_experts`."""
     from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
+    if family is None:
+        family = "qwen3_moe" if "num_experts" in shape else "qwen3"
     path = make_tiny_checkpoint(path, family, mtp=True, tied=tied)
     for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
         weights.unlink()

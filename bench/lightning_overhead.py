@@ -147,7 +147,8 @@ class StepTimer(pl.Callback):
         main_head = not mtp_only or mtp_only[0].main_head_runs
         self.main_head_steps.append(main_head)
         self.losses.append(float(outputs["loss"]) if main_head else None)  # else the step returned mtp_loss
-        self.mtp_losses.append(float(trainer.callback_metrics["mtp_loss"]))
+        if "mtp_loss" in trainer.callback_metrics:  # a model with an MTP head
+            self.mtp_losses.append(float(trainer.callback_metrics["mtp_loss"]))
 
 
 def _synchronized_now() -> float:
@@ -188,13 +189,8 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
         global_batch_size=settings.global_batch, precision=settings.precision,
         attention_backend=settings.attention_backend, cuda_graph=settings.cuda_graph,
     )
-    trainer = pl.Trainer(
-        strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
-        max_steps=-1 if max_epochs else settings.total_steps, max_epochs=max_epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir, callbacks=list(callbacks),
-        log_every_n_steps=settings.log_every_n_steps,
-    )
+    trainer = timed_trainer(strategy, callbacks, workdir, max_steps=-1 if max_epochs else settings.total_steps,
+                            max_epochs=max_epochs, log_every_n_steps=settings.log_every_n_steps)
     loader = DataLoader(settings.dataset(vocab), batch_size=settings.micro_batch, drop_last=True)
     module_class = RandomWeightsSFTModule if settings.random_weights else SFTModule
     trainer.fit(module_class(enable_mtp=True, lr=settings.lr, mtp_loss_type=settings.mtp_loss_type), loader)
@@ -209,6 +205,17 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
         result["frozen_bit_identical"] = audit["frozen_bit_identical"]
         result["trainable_parameters"] = audit["trainable_parameters"]
     return result
+
+
+def timed_trainer(strategy: pl.strategies.Strategy, callbacks: Iterable[pl.Callback], workdir: Path, *,
+                  max_steps: int, max_epochs: int | None = None, log_every_n_steps: int = 50) -> pl.Trainer:
+    """A Trainer for a timed fit on one device: no logger, checkpoints, progress bar, summary or sanity steps."""
+    return pl.Trainer(
+        strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
+        max_steps=max_steps, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=workdir,
+        callbacks=list(callbacks), log_every_n_steps=log_every_n_steps,
+    )
 
 
 def trunk_graph_counts(callbacks: Iterable[pl.Callback]) -> list[dict[str, Any]] | None:

@@ -12,7 +12,14 @@ is reset when training starts (`setup_peak_memory_bytes`: the peak of building t
 head the MTP loss is read from Megatron-Core's tracker and the tracker cleaned every step, as Megatron-LM's
 `training_log` does. `mtp_only`: the plain Megatron-Core MTP-only loop, every non-MTP parameter frozen
 (`requires_grad=False`) before DDP and the optimizer exist and nothing else changed. `random_weights`: Megatron's
-random initialization instead of the checkpoint's weights (a config-only checkpoint is enough).
+random initialization instead of the checkpoint's weights (a config-only checkpoint is enough). `lora`: LoRA
+adapters on the frozen model before Float16Module and DDP, through the same megatron-bridge transform as
+`LoRACallback`. `cuda_graph`: the step's forward-backward captured once and replayed, through the same
+`FullIterationGraph` as `MegatronStrategy(cuda_graph="full_iteration")` (Megatron-Core's `FullCudaGraphWrapper`, the
+graph-safe RNG tracker). `optimizer_offload_fraction`: Megatron-Core's optimizer CPU offload, as Megatron-LM's
+`--optimizer-cpu-offload --optimizer-offload-fraction F --use-precision-aware-optimizer` ask for it.
+Packed rows (a `collate_fn` making THD microbatches with `cu_seqlens`) reach the model as Megatron-Core's
+`PackedSeqParams`. A run that fails releases its model (`common.release_model`) before the error goes on.
 
 Run as a script (`python -m bench.megatron_loop`): prints JSON with the loss and time of every step.
 """
@@ -20,16 +27,21 @@ Run as a script (`python -m bench.megatron_loop`): prints JSON with the loss and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+if TYPE_CHECKING:
+    from lightning_megatron.lora import LoRAConfig
 
 
 @dataclass
@@ -62,6 +74,10 @@ class LoopConfig:
     mtp_only: bool = False
     random_weights: bool = False
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    lora: LoRAConfig | None = None
+    cuda_graph: bool = False
+    optimizer_offload_fraction: float = 0.0
+    shuffle: bool = True  # False: the data set's order, so every global batch holds the same rows
 
 
 def learning_rate(config: LoopConfig, step: int) -> float:
@@ -75,22 +91,20 @@ def learning_rate(config: LoopConfig, step: int) -> float:
     return config.lr * ratio
 
 
-def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
-    """Train `config.steps` steps; every rank returns the per-step loss and times (torch.distributed must be up)."""
+def run(config: LoopConfig, dataset: Dataset, *, collate_fn: Callable[[list], dict] | None = None,
+        step_context: Callable[[int], contextlib.AbstractContextManager] | None = None) -> dict[str, Any]:
+    """Train `config.steps` steps; every rank returns the per-step loss and times (torch.distributed must be up).
+
+    `step_context(step)`: a context each step runs in (a profiler around one of them)."""
     import random
 
     import numpy as np
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.utils import get_model_config
 
+    from bench.common import release_model
     from lightning_megatron._compat import prepare_megatron_core
-    from lightning_megatron.bridges import create_bridge
-    from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters
-    from lightning_megatron.options import ModelOptions
+    from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
+    from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW
 
     prepare_megatron_core()
     parallel_state.destroy_model_parallel()
@@ -103,8 +117,36 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True,
+                                                    use_cudagraphable_rng=config.cuda_graph)
+    chunks = _build(config)
+    graph = None
+    try:
+        if config.cuda_graph:  # made before DDP wraps the model, as the strategy does: the fit's stream changes with it
+            graph = FullIterationGraph(chunks, SEQUENCES_PER_ROW)
+        model, optimizer = _wrap(config, chunks)
+        chunks = model
+        return {**_train(config, dataset, model, optimizer, graph, collate_fn, step_context), "model": model}
+    except BaseException:
+        release_model(chunks)
+        raise
+    finally:
+        if graph is not None:
+            graph.release()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _build(config: LoopConfig) -> list[torch.nn.Module]:
+    """The model chunks from the HF checkpoint through the bridge, frozen for MTP-only or given LoRA adapters."""
+    from megatron.core import parallel_state
+
+    from lightning_megatron.bridges import create_bridge
+    from lightning_megatron.lora import add_lora_adapters
+    from lightning_megatron.mtp.parameters import freeze_non_mtp_parameters
+    from lightning_megatron.options import ModelOptions
 
     bf16 = config.precision == "bf16"
     overrides = {"calculate_per_token_loss": True} | ({} if bf16 else {"cross_entropy_loss_fusion": False})
@@ -112,10 +154,23 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
                            mtp_loss_scaling_factor=config.mtp_loss_scaling_factor if config.mtp else 0.0,
                            mtp_detach_heads=config.mtp_detach_heads, attention_backend=config.attention_backend,
                            config_overrides=overrides | config.model_overrides, random_weights=config.random_weights)
-    chunks = [chunk.to(device) for chunk in create_bridge(config.bridge_type, config.hf_checkpoint).build(options)]
+    chunks = [chunk.to(_device()) for chunk in create_bridge(config.bridge_type, config.hf_checkpoint).build(options)]
     if config.mtp_only:  # every non-MTP parameter frozen before DDP and the optimizer exist, nothing else
         freeze_non_mtp_parameters(chunks, allow_missing_mtp=not parallel_state.is_pipeline_last_stage(
             ignore_virtual=True))
+    if config.lora is not None:  # what LoRACallback's pre-wrap hook does
+        add_lora_adapters(chunks, config.lora)
+    return chunks
+
+
+def _wrap(config: LoopConfig, chunks: list[torch.nn.Module]) -> tuple[list[torch.nn.Module], Any]:
+    """Float16Module (bf16), Megatron DDP and Megatron's optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.utils import get_model_config
+
+    bf16 = config.precision == "bf16"
     model_config = get_model_config(chunks[0])
     if bf16:
         model_config.bf16 = True
@@ -126,28 +181,48 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
              for index, chunk in enumerate(chunks)]
     model_config.no_sync_func = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
     model_config.finalize_model_grads_func = finalize_model_grads
+    offload = ({} if not config.optimizer_offload_fraction else dict(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=config.optimizer_offload_fraction,
+        use_precision_aware_optimizer=True))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.lr * config.min_lr_ratio,
                         weight_decay=config.weight_decay, adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
                         adam_eps=config.adam_eps, clip_grad=config.clip_grad, bf16=bf16,
                         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                        use_distributed_optimizer=config.use_distributed_optimizer),
+                        use_distributed_optimizer=config.use_distributed_optimizer, **offload),
         model,
     )
     model_config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer
 
+
+def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], optimizer: Any, graph: Any,
+           collate_fn: Callable[[list], dict] | None,
+           step_context: Callable[[int], contextlib.AbstractContextManager] | None) -> dict[str, Any]:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.utils import get_model_config
+
+    from lightning_megatron.microbatch import model_inputs
+
+    device = _device()
+    moe = bool(get_model_config(model[0]).num_moe_experts)
     data_parallel_size = parallel_state.get_data_parallel_world_size()
     num_microbatches = config.global_batch_size // (config.micro_batch_size * data_parallel_size)
     sampler = DistributedSampler(dataset, num_replicas=data_parallel_size,
-                                 rank=parallel_state.get_data_parallel_rank(), shuffle=True, seed=config.sampler_seed)
-    loader = DataLoader(dataset, batch_size=config.micro_batch_size, sampler=sampler, drop_last=True)
+                                 rank=parallel_state.get_data_parallel_rank(), shuffle=config.shuffle,
+                                 seed=config.sampler_seed)
+    loader = DataLoader(dataset, batch_size=config.micro_batch_size, sampler=sampler, drop_last=True,
+                        collate_fn=collate_fn)
 
     def global_batches():
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
-            microbatches = [
-                {key: value.to(device) for key, value in batch.items()} for batch in loader
+            microbatches = [  # packed rows keep `max_seqlen` a host int
+                {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+                for batch in loader
             ]
             for start in range(0, len(microbatches) - num_microbatches + 1, num_microbatches):
                 yield microbatches[start:start + num_microbatches]
@@ -155,14 +230,21 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        output = chunk(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
-                       labels=batch["labels"], loss_mask=batch["loss_mask"])
-        return output, partial(loss_func, batch["loss_mask"])
+        return chunk(**model_inputs(batch)), partial(loss_func, batch["loss_mask"])
 
     def loss_func(loss_mask, per_token_loss):
         loss_sum = (per_token_loss.float() * loss_mask.float()).sum()
         num_tokens = loss_mask.sum().to(torch.int)
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+    def forward_backward(microbatches):
+        arguments = dict(forward_step_func=forward_step, model=model, num_microbatches=num_microbatches,
+                         seq_length=microbatches[0]["input_ids"].shape[1], micro_batch_size=config.micro_batch_size,
+                         forward_only=False)
+        if graph is not None:  # what MegatronStrategy(cuda_graph="full_iteration") runs
+            return graph.run(get_forward_backward_func(), graph.static_microbatches(microbatches), **arguments)
+        return get_forward_backward_func()(
+            data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches), **arguments)
 
     losses, mtp_losses, step_times, grad_norms = [], [], [], []
     batches = global_batches()
@@ -174,37 +256,34 @@ def run(config: LoopConfig, dataset: Dataset) -> dict[str, Any]:
     previous_end = time.perf_counter()
     for step in range(config.steps):
         microbatches = next(batches)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        reduced = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches),
-            model=model, num_microbatches=num_microbatches,
-            seq_length=microbatches[0]["input_ids"].shape[1], micro_batch_size=config.micro_batch_size,
-            forward_only=False,
-        )
-        _, grad_norm, _ = optimizer.step()
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        for values in reduced:
-            totals += values["lm loss"].to(device, torch.float64)
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=parallel_state.get_pipeline_model_parallel_group())
-        losses.append(float((totals[0] / totals[1]).float()))
-        grad_norms.append(None if grad_norm is None else float(grad_norm))
-        if config.mtp:
-            mtp_losses.append(_read_and_clean_mtp_tracker(num_microbatches))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        with step_context(step) if step_context is not None else contextlib.nullcontext():
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step)
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            reduced = forward_backward(microbatches)
+            _, grad_norm, _ = optimizer.step()
+            totals = torch.zeros(2, dtype=torch.float64, device=device)
+            for values in reduced:
+                totals += values["lm loss"].to(device, torch.float64)
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+            losses.append(float((totals[0] / totals[1]).float()))
+            grad_norms.append(None if grad_norm is None else float(grad_norm))
+            if config.mtp:
+                mtp_losses.append(_read_and_clean_mtp_tracker(num_microbatches))
+            if moe:  # the router's load-balancing metrics, summed until read: cleared as bench/moe.py does
+                get_moe_metrics_tracker().clear()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         end = time.perf_counter()
         step_times.append(end - previous_end)
         previous_end = end
     return {"losses": losses, "mtp_losses": mtp_losses, "grad_norms": grad_norms, "step_times_s": step_times,
-            "setup_peak_memory_bytes": setup_peak_memory, "model": model}
+            "setup_peak_memory_bytes": setup_peak_memory}
 
 
 def _read_and_clean_mtp_tracker(num_microbatches: int) -> float:

@@ -12,6 +12,7 @@ runs these candidates), one candidate after another in one process:
 | `packed_before` | packed | `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back from the device |
 | `full_graph` | full | `cuda_graph="full_iteration"`: the forward-backward captured once, replayed; flex attention |
 | `packed_graph` | packed | the same for packed rows: `cu_seqlens` padded to one count, one `max_seqlen` for all |
+| `padded_graph` | padded | the same for padded rows (flex attention) |
 | `full_layer_graphs` | full | Megatron-Core's per-layer graphs (`cuda_graph_impl="local"`; it switches the current stream) |
 
 Per candidate: median step time, real tokens/s, peak memory, and one profiled step (`torch.profiler`, CPU + CUDA):
@@ -59,6 +60,7 @@ CANDIDATES = {  # name: (rows, mode), in the order they run
     "packed_before": ("packed", "before"),
     "full_graph": ("full", "graph"),
     "packed_graph": ("packed", "graph"),
+    "padded_graph": ("padded", "graph"),
     "full_layer_graphs": ("full", "layer_graphs"),
 }
 GRAPH_MODES = ("graph", "layer_graphs")
@@ -90,14 +92,29 @@ def sft_sequences(args: argparse.Namespace) -> list[torch.Tensor]:
     return [torch.randint(0, args.vocab, (int(n),), generator=generator) for n in lengths]
 
 
-def layouts(args: argparse.Namespace, sequences: list[torch.Tensor]) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """The microbatches (one row each) of every layout, built by the data pipeline's own packing and padding."""
-    from lightning_megatron.data.packing import collate_packed, first_fit, pack_examples, pad_example
+def _examples(sequences: list[torch.Tensor]) -> list[Any]:
     from lightning_megatron.data.tokenize import TokenizedExample
 
-    examples = [TokenizedExample("bench", ids, torch.ones_like(ids, dtype=torch.bool)) for ids in sequences]
-    packed = [collate_packed([pack_examples([examples[i] for i in members], args.seq, pad_id=0)])
-              for members in first_fit([len(e) for e in examples], args.seq)]
+    return [TokenizedExample("bench", ids, torch.ones_like(ids, dtype=torch.bool)) for ids in sequences]
+
+
+def packed_rows(sequences: list[torch.Tensor], seq: int, bins: list[list[int]] | None = None
+                ) -> list[dict[str, Any]]:
+    """The sequences packed into microbatches of one row of `seq` tokens each by the data pipeline's own packing
+    (`max_seqlen` a host int, every token trained): first-fit in order, or the given `bins` of sequence indices."""
+    from lightning_megatron.data.packing import collate_packed, first_fit, pack_examples
+
+    examples = _examples(sequences)
+    bins = first_fit([len(e) for e in examples], seq) if bins is None else bins
+    return [collate_packed([pack_examples([examples[i] for i in members], seq, pad_id=0)]) for members in bins]
+
+
+def layouts(args: argparse.Namespace, sequences: list[torch.Tensor]) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The microbatches (one row each) of every layout, built by the data pipeline's own packing and padding."""
+    from lightning_megatron.data.packing import pad_example
+
+    examples = _examples(sequences)
+    packed = packed_rows(sequences, args.seq)
     padded = [{key: value[None] for key, value in pad_example(example, args.seq, pad_id=0).items()}
               for example in examples]
     real_tokens = sum(len(e) for e in examples)

@@ -3,10 +3,10 @@
 Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `mtp_memory.py` (P2
 per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `families.py` (the same per
 family, and its gated DeltaNet layer comparison), `gdn.py`, `hf_io.py` (P3), `attention.py` (P4, and the older
-attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7) and `async_save.py`; other
-JSON files are skipped with a note. Prints a training-step table, a table of the ratios
-against their targets, an HF load/save table, the packing layouts and the source of every figure (command,
-device, versions, date).
+attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7), `async_save.py` and
+`sizes.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table, the sizes table, a
+table of the ratios against their targets, an HF load/save table, the packing layouts and the source of every figure
+(command, device, versions, date).
 """
 
 from __future__ import annotations
@@ -225,6 +225,9 @@ def _packing_target_rows(data: dict[str, Any], source: str) -> list[str]:
          summary.get("packed_graph_over_fastest_full_tokens_per_s"), summary["target_packed_over_full"], _times),
         ("P5 packed (graphed) / padded rows, real tokens/s", summary.get("packed_graph_over_padded_tokens_per_s"),
          full_over_padded, _times),
+        ("P5 packed / padded rows, both graphed, real tokens/s",
+         summary.get("packed_graph_over_padded_graph_tokens_per_s"),
+         summary.get("target_packed_over_padded_all_graphed", 3.0), _times),
         ("P5 full rows (graphed), tokens/s", speed.get("full_graph"), summary["target_full_tokens_per_s"], _tokens),
         ("P5 full rows (graphed), GPU busy", busy.get("full_graph"), summary["target_full_gpu_busy_fraction"],
          _percent),
@@ -277,6 +280,8 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                         mtp_only["targets"]["peak_memory_ratio"], source))
         if kind(data) in MTP_MEMORY_KINDS:
             rows += _mtp_memory_target_rows(data, source)
+        if kind(data) == "sizes":
+            rows += _sizes_target_rows(data, source)
         if kind(data) == "hf_io":
             target = data.get("target_vs_raw", 1.5)
             for bridge, timings in data["bridges"].items():
@@ -318,6 +323,61 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
     if not rows:
         return []
     return ["| figure | measured | target | met | source |", "|---|---|---|---|---|", *rows]
+
+
+_SIZES_FIGURES = {"tokens_per_s": ("tokens/s", _tokens), "mfu": ("MFU", _percent),
+                  "lightning_over_plain_step_time": ("Lightning / plain step time", _times)}
+
+
+def _sizes_target_rows(data: dict[str, Any], source: str) -> list[str]:
+    """Issue 41: each configuration's Lightning figures against its bounds (`bench/sizes.py`)."""
+    rows = []
+    for config in data["configs"].values():
+        if "targets" not in config:
+            continue
+        lightning = config["figures"].get("lightning", {})
+        label = config["settings"]["label"]
+        for kind, bounds in config["targets"].items():
+            for figure, bound in bounds.items():
+                name, formatter = _SIZES_FIGURES.get(figure, (figure, _times))
+                value = lightning.get(figure)
+                if kind == "at_least":
+                    rows.append(_at_least_row(f"{label}: {name}", value, bound, formatter, source))
+                else:
+                    met = "n/a" if value is None else ("yes" if value <= bound else "no")
+                    rows.append(_row([f"{label}: {name}", formatter(value), f"<= {formatter(bound)}", met, source]))
+    return rows
+
+
+def sizes_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    """Issue 41: per configuration, the Lightning run beside the plain Megatron-Core loop (`bench/sizes.py`)."""
+    rows = []
+    for name, data in results:
+        if kind(data) != "sizes":
+            continue
+        source = f"[{sources[name]}]"
+        for config_name, config in data["configs"].items():
+            if "skipped" in config:
+                rows.append(_row([f"`{config_name}`", "", f"skipped: {config['skipped']}", *[""] * 7, source]))
+                continue
+            label, figures = config["settings"]["label"], config["figures"]
+            for run_name, rounds in config["runs"].items():
+                failed = next((run for run in rounds if "error" in run), None)
+                if run_name not in figures:
+                    error = failed["error"].splitlines()[0][:100] if failed else "no run"
+                    rows.append(_row([label, run_name, f"{failed['failure'] if failed else 'n/a'}: {error}",
+                                      *[""] * 7, source]))
+                    continue
+                run = figures[run_name]
+                tflops = "n/a" if run.get("model_tflop_per_s") is None else f"{run['model_tflop_per_s']:.0f}"
+                ratio = _times(run.get("lightning_over_plain_step_time")) if run_name == "lightning" else "reference"
+                rows.append(_row([label, run_name, _seconds(run["step_s"]), _tokens(run["tokens_per_s"]), tflops,
+                                  _percent(run.get("mfu")), _percent(run.get("gpu_busy_fraction")),
+                                  _gib(run.get("peak_memory_gib")), ratio, source]))
+    if not rows:
+        return []
+    return ["| configuration | run | median step | real tokens/s | model TFLOP/s | MFU | GPU busy | peak GPU memory | "
+            "Lightning / plain step time | source |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def hf_io_table(results: list[Result], sources: dict[str, int]) -> list[str]:
@@ -405,6 +465,8 @@ def render(results: list[Result]) -> str:
     sources = {name: number for number, (name, _) in enumerate(known, start=1)}
     sections = []
     for title, table in (("Training step", training_table(known, sources)),
+                         ("Sizes users train on one GPU, beside the plain Megatron-Core loop (issue 41)",
+                          sizes_table(known, sources)),
                          ("Targets", targets_table(known, sources)),
                          ("HF checkpoint load and save", hf_io_table(known, sources)),
                          ("Packed, padded and full rows (P5)", packing_table(known, sources)),

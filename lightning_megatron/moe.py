@@ -33,10 +33,12 @@ CHECKPOINT_ROUTER_FIELDS = (
 LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers 5 writes num_local_experts
+
+
 def checkpoint_num_experts(hf_config: dict[str, Any]) -> int:
     """Routed experts per MoE layer declared by an HF config (0 for a dense model)."""
-    keys = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers 5 writes num_local_experts
-    return next((int(hf_config[key]) for key in keys if hf_config.get(key)), 0)
+    return next((int(hf_config[key]) for key in EXPERT_COUNT_KEYS if hf_config.get(key)), 0)
 
 
 def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:

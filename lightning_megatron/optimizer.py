@@ -3,6 +3,18 @@
 Megatron-Core's optimizers (mixed precision, distributed, chained) are not `torch.optim.Optimizer` subclasses, and
 torch's LR schedulers refuse anything else. This adapter exposes Megatron's parameter groups (the same dicts, so a
 scheduler's writes reach the real groups) and runs Megatron's step, which unscales, clips and reports the grad norm.
+
+Optimizer CPU offload (`MegatronStrategy(optimizer_offload_fraction=...)`): Megatron-Core's `HybridDeviceOptimizer`
+(megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py) keeps that fraction of the parameters' fp32 master
+weights and Adam states in host memory and steps them with torch's CPU AdamW, the rest with torch's AdamW on the
+GPU; neither needs Transformer Engine or Apex (megatron/core/optimizer/__init__.py:502-541 picks torch's optimizers
+without them). It runs through the precision-aware distributed optimizer, so the master weights live only inside
+the hybrid optimizer, never as a second copy on the GPU (optimizer_config.py:404-411, distrib_optimizer.py:421-455):
+a bf16 model on one GPU then holds 2 (weights) + 4 (fp32 main grads) + 12 x (1 - fraction) bytes per parameter
+instead of 18, and the host 16 x fraction (fp32 master, grads, Adam's two moments). It needs a CUDA device (CUDA
+streams, pinned memory), bf16 parameters, the distributed optimizer and decoupled weight decay (AdamW:
+`__init__.py:508-510`);
+`optimizer_config.py:430-446` asks for Transformer Engine's FusedAdam only when nothing is offloaded.
 """
 
 from __future__ import annotations
@@ -85,17 +97,56 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
 
 def megatron_optimizer(config: Any, chunks: list[torch.nn.Module], *, bf16: bool, use_distributed_optimizer: bool,
-                       clip_grad: float) -> MegatronOptimizerAdapter:
+                       clip_grad: float, offload_fraction: float = 0.0) -> MegatronOptimizerAdapter:
     """Megatron's optimizer for the wrapped `chunks`: the hyperparameters of `config` (an `OptimizerConfig`), the
-    precision, distribution and clipping given; the model's loss scaling follows it."""
+    precision, distribution, clipping and CPU offload given; the model's loss scaling follows it."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.utils import get_model_config
 
     config = dataclasses.replace(config, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                  use_distributed_optimizer=use_distributed_optimizer, clip_grad=clip_grad)
+    if offload_fraction > 0:
+        config = offloaded(config, offload_fraction)
     optimizer = get_megatron_optimizer(config, chunks)
     get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
     return MegatronOptimizerAdapter(optimizer)
+
+
+def check_optimizer_offload(fraction: float, *, use_distributed_optimizer: bool, precision: str) -> None:
+    """`MegatronStrategy(optimizer_offload_fraction=...)`, checked when the strategy is made."""
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction: {fraction!r} must be a number from 0 (the optimizer on the GPU) "
+                         "to 1 (all its fp32 master weights and Adam states in host memory)")
+    if fraction > 0 and not use_distributed_optimizer:
+        raise ValueError(f"optimizer_offload_fraction: {fraction} needs use_distributed_optimizer: true (Megatron-Core "
+                         "offloads through its precision-aware distributed optimizer); set use_distributed_optimizer: "
+                         "true or optimizer_offload_fraction: 0")
+    if fraction > 0 and precision != "bf16":
+        # distrib_optimizer.py:466-469 hands fp32 parameters to the hybrid optimizer as views that are not leaves,
+        # which torch's optimizers refuse ("can't optimize a non-leaf Tensor")
+        raise ValueError(f"optimizer_offload_fraction: {fraction} needs precision: bf16 (Megatron-Core's offload takes "
+                         f"bf16 parameters with fp32 master weights), got {precision}; set precision: bf16 or "
+                         "optimizer_offload_fraction: 0")
+
+
+def check_optimizer_offload_device(fraction: float, device: torch.device) -> None:
+    """The offload copies between CUDA streams and pinned host memory: refused, before any model is built, elsewhere."""
+    if fraction > 0 and device.type != "cuda":
+        raise ValueError(f"optimizer_offload_fraction: {fraction} needs a CUDA device (Megatron-Core's "
+                         f"HybridDeviceOptimizer copies through CUDA streams and pinned memory), got {device.type}; "
+                         "set optimizer_offload_fraction: 0 (or train on a GPU)")
+
+
+def offloaded(config: Any, fraction: float) -> Any:
+    """`config` (an `OptimizerConfig`) with `fraction` of the optimizer in host memory: Megatron-Core's CPU offload
+    through the precision-aware distributed optimizer (see the module docstring)."""
+    if config.optimizer != "adam" or not config.decoupled_weight_decay:
+        raise ValueError(f"optimizer_offload_fraction: Megatron-Core offloads Adam with decoupled weight decay only "
+                         f"(OptimizerConfig(optimizer='adam', decoupled_weight_decay=True)), got optimizer="
+                         f"{config.optimizer!r}, decoupled_weight_decay={config.decoupled_weight_decay}; set "
+                         "optimizer_offload_fraction: 0 or use that optimizer")
+    return dataclasses.replace(config, optimizer_cpu_offload=True, optimizer_offload_fraction=float(fraction),
+                               use_precision_aware_optimizer=True)
 
 
 def check_megatron_optimizers(optimizers: Sequence[object]) -> None:

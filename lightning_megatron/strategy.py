@@ -49,7 +49,13 @@ from lightning_megatron.data.settings import DataSettings, hand_data_settings
 from lightning_megatron.distributed import ParallelSizes, all_reduced
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.moe import check_expert_parallel_world
-from lightning_megatron.optimizer import MegatronOptimizerAdapter, check_megatron_optimizers, megatron_optimizer
+from lightning_megatron.optimizer import (
+    MegatronOptimizerAdapter,
+    check_megatron_optimizers,
+    check_optimizer_offload,
+    check_optimizer_offload_device,
+    megatron_optimizer,
+)
 from lightning_megatron.options import AttentionBackend, BridgeType, check_strategy_options, check_trainer_options
 
 
@@ -70,6 +76,9 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     fit with a warning. Validation is always eager. `full_iteration`: the same graph, refusing (naming the fix)
     what it cannot serve; `none`: always eager, silently. `cuda_graph_sequences_per_row`: the fixed count of
     sequences packed rows are padded to inside the graph.
+    `optimizer_offload_fraction`: that fraction of the optimizer's fp32 master weights and Adam states in host memory,
+    stepped on the CPU (Megatron-Core's `HybridDeviceOptimizer`; GPU, bf16, distributed optimizer; `optimizer.py`):
+    what makes full fine-tuning of an 8B model fit one 141 GB GPU.
     """
 
     strategy_name = "megatron"
@@ -93,6 +102,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         overlap_grad_reduce: bool = False,
         grad_reduce_in_fp32: bool = True,
         clip_grad: float = 1.0,
+        optimizer_offload_fraction: float = 0.0,
         seed: int = 1234,
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
@@ -117,6 +127,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
             global_batch_size=global_batch_size, precision=precision, attention_backend=attention_backend,
             clip_grad=clip_grad, timeout_minutes=timeout_minutes)
         megatron_checkpoint.check_optimizer_sharding(checkpoint_optimizer_sharding, use_distributed_optimizer)
+        check_optimizer_offload(optimizer_offload_fraction, use_distributed_optimizer=use_distributed_optimizer,
+                                precision=precision)
         self.cuda_graphs = StrategyCudaGraphs(cuda_graph, cuda_graph_sequences_per_row, ParallelSizes(
             pipeline=pipeline_model_parallel_size, context=context_parallel_size, expert=expert_model_parallel_size))
         backend_class(bridge_type)  # an unknown bridge_type fails here, naming the registered ones
@@ -137,6 +149,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.clip_grad = clip_grad
+        self.optimizer_offload_fraction = optimizer_offload_fraction
         self.seed = seed
         self.trust_remote_code = trust_remote_code
         self.checkpoint_optimizer_sharding = checkpoint_optimizer_sharding
@@ -228,6 +241,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         if self.hf_checkpoint is None:
             raise ValueError("hf_checkpoint: MegatronStrategy needs the HF checkpoint folder to build the model from")
         self.cuda_graphs.check_run(self.root_device, self.world_size, module)
+        check_optimizer_offload_device(self.optimizer_offload_fraction, self.root_device)
         prepare_megatron_core()
         self._init_parallel_state()
         self._build_model(module)
@@ -297,7 +311,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         optimizer's own hyperparameters (lr, betas, weight decay).
         """
         return megatron_optimizer(config, self.model_chunks, bf16=self.precision == "bf16",
-                                  use_distributed_optimizer=self.use_distributed_optimizer, clip_grad=self.clip_grad)
+                                  use_distributed_optimizer=self.use_distributed_optimizer, clip_grad=self.clip_grad,
+                                  offload_fraction=self.optimizer_offload_fraction)
 
     # ------------------------------------------------------------------ data
 

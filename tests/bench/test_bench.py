@@ -73,6 +73,8 @@ TINY_RUNS = {
     "mtp_memory": _tiny("test_mtp_memory_benchmark_runs_tiny", "bench.mtp_memory", "--tiny"),
     "data": _tiny("test_data_benchmark_runs_tiny", "bench.data", "--tiny", workdir=True),
     "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
+    "sizes": _tiny("test_sizes_benchmark_runs_tiny", "bench.sizes", "--tiny", "--configs", "qwen3_8b_lora",
+                   "qwen3_0.6b_mtp_default", "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"),
     # 2 MiB to plan GLM's cuts against: its tiny model's MTP-only training fits (1.1 MiB), joint training not (3 MiB)
     "families": _tiny("test_families_benchmark_runs_tiny", "bench.families", "--tiny", "--free-gib", "0.002",
                       "--reserve-gib", "0"),
@@ -369,6 +371,38 @@ def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
 
 
 @pytest.mark.slow
+def test_sizes_benchmark_runs_tiny(tiny_runs):
+    """Dense LoRA, joint SFT + MTP at the default settings and MoE LoRA, each through Lightning and the plain loop
+    (the graphed configuration needs CUDA: skipped, said so); fp32 on the CPU: both compute the same steps."""
+    result = _tiny_result(tiny_runs, "sizes")
+    configs = result["configs"]
+    assert result["benchmark"] == "sizes" and list(configs) == ["qwen3_8b_lora", "qwen3_0.6b_mtp_default",
+                                                                 "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"]
+    assert configs["qwen3_0.6b_mtp_graphed"] == {"skipped": "needs a CUDA device (CUDA graphs or the optimizer's "
+                                                             "offload)"}
+    for name in ("qwen3_8b_lora", "qwen3_0.6b_mtp_default", "qwen3_30b_a3b_lora"):
+        config = configs[name]
+        assert config["settings"]["lightning_graphed"] is False and config["settings"]["real_tokens_per_step"] > 0
+        (lightning,), (plain,) = config["runs"]["lightning"], config["runs"]["plain"]
+        for run in (lightning, plain):
+            _check_throughput(run)
+            assert len(run["losses"]) == 1 + 1 + 1  # warm-up, timed, profiled
+            assert run["profile"]["gpu_busy_fraction"] is None and run["profile"]["top_cpu_ops"]
+        # the same random initialization (LoRA adapters too), rows and optimizer: the same losses every step
+        assert lightning["losses"] == pytest.approx(plain["losses"], abs=1e-6), name
+        assert lightning["model_tflop_per_step"] == plain["model_tflop_per_step"]
+        figures = config["figures"]["lightning"]
+        assert figures["lightning_over_plain_step_time"] == pytest.approx(lightning["step_s"] / plain["step_s"])
+        assert figures["first_loss_difference"] < 1e-6
+    assert configs["qwen3_8b_lora"]["met"] == {"tokens_per_s": False, "lightning_over_plain_step_time": (
+        configs["qwen3_8b_lora"]["figures"]["lightning"]["lightning_over_plain_step_time"] <= 1.0)}
+    assert configs["qwen3_0.6b_mtp_default"]["met"]["mfu"] is None  # no peak to divide by on the CPU
+    table = report.render([("sizes.json", result)])
+    assert "**Sizes users train on one GPU" in table and "| Qwen3-30B-A3B LoRA, linear_qkv and linear_proj | plain |" \
+        in table
+
+
+@pytest.mark.slow
 def test_families_benchmark_runs_tiny(tiny_runs):
     result = _tiny_result(tiny_runs, "families")
     shapes = result["shapes"]
@@ -402,40 +436,6 @@ def test_families_benchmark_runs_tiny(tiny_runs):
             in table)
     assert "| Qwen3.5-2B: plain Megatron-Core MTP-only loop (non-MTP frozen) |" in table
     assert "| GLM-4.5-Air (joint) | no cut with an MoE layer fits joint training in the budget |" in table
-
-
-def test_the_memory_breakdown_groups_what_is_live_at_the_training_peak():
-    from bench.mtp_memory import MARKER_BYTES, peak_breakdown
-
-    def frames(path: str, line: int, name: str) -> list[dict]:
-        return [{"filename": "/usr/lib/python3/torch/nn/functional.py", "line": 1, "name": "linear"},
-                {"filename": f"/site-packages/{path}", "line": line, "name": name}]
-
-    logits = frames("megatron/core/tensor_parallel/layers.py", 420, "forward")
-    softmax = frames("megatron/core/tensor_parallel/cross_entropy.py", 27, "calculate_logits_max")
-    gib = 1024**3
-    trace = [
-        {"action": "alloc", "addr": 1, "size": 8 * gib, "frames": frames("bench/x.py", 1, "setup")},  # set-up peak
-        {"action": "free_completed", "addr": 1, "size": 8 * gib},
-        {"action": "alloc", "addr": 2, "size": MARKER_BYTES, "frames": []},
-        {"action": "free_completed", "addr": 2, "size": MARKER_BYTES},
-        {"action": "alloc", "addr": 3, "size": 1 * gib, "frames": logits},
-        {"action": "alloc", "addr": 4, "size": 2 * gib, "frames": softmax},
-        {"action": "alloc", "addr": 5, "size": 2 * gib, "frames": softmax},
-        {"action": "free_requested", "addr": 5, "size": 2 * gib},  # still counted until free_completed
-        {"action": "free_completed", "addr": 5, "size": 2 * gib},
-        {"action": "free_completed", "addr": 4, "size": 2 * gib},
-        {"action": "alloc", "addr": 6, "size": gib // 2, "frames": []},
-    ]
-    breakdown = peak_breakdown(trace, baseline_bytes=gib)
-    assert breakdown["peak_gib"] == 5.0  # traced after the marker (not the 8 GiB set-up), the baseline apart
-    assert breakdown["allocated_before_recording_gib"] == 1.0
-    assert breakdown["rows"] == [
-        {"allocated_at": "megatron/core/tensor_parallel/cross_entropy.py:27 calculate_logits_max", "gib": 4.0,
-         "blocks": 2},
-        {"allocated_at": "megatron/core/tensor_parallel/layers.py:420 forward", "gib": 1.0, "blocks": 1},
-    ]
-    assert "error" in peak_breakdown(trace[:2])  # no marker: training never started in the trace
 
 
 @pytest.mark.gpu
