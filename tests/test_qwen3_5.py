@@ -28,7 +28,7 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
-from tests.test_glm4_moe import _build_check_and_export, _tensors
+from tests.test_glm4_moe import _build_check_and_export, _tensors, assert_restoring_the_mtp_head_round_trips
 from tests.test_moe import (
     LR,
     SEQ,
@@ -36,7 +36,6 @@ from tests.test_moe import (
     _input_ids,
     _logits_difference,
     _mtp_only_module,
-    _same_tensors,
     fit_shortened_config,
 )
 
@@ -89,15 +88,7 @@ def test_the_layers_are_gated_deltanet_and_gated_attention(model_parallel, check
 
 
 def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoints, tmp_path):
-    original = checkpoints["mtp"]
-    bridge = create_bridge("megatron-bridge", original)
-    finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
-    assert not any(name.startswith("mtp.") for name in _tensors(finetuned))
-    restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
-    assert _same_tensors(original, restored) == []
-    assert json.loads((restored / "config.json").read_text()) == json.loads((original / "config.json").read_text())
-    bridge = create_bridge("megatron-bridge", restored)
-    assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
+    assert_restoring_the_mtp_head_round_trips(checkpoints["mtp"], tmp_path)
 
 
 def test_a_head_copied_from_the_last_layer_is_a_full_attention_layer(model_parallel, checkpoints, tmp_path):
@@ -115,16 +106,21 @@ def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parall
         create_bridge("mbridge", checkpoints["mtp"]).validate(ModelOptions())
 
 
-@pytest.mark.parametrize(("packing", "context_parallel_size", "message"), [
-    ("tree", 1, r"packing='tree' cannot run 'qwen3_5_text' checkpoints: .* use packing: true"),
-    (True, 2, r"packing=True with context_parallel_size=2 is not supported for 'qwen3_5_text' .* set packing: false"),
-])
-def test_tree_rows_and_packed_rows_under_context_parallelism_are_refused_before_any_data_is_read(
-        checkpoints, packing, context_parallel_size, message):
-    data = SFTDataModule(train_path="unread.jsonl", hf_checkpoint=str(checkpoints["mtp"]), seq_length=64,
-                         packing=packing, micro_batch_size=1, context_parallel_size=context_parallel_size)
-    with pytest.raises(ValueError, match=message):
-        data.setup("fit")
+def test_tree_rows_and_packed_rows_under_context_parallelism_are_refused_before_any_data_is_read(checkpoints):
+    assert_tree_rows_and_packed_rows_under_context_parallelism_are_refused(checkpoints["mtp"])
+
+
+def assert_tree_rows_and_packed_rows_under_context_parallelism_are_refused(hf_checkpoint: Path) -> None:
+    """A gated DeltaNet checkpoint's data refuses tree rows, and packed rows at CP=2, naming its model_type."""
+    model_type = json.loads((hf_checkpoint / "config.json").read_text())["model_type"]
+    for packing, context_parallel_size, message in (
+            ("tree", 1, rf"packing='tree' cannot run '{model_type}' checkpoints: .* use packing: true"),
+            (True, 2, rf"packing=True with context_parallel_size=2 is not supported for '{model_type}' .* set "
+                      "packing: false")):
+        data = SFTDataModule(train_path="unread.jsonl", hf_checkpoint=str(hf_checkpoint), seq_length=64,
+                             packing=packing, micro_batch_size=1, context_parallel_size=context_parallel_size)
+        with pytest.raises(ValueError, match=message):
+            data.setup("fit")
 
 
 def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
@@ -209,16 +205,22 @@ def test_tensor_and_pipeline_parallel_mtp_only_and_joint_training(checkpoints, t
 def test_the_speculative_decoder_with_its_head_is_greedy_decoding(checkpoints):
     """The draft head loads and equals the reference; decoding with it (the DeltaNet states put back after each
     rejected draft: `tests/speculative/` holds the batched, sampled and fitted-head cases) is greedy decoding."""
+    assert_the_draft_head_is_the_reference_and_decoding_is_greedy(checkpoints["mtp"])
+
+
+def assert_the_draft_head_is_the_reference_and_decoding_is_greedy(path: Path) -> None:
+    """The checkpoint's draft head against the independent reference (1e-5), then 2-token drafting against greedy
+    decoding of a gated DeltaNet target, token for token."""
     from lightning_megatron.speculative.decode import greedy_decode, speculative_decode
     from lightning_megatron.speculative.mtp_head import load_mtp_head, load_target
 
-    target = load_target(checkpoints["mtp"])
-    head = load_mtp_head(checkpoints["mtp"], target)
+    target = load_target(path)
+    head = load_mtp_head(path, target)
     input_ids = _input_ids()
     with torch.no_grad():
         hidden = target.model(input_ids).last_hidden_state
         drafted = head(hidden[:, :-1], input_ids[:, 1:], torch.arange(SEQ - 1).expand(len(input_ids), -1))
-    assert float((drafted - hf_mtp_reference_logits(checkpoints["mtp"], input_ids)).abs().max()) <= 1e-5
+    assert float((drafted - hf_mtp_reference_logits(path, input_ids)).abs().max()) <= 1e-5
     prompt = input_ids[0, :5].tolist()
     greedy = greedy_decode(target, prompt, max_new_tokens=12, eos_token_ids=[])
     speculative = speculative_decode(target, head, prompt, max_new_tokens=12, eos_token_ids=[], num_draft_tokens=2)
