@@ -50,7 +50,6 @@ from torch.utils.data import DataLoader
 from bench.common import (
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     emit,
     environment,
     fresh_memory,
@@ -59,6 +58,7 @@ from bench.common import (
     release_model,
     scratch_dir,
 )
+from bench.flops import ModelShape
 from bench.lightning_overhead import RandomWeightsSFTModule, Settings, StepTimer
 from lightning_megatron.callbacks import ManualGarbageCollection
 
@@ -123,6 +123,7 @@ def run(variant: str, settings: Settings, vocab: int, folder: Path, gc_every: in
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
         global_batch_size=settings.global_batch, precision=settings.precision, async_save=variant == "async",
+        cuda_graph="none",  # eager, as the measurements in bench/results were taken
     )
     trainer = pl.Trainer(
         strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,

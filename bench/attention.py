@@ -21,18 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import (
-    ModelShape,
-    add_step_options,
-    emit,
-    environment,
-    fresh_memory,
-    model_flops,
-    parse_with_tiny,
-    peak_flops,
-    peak_memory_gib,
-    throughput,
-)
+from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny, peak_memory_gib
+from bench.flops import ModelShape, model_flops, peak_flops, throughput
 from lightning_megatron.distributed import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, ffn=128, vocab=512, seq=64, micro_batch=2,

@@ -1,25 +1,10 @@
-"""What every benchmark here shares: the model shape, its FLOPs, the environment record, memory, JSON output.
+"""What every benchmark here shares: options, checkpoints, the environment record, memory, JSON output.
 
 The benchmarked model is Qwen3-0.6B-shaped (hidden 1024, 28 layers, 16 heads, 8 KV groups, head_dim 128, FFN 3072,
 vocab 151936, tied embeddings, one MTP layer) with random weights, written locally as a bf16 HF checkpoint; the
 tiny CPU mode uses the same code on `make_tiny_checkpoint`'s default shape.
 
-Model FLOPs are counted the Megatron-LM way (`num_floating_point_operations` in `megatron/training/training.py`,
-megatron-core 0.19.2, dense GQA decoder, unpacked sequences). For one step of B sequences of length s
-(T = B * s tokens), L decoder layers and m MTP layers:
-
-    F = 2 * T * [ p_b * L * (3 h f + h (q + 2 k) + q h) + p_m * m * (3 h f + h (q + 2 k) + q h + 3 h + 2 h^2)
-                  + (p_o + m * p_mo) * h V ]
-      + 2 * B * s^2 * q * (p_b * L + p_m * m)
-
-with h hidden, f FFN, q = heads * head_dim, k = KV groups * head_dim, V the vocabulary, and p the number of GEMM
-passes each part needs: 3 (forward, input gradient, weight gradient) or fewer. Joint training is Megatron-LM's count:
-every p = 3. The s^2 term is Q K^T and softmax(.) V, halved by the causal mask. MTP-only training counts what it
-needs: the frozen backbone forward only (p_b = 1), the MTP layer with its projection and norms fully (p_m = 3), the
-main LM head forward only (p_o = 1, `MTP_ONLY`) on the steps that log `lm_loss` and not at all on the others
-(p_o = 0, `MTP_ONLY_WITHOUT_MAIN_HEAD`: `MTPOnlyCallback` skips it there), and the MTP LM head forward plus its
-input gradient (p_mo = 2: the shared output weight is frozen). MFU = F / step time / peak; the peak is the H200's
-dense bf16 989.4 TFLOP/s (no MFU elsewhere unless `--peak-tflops` says what the peak is).
+The model shape and its FLOPs (MFU) are `bench/flops.py`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -47,7 +31,6 @@ import torch
 
 from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
 
-H200_DENSE_BF16_TFLOPS = 989.4
 PACKAGES = ("torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning")
 
 QWEN3_0_6B: dict[str, Any] = dict(
@@ -61,6 +44,33 @@ QWEN3_8B: dict[str, Any] = dict(
     intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
 )
 """The Qwen3-8B shape (untied embeddings in the real model)."""
+
+QWEN3_5_2B: dict[str, Any] = dict(
+    num_layers=24, hidden_size=2048, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320, max_position_embeddings=262144,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+)
+"""Qwen/Qwen3.5-2B's text model (`qwen3_5_text`; tied embeddings, one MTP layer): 24 layers of hidden 2048, 8 query
+and 2 KV heads, 6 of them gated full attention (every 4th: the model card's 6 KV-bearing layers), the others gated
+DeltaNet. Sources: layers, hidden, heads and the 6 attention layers from the model card (as fitmygpu.com/models/
+qwen-3.5-2b lists them); head_dim 256, the DeltaNet's 16 key and 16 value heads of 128 and width 4, RoPE theta 1e7
+on a quarter of each head, the 248320-token vocabulary and tied embeddings as Qwen3.5-0.8B's config has them
+(THUDM/slime scripts/models/qwen3.5-0.8B.sh, cpehle/tyr Tyr/Model/Qwen35/Config.lean); FFN 6144 from the published
+config.json as remembered, not re-read here: check it against the hub's config.json when one is reachable."""
+
+GLM4_5_AIR: dict[str, Any] = dict(
+    num_layers=46, hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
+    head_dim=128, n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+    first_k_dense_replace=1, routed_scaling_factor=1.0, vocab_size=151552, max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0, partial_rotary_factor=0.5),
+)
+"""zai-org/GLM-4.5-Air (`glm4_moe`; untied, one MTP layer stored as decoder layer 46): 46 layers of hidden 4096, 96
+query and 8 KV heads of 128 with q/k/v biases, RoPE on half of each head; layer 0 dense (FFN 10944), the other 45
+with 128 routed experts (top 8, FFN 1408, sigmoid routing with an expert bias) and one shared expert; vocabulary
+151552. Source: THUDM/slime scripts/models/glm4.5-106B-A12B.sh, the same checkpoint's Megatron arguments (its
+routed_scaling_factor 1.0 from the absent --moe-router-topk-scaling-factor that the 355B script sets to 2.5)."""
 
 _HF_CONFIG_KEYS = {"num_layers": "num_hidden_layers"}
 
@@ -101,8 +111,8 @@ def make_checkpoint(path: str | Path, *, tiny: bool) -> Path:
 
 
 def reshape_config(folder: Path, shape: dict[str, Any]) -> None:
-    """Give a tiny checkpoint's config.json the `make_tiny_checkpoint`-style `shape` (without its per-layer
-    `layer_types`, which transformers >= 5.17 refuses when its count differs from the layers)."""
+    """Give a tiny checkpoint's config.json the `make_tiny_checkpoint`-style `shape` (its per-layer `layer_types`
+    dropped unless `shape` gives them: transformers >= 5.17 refuses a count that differs from the layers)."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("layer_types", None)
     config.update({_HF_CONFIG_KEYS.get(key, key): value for key, value in shape.items()})
@@ -151,13 +161,15 @@ def make_large_checkpoint(path: str | Path, *, mtp: bool = True, tied: bool = Fa
     return path
 
 
-def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied: bool, tiny: bool = False) -> Path:
-    """A Qwen3+MTP checkpoint folder of `shape` without weights (config, tokenizer, generation config): what a model
-    built with `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the
-    tiny shape itself (CPU runs)."""
+def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied: bool, tiny: bool = False,
+                                family: str = "qwen3") -> Path:
+    """A `family` checkpoint folder with one MTP layer, of `shape` (config.json fields, `num_layers` for the layer
+    count), without weights (config, tokenizer, generation config): what a model built with
+    `ModelOptions(random_weights=True)` needs, so an 8B shape costs no 16 GB write and read. `tiny`: the tiny shape
+    itself (CPU runs)."""
     from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(path, "qwen3", mtp=True, tied=tied)
+    path = make_tiny_checkpoint(path, family, mtp=True, tied=tied)
     for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
         weights.unlink()
     if not tiny:
@@ -202,78 +214,6 @@ def release_model(chunks: list[torch.nn.Module]) -> None:
         for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
             if hasattr(config, hook):
                 setattr(config, hook, None)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_groups: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    mtp_layers: int
-
-    @classmethod
-    def from_hf_checkpoint(cls, path: str | Path) -> ModelShape:
-        config = json.loads((Path(path) / "config.json").read_text())
-        heads = config["num_attention_heads"]
-        return cls(
-            layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
-            kv_groups=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=config["intermediate_size"],
-            vocab=config["vocab_size"], mtp_layers=config.get("num_nextn_predict_layers", 0),
-        )
-
-
-@dataclass(frozen=True)
-class Passes:
-    """GEMM passes per part of the model: 3 = forward + input gradient + weight gradient."""
-
-    backbone: int = 3
-    mtp: int = 3
-    main_head: int = 3
-    mtp_head: int = 3
-
-
-JOINT = Passes()
-MTP_ONLY = Passes(backbone=1, mtp=3, main_head=1, mtp_head=2)
-MTP_ONLY_WITHOUT_MAIN_HEAD = Passes(backbone=1, mtp=3, main_head=0, mtp_head=2)
-
-
-def model_flops(shape: ModelShape, sequences: int, seq_length: int, passes: Passes = JOINT, *,
-                with_mtp: bool = True) -> float:
-    """Model FLOPs of one step over `sequences` sequences of `seq_length` tokens (formula in the module docstring)."""
-    h, f, vocab = shape.hidden, shape.ffn, shape.vocab
-    q, k = shape.heads * shape.head_dim, shape.kv_groups * shape.head_dim
-    m = shape.mtp_layers if with_mtp else 0
-    tokens = sequences * seq_length
-    layer = 3 * h * f + h * (q + 2 * k) + q * h
-    linear = (passes.backbone * shape.layers * layer + passes.mtp * m * (layer + 3 * h + 2 * h * h)
-              + (passes.main_head + m * passes.mtp_head) * h * vocab)
-    attention = sequences * seq_length**2 * q * (passes.backbone * shape.layers + passes.mtp * m)
-    return 2.0 * (tokens * linear + attention)
-
-
-def peak_flops(override_tflops: float | None) -> float | None:
-    """The accelerator's dense bf16 peak in FLOP/s: `override_tflops` if given, the H200's on an H200, else None."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name():
-        return H200_DENSE_BF16_TFLOPS * 1e12
-    return None
-
-
-def throughput(step_s: float, tokens_per_step: int, flops_per_step: float, peak: float | None) -> dict[str, Any]:
-    """Tokens/s, model TFLOP/s and MFU of a median step time."""
-    return {
-        "step_s": step_s,
-        "tokens_per_s": tokens_per_step / step_s,
-        "model_tflop_per_step": flops_per_step / 1e12,
-        "model_tflop_per_s": flops_per_step / step_s / 1e12,
-        "mfu": flops_per_step / step_s / peak if peak else None,
-    }
 
 
 def median_seconds(action: Callable[[], Any], repeats: int) -> float:
@@ -409,9 +349,13 @@ def _cpu_model() -> str:
                 platform.processor())
 
 
+def json_text(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2) + "\n"
+
+
 def emit(result: dict[str, Any], out: Path | None) -> None:
     """Print the result as JSON and, with `out`, write it there too."""
-    text = json.dumps(result, indent=2) + "\n"
+    text = json_text(result)
     print(text, end="")
     if out is not None:
         write_text_atomically(out, text)

@@ -37,7 +37,6 @@ from safetensors import safe_open
 from bench.common import (
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     allocated_gib,
     emit,
     environment,
@@ -52,6 +51,7 @@ from bench.common import (
     scratch_dir,
     weights_bytes,
 )
+from bench.flops import ModelShape
 from lightning_megatron.distributed import init_single_process
 from lightning_megatron.families import is_hf_mtp_tensor
 

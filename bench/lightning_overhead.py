@@ -42,10 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bench.common import (
-    JOINT,
-    MTP_ONLY,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     add_step_options,
     allocated_gib,
     checkpoint_scratch_bytes,
@@ -54,15 +51,13 @@ from bench.common import (
     fresh_memory,
     import_megatron_bridge_first,
     make_checkpoint,
-    model_flops,
     own_gib,
     parse_with_tiny,
-    peak_flops,
     peak_memory_gib,
     release_model,
     scratch_dir,
-    throughput,
 )
+from bench.flops import JOINT, MTP_ONLY, ModelShape, model_flops, peak_flops, throughput
 from lightning_megatron import MTPOnlyCallback, SFTModule
 from lightning_megatron.mtp.chunked_cross_entropy import DEFAULT_CHUNK_TOKENS
 from lightning_megatron.options import ModelOptions
@@ -90,6 +85,8 @@ class Settings:
     log_lm_loss_every_n_steps: int | None = 1  # MTPOnlyCallback's; None: on demand (its default)
     log_every_n_steps: int = 50  # the Trainer's (Lightning's default)
     cuda_graph_trunk: bool | None = None  # MTPOnlyCallback's; None: auto (the frozen trunk from CUDA graphs on a GPU)
+    # the strategy's; "none" (eager), not its default "auto": the comparison with the plain (eager) loop stays eager
+    cuda_graph: str = "none"
 
     @property
     def global_batch(self) -> int:
@@ -189,7 +186,7 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
     strategy = MegatronStrategy(
         hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type, micro_batch_size=settings.micro_batch,
         global_batch_size=settings.global_batch, precision=settings.precision,
-        attention_backend=settings.attention_backend,
+        attention_backend=settings.attention_backend, cuda_graph=settings.cuda_graph,
     )
     trainer = pl.Trainer(
         strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,

@@ -57,23 +57,18 @@ import lightning.pytorch as pl
 import torch
 
 from bench.common import (
-    JOINT,
-    MTP_ONLY,
-    MTP_ONLY_WITHOUT_MAIN_HEAD,
     QWEN3_0_6B,
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
-    ModelShape,
     emit,
     environment,
     fresh_memory,
     import_megatron_bridge_first,
     make_config_only_checkpoint,
-    model_flops,
     parse_with_tiny,
-    peak_flops,
     scratch_dir,
 )
+from bench.flops import JOINT, MTP_ONLY, MTP_ONLY_WITHOUT_MAIN_HEAD, ModelShape, model_flops, peak_flops
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize
 from bench.packing_profile import profile_figures, profiler
 from lightning_megatron.atomic import write_text_atomically
@@ -321,6 +316,26 @@ def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[
     return {"figures": figures, "targets": targets, "met": met}
 
 
+def measure_variants(variants: tuple[str, ...], settings: Settings, shape: ModelShape, rounds: int,
+                     peak_tflops: float | None, targets: dict[str, float]) -> dict[str, Any]:
+    """`variants` in mirrored rounds on the same settings, one after another in this process: each one's summary
+    (median step, tokens/s, MFU on the FLOPs it ran, peak memory), the order they ran in, and the figures held to
+    `targets` (`compare`; `mtp_only` must be among them)."""
+    order = [variant for round_index in range(rounds)
+             for variant in (variants if round_index % 2 == 0 else variants[::-1])]
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
+    for variant in order:
+        runs[variant].append(run_variant(variant, settings, shape.vocab))
+    peak = peak_flops(peak_tflops)
+    summaries = {variant: {**summarize(variant_runs, settings, step_flops(variant, variant_runs[0], shape, settings),
+                                       peak),
+                           "main_head_steps": variant_runs[0].get("main_head_steps")}
+                 for variant, variant_runs in runs.items()}
+    return {"shape": asdict(shape),
+            "settings": {**asdict(settings), "global_batch": settings.global_batch, "rounds": rounds},
+            "order": order, "runs": summaries, **compare(summaries, targets)}
+
+
 def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], dict | None]:
     checkpoint = make_config_only_checkpoint(root / shape_run.name, shape_run.shape, tied=shape_run.tied,
                                              tiny=args.tiny)
@@ -330,19 +345,9 @@ def run_shape(shape_run: ShapeRun, args: argparse.Namespace, root: Path) -> tupl
                         precision=args.precision, random_weights=True, loss_chunk_tokens=args.loss_chunk_tokens,
                         log_lm_loss_every_n_steps=None, log_every_n_steps=args.log_every_n_steps)
     variants = tuple(variant for variant in shape_run.variants if not args.variants or variant in args.variants)
-    order = [variant for round_index in range(args.rounds)
-             for variant in (variants if round_index % 2 == 0 else variants[::-1])]
-    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
-    for variant in order:
-        runs[variant].append(run_variant(variant, settings, shape.vocab))
-    peak = peak_flops(args.peak_tflops)
-    summaries = {variant: {**summarize(variant_runs, settings, step_flops(variant, variant_runs[0], shape, settings),
-                                       peak),
-                           "main_head_steps": variant_runs[0].get("main_head_steps")}
-                 for variant, variant_runs in runs.items()}
-    result = {"shape": asdict(shape), "tied": shape_run.tied,
-              "settings": {**asdict(settings), "global_batch": settings.global_batch, "rounds": args.rounds},
-              "order": order, "runs": summaries, **compare(summaries, shape_run.targets)}
+    result = {"tied": shape_run.tied,
+              **measure_variants(variants, settings, shape, args.rounds, args.peak_tflops, shape_run.targets)}
+    summaries = result["runs"]
     for variant in ("mtp_only", "mtp_only_eager") if torch.cuda.is_available() else ("mtp_only",):  # same on a CPU
         if variant in summaries:
             result[f"{variant}_profile"] = profile_mtp_only(settings, shape.vocab, summaries[variant]["step_s"],

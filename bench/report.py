@@ -1,9 +1,10 @@
 """Markdown tables from the benchmarks' JSON, for the README: `python -m bench.report [FILES OR FOLDERS]`.
 
 Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.py` (P1, P2), `mtp_memory.py` (P2
-per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `hf_io.py` (P3), `attention.py`
-(P4, and the older attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7) and
-`async_save.py`; other JSON files are skipped with a note. Prints a training-step table, a table of the ratios
+per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `families.py` (the same per
+family, and its gated DeltaNet layer comparison), `gdn.py`, `hf_io.py` (P3), `attention.py` (P4, and the older
+attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7) and `async_save.py`; other
+JSON files are skipped with a note. Prints a training-step table, a table of the ratios
 against their targets, an HF load/save table, the packing layouts and the source of every figure (command,
 device, versions, date).
 """
@@ -89,7 +90,7 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                          if mtp_only.get("peak_memory_ratio_including_setup") else ""), source),
         ]
     for name, data in results:
-        if kind(data) in ("mtp_memory", "trunk_cache"):
+        if kind(data) in MTP_MEMORY_KINDS:
             rows += _mtp_memory_rows(data, f"[{sources[name]}]")
     for name, data in results:
         if kind(data) != "attention":
@@ -120,21 +121,28 @@ _MTP_MEMORY_VARIANTS = {"joint": "lightning_megatron, joint with MTP",
                         "plain_mtp_only": "plain Megatron-Core MTP-only loop (non-MTP frozen)",
                         "first_epoch": "MTP-only with the trunk cache, first epoch (writes it)",
                         "cached_epochs": "MTP-only with the trunk cache, later epochs (read it)"}
+MTP_MEMORY_KINDS = ("mtp_memory", "trunk_cache", "families")  # JSON with `shapes` of runs, figures and targets
 _MTP_MEMORY_FIGURES = {  # figure -> (label, formatter, unit after the target)
     "mtp_only_over_joint_peak_memory": ("MTP-only / joint peak memory", _times, "x"),
     "mtp_only_over_joint_step_time": ("MTP-only / joint step time", _times, "x"),
     "mtp_only_peak_memory_gib": ("MTP-only peak memory", _gib, " GiB"),
     "mtp_only_step_s": ("MTP-only step time", _seconds, " s"),
+    "mtp_only_over_plain_mtp_only_step_time": ("MTP-only / plain MTP-only loop step time", _times, "x"),
+    "mtp_only_over_plain_mtp_only_peak_memory": ("MTP-only / plain MTP-only loop peak memory", _times, "x"),
 }
 
 
-def _shape_label(shape_name: str) -> str:
-    return shape_name.replace("qwen3_", "Qwen3-").replace("b", "B")
+def _shape_label(shape_name: str, shape: dict[str, Any]) -> str:
+    return shape.get("label") or shape_name.replace("qwen3_", "Qwen3-").replace("b", "B")
 
 
 def _mtp_memory_rows(data: dict[str, Any], source: str) -> list[str | None]:
     rows: list[str | None] = []
     for shape_name, shape in data["shapes"].items():
+        if "runs" not in shape:  # a families cut that did not fit, or a part that failed
+            why = shape.get("skipped") or "failed: " + shape.get("error", "no runs").strip().splitlines()[-1][:100]
+            rows.append(_row([_shape_label(shape_name, shape), why, "", "", "", "", source]))
+            continue
         figures = shape.get("figures", {})
         ratios = {
             "joint": "reference",
@@ -148,21 +156,48 @@ def _mtp_memory_rows(data: dict[str, Any], source: str) -> list[str | None]:
             "plain_mtp_only": "reference",
         }
         for variant, figures_of_run in shape["runs"].items():
-            label = f"{_shape_label(shape_name)}: {_MTP_MEMORY_VARIANTS.get(variant, variant)}"
+            label = f"{_shape_label(shape_name, shape)}: {_MTP_MEMORY_VARIANTS.get(variant, variant)}"
             rows.append(_step_row(label, figures_of_run, ratios.get(variant, ""), source))
     return rows
 
 
 def _mtp_memory_target_rows(data: dict[str, Any], source: str) -> list[str]:
     rows = []
+    prefix = "issue 40" if kind(data) == "families" else "P2"
     for shape_name, shape in data["shapes"].items():
         for figure, target in shape.get("targets", {}).items():
             label, formatter, unit = _MTP_MEMORY_FIGURES.get(figure, (figure, _times, ""))
             value = shape.get("figures", {}).get(figure)
             met = "n/a" if value is None else ("yes" if value <= target else "no")
-            rows.append(_row([f"P2 {_shape_label(shape_name)} {label}", formatter(value),
+            rows.append(_row([f"{prefix} {_shape_label(shape_name, shape)} {label}", formatter(value),
                               f"<= {target}{unit}", met, source]))
     return rows
+
+
+def gdn_table(results: list[Result], sources: dict[str, int]) -> list[str]:
+    """The gated DeltaNet layer alone, fla's kernels against the PyTorch path (`gdn.py`, and `families.py`'s)."""
+    rows = []
+    for name, data in results:
+        gdn = data if kind(data) == "gdn" else data.get("gdn") if kind(data) == "families" else None
+        if not gdn:
+            continue
+        if "pytorch" not in gdn:
+            rows.append(_row(["failed: " + gdn.get("error", "").strip().splitlines()[-1][:100], *[""] * 6,
+                              f"[{sources[name]}]"]))
+            continue
+        layer, fla = gdn["layer"], gdn["fla"]
+        shape = (f"hidden {layer['hidden']}, {layer['key_heads']}/{layer['value_heads']} key/value heads of "
+                 f"{layer['value_head_dim']}; {gdn['micro_batch']} x {gdn['seq']} tokens, {gdn['dtype']}")
+        differences = gdn.get("difference", {})
+        cells = [f"{values['max_abs']:.2e} of {values['pytorch_max_abs']:.2e}" for values in differences.values()]
+        rows.append(_row([shape, _seconds(gdn["pytorch"]["forward_backward_s"]),
+                          _seconds(fla["forward_backward_s"]) if "forward_backward_s" in fla
+                          else f"skipped: {fla.get('skipped', '')}", _times(gdn.get("pytorch_over_fla")),
+                          *(cells or ["n/a"] * 3), f"[{sources[name]}]"]))
+    if not rows:
+        return []
+    return ["| gated DeltaNet layer | PyTorch path fwd+bwd | fla fwd+bwd | PyTorch / fla | output: max abs diff of max "
+            "| input grad | in_proj weight grad | source |", "|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _target_row(figure: str, value: float | None, target: float, source: str) -> str:
@@ -240,7 +275,7 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                         mtp_only["targets"]["step_time_ratio"], source))
                 rows.append(_target_row("P2 MTP-only / joint peak memory", mtp_only["peak_memory_ratio"],
                                         mtp_only["targets"]["peak_memory_ratio"], source))
-        if kind(data) in ("mtp_memory", "trunk_cache"):
+        if kind(data) in MTP_MEMORY_KINDS:
             rows += _mtp_memory_target_rows(data, source)
         if kind(data) == "hf_io":
             target = data.get("target_vs_raw", 1.5)
@@ -373,7 +408,8 @@ def render(results: list[Result]) -> str:
                          ("Targets", targets_table(known, sources)),
                          ("HF checkpoint load and save", hf_io_table(known, sources)),
                          ("Packed, padded and full rows (P5)", packing_table(known, sources)),
-                         ("Tree packing vs flat packing (P6)", tree_table(known, sources))):
+                         ("Tree packing vs flat packing (P6)", tree_table(known, sources)),
+                         ("Gated DeltaNet layer: fla's kernels vs the PyTorch path", gdn_table(known, sources))):
         if table:
             sections.append("\n".join([f"**{title}**", "", *table]))
     sources_section = [_source_line(sources[name], name, data) for name, data in known]

@@ -21,6 +21,11 @@
 #                             step fails if one does
 #   async_save                a save's blocked time, async vs sync, and the step times around it (Qwen3-8B shape,
 #                             MTP-only; checkpoints to /dev/shm, removed afterwards)
+#   families                  issue 40: Qwen3.5-2B and GLM-4.5-Air (cut to what the GPU holds), joint and MTP-only
+#                             beside the plain MTP-only loop, and the gated DeltaNet layer with fla's kernels against
+#                             the PyTorch path (fla-core installed first from $WHEELS, default .whl, when carried
+#                             there: fla_core-*.whl and einops-*.whl; without it the PyTorch path runs and the layer
+#                             comparison is skipped with the reason)
 # Recipes (not in the default list: each wants a call of its own), their JSON and figure copied into $OUT:
 #   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (about 12 minutes)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark)
@@ -43,7 +48,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save}"
+STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 OWN_CHECKPOINTS=()
 [ -z "${CHECKPOINT:-}" ] && OWN_CHECKPOINTS+=(/tmp/qwen3-0.6b-mtp)
@@ -96,6 +101,17 @@ gpu_tests() {  # two pytest processes at once, the folders of subprocess-spawnin
     return $rc
 }
 
+install_fla() {  # fla-core (the gated DeltaNet's Triton kernels; pure Python, needs einops) from carried wheels
+    local wheels="${WHEELS:-.whl}"
+    python3 -c 'import fla' 2>/dev/null && return 0
+    if ! compgen -G "$wheels/fla_core-*.whl" >/dev/null; then
+        echo "   no $wheels/fla_core-*.whl carried: the DeltaNet layers run the PyTorch path"
+        return 0
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/fla_core-*.whl \
+        $(compgen -G "$wheels/einops-*.whl") || echo "   installing fla-core failed: the DeltaNet layers run the PyTorch path"
+}
+
 recipe() {  # a recipe's run in the scratch folder; its summary and figure into $OUT (the checkpoints stay behind)
     local name=$1 folder="$SCRATCH/lightning_megatron_bench.$1" rc=0
     python3 -m "lightning_megatron.recipes.$name" "$folder" --size gpu || rc=1
@@ -119,6 +135,7 @@ for name in $STEPS; do
                       python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \
                          python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
+        families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
         mtp_quality|mtp_drift) step "$name" recipe "$name" ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac

@@ -38,23 +38,25 @@ from typing import Any
 import torch
 
 from bench.common import (
-    JOINT,
-    MTP_ONLY,
-    MTP_ONLY_WITHOUT_MAIN_HEAD,
     QWEN3_0_6B,
     QWEN3_8B,
     TINY_SCRATCH_BYTES,
-    ModelShape,
-    Passes,
     emit,
     environment,
     fresh_memory,
     make_config_only_checkpoint,
-    model_flops,
     parse_with_tiny,
-    peak_flops,
     scratch_dir,
     start_single_process,
+)
+from bench.flops import (
+    JOINT,
+    MTP_ONLY,
+    MTP_ONLY_WITHOUT_MAIN_HEAD,
+    ModelShape,
+    Passes,
+    model_flops,
+    peak_flops,
     throughput,
 )
 from bench.lightning_overhead import Settings, run_lightning, run_plain, summarize

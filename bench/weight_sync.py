@@ -276,7 +276,8 @@ def measure_step_overhead(checkpoint: Path, workdir: Path, steps: int, warmup: i
         timer = StepTimes(sync if arm.startswith("after_") else None)
         precision = "bf16" if torch.cuda.is_available() else "fp32"
         trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), micro_batch_size=2,
-                                                       global_batch_size=8, precision=precision),
+                                                       global_batch_size=8, precision=precision,
+                                                       cuda_graph="none"),  # eager step times, as measured before
                              accelerator="auto", devices=1, max_steps=steps + warmup + 1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[callback for callback in (sync, timer) if callback is not None],

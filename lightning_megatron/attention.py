@@ -108,8 +108,9 @@ class SDPAttention(MegatronModule):
         )
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    # `lightning_megatron.cuda_graphs.full_iteration` sets it: causal rows without a mask take the layout path
-    # (flex_attention on CUDA) instead of SDPA's cuDNN kernel, whose backward cannot be captured in a CUDA graph
+    # `lightning_megatron.cuda_graphs.full_iteration` sets it in the graph's own steps (warm-up, capture): causal
+    # rows without a mask take the layout path (flex_attention on CUDA) instead of SDPA's cuDNN kernel, whose
+    # backward cannot be captured in a CUDA graph
     causal_rows_through_layout: bool = False
 
     @property

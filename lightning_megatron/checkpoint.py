@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.atomic import move_into_place, write_text_atomically
-from lightning_megatron.distributed import ParallelSizes, agree_on_failure
+from lightning_megatron.distributed import ParallelSizes, agree_on_failure, megatron_rng_states, set_megatron_rng_states
 from lightning_megatron.safe_load import UnsafeFileError, load_dcp_metadata, load_torch_file, weights_only_everywhere
 
 COMPLETE_MARKER = "COMPLETE"
@@ -383,27 +383,25 @@ def _sharded_state_dict(model_chunks: list[torch.nn.Module], optimizer: Any | No
 
 
 def _rng_states() -> dict[str, Any]:
-    """Every RNG state as tensors and plain values, so that loading needs no type beyond torch's weights_only set."""
-    from megatron.core import tensor_parallel
-
+    """Every RNG state as tensors and plain values, so that loading needs no type beyond torch's weights_only set;
+    Megatron's streams as tensors whichever tracker holds them (`megatron_rng_states`), so a checkpoint resumes
+    under any `cuda_graph`."""
     numpy_state = np.random.get_state(legacy=False)
     numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
     states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
-              "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()}
+              "megatron": megatron_rng_states()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     numpy_state = states["numpy"]
     numpy_state["state"]["key"] = numpy_state["state"]["key"].numpy().astype(np.uint32)
     random.setstate(states["python"])
     np.random.set_state(numpy_state)
     torch.set_rng_state(states["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(states["megatron"])
+    set_megatron_rng_states(states["megatron"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
 

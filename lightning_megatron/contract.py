@@ -94,6 +94,10 @@ class MegatronLightningModule(pl.LightningModule):
     # True for a model that fuses other inputs into the sequence first (Qwen3-VL's images) and so cuts it for
     # context parallelism itself: the strategy then hands `forward_step` whole rows.
     cuts_context_parallel_in_model: ClassVar[bool] = False
+    # True when `forward_step` and `loss_func` make no per-step choice in Python (a step counter, a schedule, a
+    # branch on values read from the device): `cuda_graph: auto` then replays training steps from one CUDA graph,
+    # which runs their Python only when it is captured.
+    replayable_training_step: ClassVar[bool] = False
     # Whether the MTP head trains (its loss joins the model's): `MTPOnlyCallback` trains nothing else.
     enable_mtp_training: bool = False
     # The token ids `predict` stops at; `ContinuationWriter` leaves a final one out of the answer it writes.

@@ -161,6 +161,27 @@ def init_single_process(seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
+def megatron_rng_states() -> dict[str, torch.Tensor]:
+    """Megatron-Core's named model-parallel RNG streams, copied as state tensors. Its graph-safe tracker (seeded when
+    a CUDA graph may capture the training step, `cuda_graphs/`) holds generators that its forks advance in place:
+    a reference to them would not keep the state, and a weights-only load would not read them."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import convert_cuda_rng_state
+
+    return {name: convert_cuda_rng_state(state, to_graphable=False)
+            for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+
+
+def set_megatron_rng_states(states: dict[str, torch.Tensor]) -> None:
+    """Put `megatron_rng_states()` back, whichever tracker (plain or graph-safe) took them or takes them now."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import convert_cuda_rng_state, is_graph_safe_cuda_rng_tracker
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    graph_safe = is_graph_safe_cuda_rng_tracker(tracker)
+    tracker.set_states({name: convert_cuda_rng_state(state, to_graphable=graph_safe) for name, state in states.items()})
+
+
 def free_port() -> int:
     """A port nobody listens on now: a fixed one collides with any other run on the machine."""
     with socket.socket() as sock:

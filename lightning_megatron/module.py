@@ -111,6 +111,9 @@ class SFTModule(MegatronLightningModule):
     `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
     """
 
+    # its forward_step and loss_func are tensor work only (the MTP loss tracker is read after the step)
+    replayable_training_step = True
+
     def __init__(
         self,
         enable_mtp: bool = False,

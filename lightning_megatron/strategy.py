@@ -62,7 +62,14 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
     distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
     `async_save`: saves made while training write their shards in the background (`background_save.py`).
-    `cuda_graph: full_iteration`: training steps (full or packed rows) replayed from one captured CUDA graph (GPU).
+    `cuda_graph`: training steps replayed from one captured CUDA graph (`cuda_graphs/full_iteration.py`), so that
+    the host no longer paces the GPU. `auto` (default): graphed where nothing in the run is in the way (one CUDA
+    device and one process, no pipeline, context or expert parallelism, no MoE, tree rows, MTP-only training or
+    dropout, the SDPA attention core, a module that sets `replayable_training_step`); otherwise, and on a CPU,
+    eager; either way said once in one log line, and a capture that fails falls back to eager for the rest of the
+    fit with a warning. Validation is always eager. `full_iteration`: the same graph, refusing (naming the fix)
+    what it cannot serve; `none`: always eager, silently. `cuda_graph_sequences_per_row`: the fixed count of
+    sequences packed rows are padded to inside the graph.
     """
 
     strategy_name = "megatron"
@@ -90,7 +97,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
         async_save: bool = False,
-        cuda_graph: CudaGraph = "none",
+        cuda_graph: CudaGraph = "auto",
         cuda_graph_sequences_per_row: int = SEQUENCES_PER_ROW,
         process_group_backend: Literal["nccl", "gloo"] | None = None,
         timeout_minutes: int = 30,
@@ -220,7 +227,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         check_trainer_options(module.trainer)
         if self.hf_checkpoint is None:
             raise ValueError("hf_checkpoint: MegatronStrategy needs the HF checkpoint folder to build the model from")
-        self.cuda_graphs.check_device(self.root_device)
+        self.cuda_graphs.check_run(self.root_device, self.world_size, module)
         prepare_megatron_core()
         self._init_parallel_state()
         self._build_model(module)
@@ -237,7 +244,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         )
         check_expert_parallel_world(self.world_size, sizes.expert, sizes.expert_tensor, sizes.pipeline)
         sizes.initialize(timeout_minutes=int(self._timeout.total_seconds() // 60))
-        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graphs.options.full_iteration)
+        schedule.seed_everything_megatron(self.seed, cudagraphable_rng=self.cuda_graphs.may_graph)
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
     def _build_model(self, module: MegatronLightningModule) -> None:

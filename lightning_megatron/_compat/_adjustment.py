@@ -31,6 +31,12 @@ class Patches:
             self._undo.pop()()
 
 
+_APPLIED: list[Adjustment] = []
+"""The active adjustments in the order they were applied: a later one may wrap what an earlier one installed (two
+adjustments of `WrappedTorchNorm.__new__` each call the `__new__` they found), so an earlier one is only ever undone
+with the later ones lifted off first and put back after."""
+
+
 @dataclass
 class Adjustment:
     """One workaround: `works_around` names the upstream file:line, `needed` is the condition it is applied under."""
@@ -51,20 +57,46 @@ class Adjustment:
             patches = Patches()
             self.install(patches)
             self._patches = patches
+            _APPLIED.append(self)
         return self.active
 
     def revert(self) -> None:
+        """Undo this adjustment; the ones applied after it stay applied (lifted off, then applied again on top of
+        what is left: reverting this one's patches alone would restore what they wrapped, dropping theirs)."""
         if self._patches is not None:
-            self._patches.revert()
-            self._patches = None
+            with _lifted(_APPLIED.index(self) + 1):
+                self._undo()
+
+    def _undo(self) -> None:
+        assert self._patches is not None
+        self._patches.revert()
+        self._patches = None
+        _APPLIED.remove(self)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """Run a block as if this adjustment had never been applied (used by the tests that show it is needed)."""
-        was_active = self.active
+        """Run a block as if this adjustment had never been applied (used by the tests that show it is needed);
+        then apply it again at its place in the order (its `needed` sees what it saw the first time)."""
+        if not self.active:
+            yield
+            return
+        place = _APPLIED.index(self)
         self.revert()
         try:
             yield
         finally:
-            if was_active:
+            with _lifted(place):
                 self.apply()
+
+
+@contextlib.contextmanager
+def _lifted(place: int) -> Iterator[None]:
+    """The adjustments applied from `place` on undone for a block, then applied again in their order."""
+    later = _APPLIED[place:]
+    for adjustment in reversed(later):
+        adjustment._undo()
+    try:
+        yield
+    finally:
+        for adjustment in later:
+            adjustment.apply()

@@ -13,10 +13,11 @@ Megatron model's logits equal the HF model's; packed sequences (`cu_seqlens`) ru
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -188,6 +189,21 @@ def _install_torch_gated_delta_net_kernels(patches: Patches) -> None:
         for name, value in kernels.items():
             if name in vars(module):
                 patches.setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def torch_kernels(*layers: torch.nn.Module) -> Iterator[None]:
+    """The PyTorch path of the gated DeltaNet within a block, whether or not `fla` is installed (what a machine
+    without it runs, for a comparison with fla's kernels): the three kernels as the adjustment installs them, and the
+    rule of each given GatedDeltaNet, which megatron-core binds when it builds the layer (gdn.py:59-62); undone after."""
+    patches = Patches()
+    _install_torch_gated_delta_net_kernels(patches)
+    for layer in layers:
+        patches.setattr(layer, "gated_delta_rule", torch_chunk_gated_delta_rule)
+    try:
+        yield
+    finally:
+        patches.revert()
 
 
 ADJUSTMENTS = (

@@ -55,8 +55,11 @@ class _GroupedLinear(torch.autograd.Function):
         x, offs, *weights = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
+        trained = ctx.needs_input_grad[2:]
+        if not any(trained):  # frozen experts (LoRA, MTP-only's trunk): a third of the GEMMs and their memory saved
+            return (grad_x, None, *(None for _ in trained))
         grad_weights = torch._grouped_mm(grad.t(), x, offs=offs).unbind(0)  # [experts, out, in]
-        return (grad_x, None, *grad_weights)
+        return (grad_x, None, *(g if wanted else None for g, wanted in zip(grad_weights, trained, strict=True)))
 
 
 def grouped_experts_forward(experts: Any, hidden: torch.Tensor, tokens_per_expert: torch.Tensor,

@@ -69,7 +69,9 @@ class MTPOnlyCallback(pl.Callback):
     CUDA device, full or padded rows, no tensor, context or sequence parallelism, the first pipeline stage (the
     `cuda_graphs.refusals` table lists the rest);
     elsewhere, and for inputs it does not cover (packed or tree rows), the trunk runs eagerly, logged once. True:
-    the same, but a CPU run is refused and chunks left eager are warned about; false: always eager.
+    the same, but a CPU run is refused and chunks left eager are warned about; false: always eager. The strategy's
+    whole-iteration graph does not serve MTP-only training: its `cuda_graph: auto` (the default) leaves the steps
+    eager around these trunk graphs, saying so once; `cuda_graph: full_iteration` is refused.
     """
 
     def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True,
@@ -103,7 +105,7 @@ class MTPOnlyCallback(pl.Callback):
         # the run's CUDA graph options: the strategy's, with this callback's cuda_graph_trunk
         self.cuda_graph_options = replace(strategy.cuda_graphs.options,
                                           frozen_trunk=self.cuda_graph_options.frozen_trunk)
-        check_setting(Setting(self.cuda_graph_options, mtp_only=True))
+        strategy.cuda_graphs.check_mtp_only()  # cuda_graph: full_iteration is refused; auto steps aside
         bridge = strategy.bridge
         if not bridge.supports_mtp_training:
             capable = capable_backends(lambda backend: backend.supports_mtp_training)

@@ -172,9 +172,7 @@ class GraphedForward:
             graph, output = self._record(static)
         except Exception as error:  # noqa: BLE001 - that signature stays eager, with the reason logged
             logger.warning("%s: capturing a CUDA graph failed", self.name, exc_info=True)
-            cause = error.__context__  # what failed inside the capture, when ending the capture failed too
-            self._refuse(key, f"capture failed: {type(error).__name__}: {str(error)[:300]}" + (
-                f" (after {type(cause).__name__}: {str(cause)[:300]})" if cause is not None else ""))
+            self._refuse(key, f"capture failed: {failure(error)}")
             return self._eager(self._refused[key], bound.args, bound.kwargs)
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
@@ -209,6 +207,15 @@ class GraphedForward:
         """This signature runs eagerly from now on (logged by `_eager` on its next call)."""
         self._refused[key] = reason
         self._seen.pop(key, None)
+
+
+def failure(error: BaseException) -> str:
+    """What failed, in one line: the error, and what failed inside a capture when ending the capture failed too."""
+    def line(failed: BaseException) -> str:
+        return f"{type(failed).__name__}: {' '.join(str(failed).split())[:300]}"
+
+    cause = error.__context__
+    return line(error) + (f" (after {line(cause)})" if cause is not None else "")
 
 
 def _output_reason(output: Any) -> str | None:

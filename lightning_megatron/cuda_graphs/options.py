@@ -11,9 +11,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-CudaGraph = Literal["none", "full_iteration"]
-CUDA_GRAPHS: tuple[CudaGraph, ...] = ("none", "full_iteration")
+CudaGraph = Literal["auto", "none", "full_iteration"]
+CUDA_GRAPHS: tuple[CudaGraph, ...] = ("auto", "none", "full_iteration")
 SEQUENCES_PER_ROW = 256  # packed rows' fixed count of cu_seqlens sequences (empty ones are nearly free)
+
+
+class IterationGraph(Enum):
+    """`MegatronStrategy(cuda_graph=...)`: training steps replayed from one captured CUDA graph."""
+
+    AUTO = "auto"  # where the refusal table lets it; elsewhere eager, said in one line
+    REQUIRED = "full_iteration"  # the same, but what the table refuses stops the run, naming the fix
+    OFF = "none"  # always eager
 
 
 class TrunkGraphs(Enum):
@@ -27,21 +35,21 @@ class TrunkGraphs(Enum):
 @dataclass(frozen=True)
 class CudaGraphOptions:
     """The run's CUDA graphs. `full_iteration`: training steps replayed from one captured graph (the strategy's
-    `cuda_graph: full_iteration`), packed rows padded to `sequences_per_row` sequences; `frozen_trunk`: MTP-only
-    training's frozen trunk from CUDA graphs (the MTP-only callback's `cuda_graph_trunk`)."""
+    `cuda_graph`), packed rows padded to `sequences_per_row` sequences; `frozen_trunk`: MTP-only training's frozen
+    trunk from CUDA graphs (the MTP-only callback's `cuda_graph_trunk`)."""
 
-    full_iteration: bool = False
+    full_iteration: IterationGraph = IterationGraph.AUTO
     sequences_per_row: int = SEQUENCES_PER_ROW
     frozen_trunk: TrunkGraphs = TrunkGraphs.AUTO
 
     @classmethod
-    def parse(cls, cuda_graph: str = "none", cuda_graph_sequences_per_row: int = SEQUENCES_PER_ROW,
+    def parse(cls, cuda_graph: str = "auto", cuda_graph_sequences_per_row: int = SEQUENCES_PER_ROW,
               cuda_graph_trunk: bool | None = None) -> CudaGraphOptions:
         """The options of the user's values; raises, naming the option, on a value that has no meaning."""
         if cuda_graph not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graph: {cuda_graph!r} is not one of {', '.join(map(repr, CUDA_GRAPHS))}")
-        full_iteration = cuda_graph == "full_iteration"
-        if full_iteration and cuda_graph_sequences_per_row < 1:
+        full_iteration = IterationGraph(cuda_graph)
+        if full_iteration is not IterationGraph.OFF and cuda_graph_sequences_per_row < 1:
             raise ValueError(f"cuda_graph_sequences_per_row: {cuda_graph_sequences_per_row} must be at least 1")
         trunk = {None: TrunkGraphs.AUTO, True: TrunkGraphs.REQUIRED, False: TrunkGraphs.OFF}[cuda_graph_trunk]
         return cls(full_iteration, cuda_graph_sequences_per_row, trunk)

@@ -3,9 +3,14 @@
 One row per refusal: the mechanism, what it is checked on, the condition, the reason (naming the option) and the
 fix. A row with a fix stops the run with `ValueError("<reason>; <fix>")` (`refuse`, `check_setting`); a row without
 one lets the mechanism step aside (`reason`: the frozen trunk runs that chunk or that call eagerly, logged once).
+The whole-iteration graph's rows serve both of its modes: `cuda_graph: full_iteration` raises on a row with a fix
+(`cuda_graph: <reason>; <fix>`); `cuda_graph: auto` steps aside on every row (`auto_reason`: the training steps run
+eagerly, and the strategy says why in one line), also on the `auto_only` rows, which an explicit `full_iteration`
+graphs anyway: what would make a graphed run differ from an eager one, or a failed capture unable to fall back.
 What a row is checked on, and when:
 - `Setting`: the options with what is known of the run so far: the parallel sizes when the strategy is made, the
-  device in `setup_environment`, MTP-only training when `MTPOnlyCallback` validates the setup;
+  device, the process count and the LightningModule in `setup_environment`, MTP-only training when
+  `MTPOnlyCallback` validates the setup;
 - a model chunk (unwrapped): when the whole-iteration graph is made, or the frozen trunk is set up;
 - `TrunkCall`: each call of a graphed decoder;
 - a microbatch: each training batch through the whole-iteration graph.
@@ -16,13 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from lightning_megatron.cuda_graphs.options import CudaGraphOptions, TrunkGraphs
+from lightning_megatron.cuda_graphs.options import CudaGraphOptions, IterationGraph, TrunkGraphs
 from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.microbatch import SUBTREE_END
+
+if TYPE_CHECKING:
+    from lightning_megatron.contract import MegatronLightningModule
 
 Subject = TypeVar("Subject")
 
@@ -30,7 +38,7 @@ Subject = TypeVar("Subject")
 class Mechanism(Enum):
     """Whose refusal a row is."""
 
-    FULL_ITERATION = "full_iteration"  # the strategy's `cuda_graph: full_iteration` (`full_iteration.py`)
+    FULL_ITERATION = "full_iteration"  # the strategy's `cuda_graph: auto` and `full_iteration` (`full_iteration.py`)
     FROZEN_TRUNK = "frozen_trunk"  # MTPOnlyCallback's `cuda_graph_trunk` (`frozen_trunk.py`)
 
 
@@ -41,6 +49,8 @@ class Setting:
     options: CudaGraphOptions
     parallel: ParallelSizes | None = None
     device: torch.device | None = None
+    processes: int = 1  # the run's process count
+    module: MegatronLightningModule | None = None  # what trains
     mtp_only: bool = False  # MTPOnlyCallback trains the run
 
 
@@ -61,9 +71,14 @@ class Refusal(Generic[Subject]):
     applies: Callable[[Subject], bool]
     reason: str | Callable[[Subject], str]  # naming the option (or, without a fix, what is left eager)
     fix: str | None = None  # None: the mechanism steps aside (eager), nothing for the user to change
+    option: str = ""  # what the raised message begins with, before the reason
+    auto_only: bool = False  # only `cuda_graph: auto` steps aside here; an explicit full_iteration graphs anyway
+
+    def text(self, subject: Subject) -> str:
+        return self.reason if isinstance(self.reason, str) else self.reason(subject)
 
     def message(self, subject: Subject) -> str:
-        text = self.reason if isinstance(self.reason, str) else self.reason(subject)
+        text = self.option + self.text(subject)
         return text if self.fix is None else f"{text}; {self.fix}"
 
 
@@ -81,37 +96,69 @@ def _has_sdpa_core(model: torch.nn.Module) -> bool:
     return any(isinstance(module, SDPAttention) for module in model.modules())
 
 
+def _dropout(model: torch.nn.Module) -> str | None:
+    """What draws dropout masks while the model trains (its config's rates, any `torch.nn.Dropout`), or None."""
+    config = model.config
+    found = [f"{name} {rate}" for name, rate in (("attention_dropout", config.attention_dropout),
+                                                  ("hidden_dropout", config.hidden_dropout)) if rate]
+    largest = max((module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)), default=0.0)
+    if largest:
+        found.append(f"a torch.nn.Dropout of p {largest}")
+    return ", ".join(found) or None
+
+
+def _full(subject: type, applies: Callable[[Any], bool], reason: str | Callable[[Any], str],
+          fix: str) -> Refusal[Any]:
+    """A row of the whole-iteration graph: `full_iteration` raises `cuda_graph: <reason>; <fix>`, auto steps
+    aside with `<reason>`."""
+    return Refusal(Mechanism.FULL_ITERATION, subject, applies, reason, fix, option="cuda_graph: ")
+
+
+def _auto_only(subject: type, applies: Callable[[Any], bool], reason: str | Callable[[Any], str]) -> Refusal[Any]:
+    """A row where only `cuda_graph: auto` steps aside (the reason says that `full_iteration` graphs anyway)."""
+    return Refusal(Mechanism.FULL_ITERATION, subject, applies, reason, auto_only=True)
+
+
 FULL, TRUNK, MODEL = Mechanism.FULL_ITERATION, Mechanism.FROZEN_TRUNK, torch.nn.Module
 NO_FULL_ITERATION = "set cuda_graph: none"
 UNGRAPHED_TRUNK_ARGUMENTS = ("context", "context_mask", "attention_bias", "inference_context", "inference_params")
 
 REFUSALS: tuple[Refusal[Any], ...] = (
-    # the whole-iteration graph: the options and the run
-    Refusal(FULL, Setting, lambda s: _parallel(s).pipeline != 1,
-            lambda s: f"cuda_graph: full_iteration needs pipeline_model_parallel_size: 1, got "
-                      f"{_parallel(s).pipeline} (the pipeline schedule is not captured)", NO_FULL_ITERATION),
-    Refusal(FULL, Setting, lambda s: _parallel(s).context != 1,
-            lambda s: f"cuda_graph: full_iteration needs context_parallel_size: 1, got {_parallel(s).context} "
-                      "(the CP cut reads cu_seqlens on the host in the step)", NO_FULL_ITERATION),
-    Refusal(FULL, Setting, lambda s: _parallel(s).expert != 1,
-            lambda s: f"cuda_graph: full_iteration needs expert_model_parallel_size: 1, got {_parallel(s).expert} "
-                      "(MoE routing has data-dependent shapes)", NO_FULL_ITERATION),
-    Refusal(FULL, Setting, lambda s: _off_cuda(s.device),
-            lambda s: f"cuda_graph: full_iteration needs the model on a CUDA device, got {s.device.type}",
-            f"{NO_FULL_ITERATION} (or train on a GPU)"),
-    Refusal(FULL, Setting, lambda s: s.mtp_only,
-            "cuda_graph: full_iteration does not serve MTPOnlyCallback (it decides in Python, step by step, whether "
-            "the main head runs; replays would repeat one choice)",
-            "set the strategy's cuda_graph: none (MTPOnlyCallback's cuda_graph_trunk graphs the frozen trunk)"),
+    # the whole-iteration graph: the options and the run (the device first: on a CPU it is the reason auto gives)
+    _full(Setting, lambda s: _off_cuda(s.device),
+          lambda s: f"full_iteration needs the model on a CUDA device, got {s.device.type}",
+          f"{NO_FULL_ITERATION} (or train on a GPU)"),
+    _full(Setting, lambda s: _parallel(s).pipeline != 1,
+          lambda s: f"full_iteration needs pipeline_model_parallel_size: 1, got {_parallel(s).pipeline} (the "
+                    "pipeline schedule is not captured)", NO_FULL_ITERATION),
+    _full(Setting, lambda s: _parallel(s).context != 1,
+          lambda s: f"full_iteration needs context_parallel_size: 1, got {_parallel(s).context} (the CP cut reads "
+                    "cu_seqlens on the host in the step)", NO_FULL_ITERATION),
+    _full(Setting, lambda s: _parallel(s).expert != 1,
+          lambda s: f"full_iteration needs expert_model_parallel_size: 1, got {_parallel(s).expert} (MoE routing "
+                    "has data-dependent shapes)", NO_FULL_ITERATION),
+    _full(Setting, lambda s: s.mtp_only,
+          "full_iteration does not serve MTPOnlyCallback (it decides in Python, step by step, whether the main head "
+          "runs; replays would repeat one choice)",
+          "set the strategy's cuda_graph: none (MTPOnlyCallback's cuda_graph_trunk graphs the frozen trunk)"),
+    _auto_only(Setting, lambda s: s.module is not None and not s.module.replayable_training_step,
+               lambda s: f"{type(s.module).__name__} does not set replayable_training_step (a replay repeats the "
+                         "captured step's Python choices; cuda_graph: full_iteration graphs it anyway)"),
+    _auto_only(Setting, lambda s: s.processes > 1,
+               lambda s: f"{s.processes} processes: a capture that fails on one could not fall back to eager without "
+                         "the others (cuda_graph: full_iteration graphs them anyway)"),
     # the whole-iteration graph: each model chunk when the graph is made, then each training batch
-    Refusal(FULL, MODEL, lambda model: bool(model.config.num_moe_experts),
-            "cuda_graph: full_iteration does not serve Mixture of Experts models (token routing has data-dependent "
-            "shapes)", NO_FULL_ITERATION),
-    Refusal(FULL, MODEL, lambda model: not _has_sdpa_core(model),
-            "cuda_graph: full_iteration needs the SDPAttention core (attention_backend: sdpa, or auto without "
-            "Transformer Engine)", f"{NO_FULL_ITERATION} or attention_backend: sdpa"),
-    Refusal(FULL, dict, lambda microbatch: SUBTREE_END in microbatch,
-            "cuda_graph: full_iteration does not serve tree rows (subtree_end)", NO_FULL_ITERATION),
+    _full(MODEL, lambda model: bool(model.config.num_moe_experts),
+          "full_iteration does not serve Mixture of Experts models (token routing has data-dependent shapes)",
+          NO_FULL_ITERATION),
+    _full(MODEL, lambda model: not _has_sdpa_core(model),
+          "full_iteration needs the SDPAttention core (attention_backend: sdpa, or auto without Transformer Engine)",
+          f"{NO_FULL_ITERATION} or attention_backend: sdpa"),
+    _auto_only(MODEL, lambda model: _dropout(model) is not None,
+               lambda model: f"dropout while training ({_dropout(model)}): a graphed step's masks are not shown to "
+                             "equal an eager step's (cuda_graph: full_iteration graphs it anyway)"),
+    _full(dict, lambda microbatch: SUBTREE_END in microbatch,
+          "full_iteration does not serve tree rows (subtree_end)", NO_FULL_ITERATION),
     # the frozen trunk: the options and the run
     Refusal(TRUNK, Setting, lambda s: s.options.frozen_trunk is TrunkGraphs.REQUIRED and _off_cuda(s.device),
             lambda s: f"cuda_graph_trunk: true needs the model on a CUDA device (this run's is {s.device})",
@@ -153,11 +200,22 @@ REFUSALS: tuple[Refusal[Any], ...] = (
 
 
 def reason(mechanism: Mechanism, subject: object) -> str | None:
-    """The first of `mechanism`'s refusals that applies to `subject` (rows in table order), or None."""
-    for row in REFUSALS:
-        if row.mechanism is mechanism and isinstance(subject, row.subject) and row.applies(subject):
-            return row.message(subject)
-    return None
+    """The first of `mechanism`'s refusals that applies to `subject` (rows in table order, `auto_only` ones left
+    out), as raised or logged; or None."""
+    row = _first_row(mechanism, subject, auto=False)
+    return None if row is None else row.message(subject)
+
+
+def auto_reason(subject: object) -> str | None:
+    """Why `cuda_graph: auto` runs the training steps eagerly: the first whole-iteration row that applies to
+    `subject` (`auto_only` ones included), without the option or the fix; None: nothing in the way."""
+    row = _first_row(FULL, subject, auto=True)
+    return None if row is None else row.text(subject)
+
+
+def _first_row(mechanism: Mechanism, subject: object, *, auto: bool) -> Refusal[Any] | None:
+    return next((row for row in REFUSALS if row.mechanism is mechanism and (auto or not row.auto_only)
+                 and isinstance(subject, row.subject) and row.applies(subject)), None)
 
 
 def refuse(mechanism: Mechanism, subject: object) -> None:
@@ -168,8 +226,9 @@ def refuse(mechanism: Mechanism, subject: object) -> None:
 
 
 def check_setting(setting: Setting) -> None:
-    """Raise on what the mechanisms the options turn on cannot serve in this setting."""
-    if setting.options.full_iteration:
+    """Raise on what the mechanisms the options require cannot serve in this setting (`cuda_graph: auto` steps
+    aside instead: `auto_reason`)."""
+    if setting.options.full_iteration is IterationGraph.REQUIRED:
         refuse(FULL, setting)
     if setting.options.frozen_trunk is not TrunkGraphs.OFF:
         refuse(TRUNK, setting)

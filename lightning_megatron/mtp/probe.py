@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_megatron.distributed import megatron_rng_states, set_megatron_rng_states
 from lightning_megatron.microbatch import Microbatch
 
 METRIC_PREFIX = "draft_acceptance"
@@ -192,10 +193,7 @@ def _global_batches(trainer: pl.Trainer, loader: object) -> Iterator[list[Microb
 def _rng_untouched() -> Iterator[None]:
     """Every RNG state back as it was on leaving: Python's, NumPy's, torch's (CPU and this CUDA device) and
     Megatron-Core's named model-parallel streams."""
-    from megatron.core import tensor_parallel
-
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    python_state, numpy_state, tracker_states = random.getstate(), np.random.get_state(), tracker.get_states()
+    python_state, numpy_state, tracker_states = random.getstate(), np.random.get_state(), megatron_rng_states()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):
@@ -203,7 +201,7 @@ def _rng_untouched() -> Iterator[None]:
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
-        tracker.set_states(tracker_states)
+        set_megatron_rng_states(tracker_states)
 
 
 @contextmanager

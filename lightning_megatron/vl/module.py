@@ -30,6 +30,9 @@ class VLSFTModule(SFTModule):
 
     # The strategy hands over full rows; the model cuts them after fusing the images (see the module docstring).
     cuts_context_parallel_in_model = True
+    # Megatron-Bridge's Qwen-VL models read the image grids on the host (vision windows, MRoPE positions): a replay
+    # would repeat the captured batch's
+    replayable_training_step = False
 
     def __init__(
         self,

@@ -129,13 +129,30 @@ def test_packed_sequences_run_each_from_a_zero_state():
         assert torch.equal(packed_rule[:, part], alone)
 
 
+def test_torch_kernels_put_the_pytorch_path_in_place_for_a_block_only():
+    """`torch_kernels` (a benchmark's PyTorch side beside fla's): megatron-core's three kernels and the given layer's
+    rule, bound when it was built, are the PyTorch ones inside the block and what they were after it."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    def kernels() -> dict[tuple[str, str], object]:
+        return {(module.__name__, name): getattr(module, name) for module in (common, gdn)
+                for name in ("causal_conv1d", "l2norm", "chunk_gated_delta_rule") if name in vars(module)}
+
+    layer = torch.nn.Module()
+    layer.gated_delta_rule = built_with = object()
+    before = kernels()
+    with gated_delta_net.torch_kernels(layer):
+        assert layer.gated_delta_rule is gated_delta_net.torch_chunk_gated_delta_rule
+        assert gdn.causal_conv1d is gated_delta_net.torch_causal_conv1d and common.l2norm is gated_delta_net.torch_l2norm
+    assert layer.gated_delta_rule is built_with and kernels() == before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(gated_delta_net.fla_missing(), reason="needs fla (the gdn extra)")
 def test_fla_kernels_agree_with_the_torch_path_on_a_gated_deltanet_layer(model_parallel, checkpoint):
     """One GatedDeltaNet layer of the tiny Qwen3.5 on the GPU in bf16: with `fla`'s Triton kernels (what megatron-core
     uses where `fla-core` is installed, the kernels adjustment off) and with the PyTorch path, on the same input; to
     bf16's resolution (2^-8 relative, a few roundings deep), gradients included."""
-    from lightning_megatron._compat._adjustment import Patches
     from lightning_megatron.bridges import create_bridge
     from lightning_megatron.options import ModelOptions
 
@@ -152,13 +169,9 @@ def test_fla_kernels_agree_with_the_torch_path_on_a_gated_deltanet_layer(model_p
         return [out.detach().float(), hidden.grad.float(), layer.in_proj.weight.grad.float()]
 
     fast = forward_and_grads()
-    patches = Patches()
-    gated_delta_net._install_torch_gated_delta_net_kernels(patches)
-    patches.setattr(layer, "gated_delta_rule", gated_delta_net.torch_chunk_gated_delta_rule)  # bound when built
-    try:
+    with gated_delta_net.torch_kernels(layer):
         slow = forward_and_grads()
-    finally:
-        patches.revert()
+    assert layer.gated_delta_rule is not gated_delta_net.torch_chunk_gated_delta_rule  # fla's again after the block
     for fla_value, torch_value in zip(fast, slow, strict=True):
         scale = float(torch_value.abs().max())
         torch.testing.assert_close(fla_value, torch_value, rtol=0, atol=2e-2 * scale)

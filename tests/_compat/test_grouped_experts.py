@@ -85,6 +85,25 @@ def test_grouped_experts_equal_the_loop_forward_and_every_gradient(model_paralle
     assert idle and all(torch.count_nonzero(grouped[name]) == 0 for name in idle)
 
 
+@pytest.mark.skipif(not _grouped_mm_on("cpu"), reason="this torch has no CPU kernel for torch._grouped_mm")
+def test_frozen_experts_get_no_weight_gradient_and_the_same_input_gradient(model_parallel, checkpoint,
+                                                                          monkeypatch) -> None:
+    """LoRA and MTP-only freeze the experts: their weight GEMMs are skipped (two grouped GEMMs forward, two for the
+    input's gradient, none for the weights'), the input's gradient is the loop's."""
+    experts = _experts(checkpoint, torch.float32)
+    experts.requires_grad_(False)
+    routed = _routed_tokens(experts, "cpu", torch.float32)
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: calls.append(1) or grouped_mm(*args, **kwargs))
+    grouped = _forward_and_grads(grouped_experts.grouped_experts_forward, experts, *routed)
+    monkeypatch.undo()
+    assert len(calls) == 4
+    loop = _forward_and_grads(_loop, experts, *routed)
+    assert [name for name, grad in grouped.items() if grad is not None] == ["output", "hidden.grad"]
+    torch.testing.assert_close(grouped["hidden.grad"], loop["hidden.grad"], rtol=1e-5, atol=1e-6)
+
+
 def test_the_cpu_keeps_the_loop(model_parallel, checkpoint) -> None:
     adjustment = grouped_experts.MEGATRON_CORE_ADJUSTMENTS[0]
     if torch.cuda.is_available():

@@ -73,6 +73,9 @@ TINY_RUNS = {
     "mtp_memory": _tiny("test_mtp_memory_benchmark_runs_tiny", "bench.mtp_memory", "--tiny"),
     "data": _tiny("test_data_benchmark_runs_tiny", "bench.data", "--tiny", workdir=True),
     "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
+    # 2 MiB to plan GLM's cuts against: its tiny model's MTP-only training fits (1.1 MiB), joint training not (3 MiB)
+    "families": _tiny("test_families_benchmark_runs_tiny", "bench.families", "--tiny", "--free-gib", "0.002",
+                      "--reserve-gib", "0"),
 }
 
 
@@ -363,6 +366,42 @@ def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
     assert distilled["losses"][0][1] == small["runs"]["mtp_only"]["losses"][0][1]
     assert small["figures"]["self_distill_over_joint_step_time"] > 0
     assert large["targets"] == {"mtp_only_peak_memory_gib": 23.6, "mtp_only_step_s": 0.348}
+
+
+@pytest.mark.slow
+def test_families_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "families")
+    shapes = result["shapes"]
+    assert result["benchmark"] == "families" and set(shapes) == {"qwen3_5_2b", "glm4_5_air", "glm4_5_air_joint"}
+    qwen, glm, joint = shapes["qwen3_5_2b"], shapes["glm4_5_air"], shapes["glm4_5_air_joint"]
+    assert qwen["order"] == ["joint", "mtp_only", "plain_mtp_only"]
+    # GLM cut to what 2 MiB hold: MTP-only training of both tiny layers (a dense one, an MoE one), no joint training
+    assert glm["fit"]["mtp_only_layers"] == 2 and glm["fit"]["joint_layers"] is None and "skipped" in joint
+    assert glm["order"] == ["mtp_only", "plain_mtp_only"]
+    assert glm["label"] == "GLM-4.5-Air, first 2 of 2 layers (MTP-only fits)"
+    assert glm["shape"]["experts"]["moe_layers"] == [False, True]
+    for shape in (qwen, glm):
+        for figures in shape["runs"].values():
+            _check_throughput(figures)
+        # Megatron's random initialization and the same tokens: Lightning MTP-only and the plain MTP-only loop
+        # train the same MTP layer and leave the backbone alone (lm_loss only in the step Lightning logs)
+        ours, plain = shape["runs"]["mtp_only"], shape["runs"]["plain_mtp_only"]
+        assert ours["mtp_losses"][0] == pytest.approx(plain["mtp_losses"][0], abs=1e-5)
+        assert ours["losses"][0][1] == pytest.approx(plain["losses"][0][1], abs=1e-5)
+        assert ours["frozen_bit_identical"] is True
+        assert shape["figures"]["mtp_only_over_plain_mtp_only_step_time"] > 0
+        assert shape["targets"] == {"mtp_only_over_plain_mtp_only_step_time": 0.95,
+                                    "mtp_only_over_plain_mtp_only_peak_memory": 1.0}
+        assert shape["met"]["mtp_only_over_plain_mtp_only_peak_memory"] is None  # no peak memory on the CPU
+    assert qwen["runs"]["mtp_only"]["model_tflop_per_step"] < qwen["runs"]["joint"]["model_tflop_per_step"]
+    gdn = result["gdn"]  # the PyTorch path alone: fla's Triton kernels need fla and a GPU
+    assert gdn["pytorch"]["forward_backward_s"] > 0 and gdn["model_tflop_per_call"] > 0 and gdn["fla"]["skipped"]
+    assert result["gdn_kernels"].startswith("pytorch")
+    table = report.render([("families.json", result)])
+    assert ("| issue 40 GLM-4.5-Air, first 2 of 2 layers (MTP-only fits) MTP-only / plain MTP-only loop step time |"
+            in table)
+    assert "| Qwen3.5-2B: plain Megatron-Core MTP-only loop (non-MTP frozen) |" in table
+    assert "| GLM-4.5-Air (joint) | no cut with an MoE layer fits joint training in the budget |" in table
 
 
 def test_the_memory_breakdown_groups_what_is_live_at_the_training_peak():

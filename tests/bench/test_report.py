@@ -82,6 +82,34 @@ def test_report_tables_the_mtp_memory_benchmark():
     assert "| P2 Qwen3-8B MTP-only step time | 0.350 s | <= 0.348 s | no | [1] |" in lines
 
 
+def test_report_tables_the_families_benchmark():
+    def figures(step_s: float, memory: float) -> dict:
+        return {"step_s": step_s, "tokens_per_s": 8192 / step_s, "mfu": 0.2, "peak_memory_gib": memory}
+
+    targets = {"mtp_only_over_plain_mtp_only_step_time": 0.95, "mtp_only_over_plain_mtp_only_peak_memory": 1.0}
+    data = {"benchmark": "families", "command": "python3 -m bench.families", "device": "NVIDIA H200", "shapes": {
+        "glm4_5_air": {"label": "GLM-4.5-Air, first 17 of 46 layers (MTP-only fits)", "targets": targets,
+                       "runs": {"mtp_only": figures(0.9, 110.0), "plain_mtp_only": figures(1.0, 112.0)},
+                       "figures": {"mtp_only_over_plain_mtp_only_step_time": 0.9,
+                                   "mtp_only_over_plain_mtp_only_peak_memory": 110 / 112}},
+        "glm4_5_air_joint": {"label": "GLM-4.5-Air (joint)", "skipped": "no cut fits joint training"}},
+        "gdn": {"layer": {"hidden": 2048, "key_heads": 16, "value_heads": 16, "value_head_dim": 128},
+                "micro_batch": 2, "seq": 2048, "dtype": "bfloat16", "pytorch": {"forward_backward_s": 0.05},
+                "fla": {"forward_backward_s": 0.005}, "pytorch_over_fla": 10.0,
+                "difference": {"output": {"max_abs": 0.01, "pytorch_max_abs": 4.0},
+                               "input_grad": {"max_abs": 0.02, "pytorch_max_abs": 8.0},
+                               "in_proj_weight_grad": {"max_abs": 0.5, "pytorch_max_abs": 100.0}}}}
+    lines = report.render([("f.json", data)]).splitlines()
+    mtp_only = next(line for line in lines if line.startswith("| GLM-4.5-Air, first 17 of 46 layers (MTP-only fits): "
+                                                              "lightning_megatron, MTP-only"))
+    assert "| 0.900 s | 9.1k | 20.0% | 110.0 GiB | 0.900x plain loop's step time, 0.982x plain loop's" in mtp_only
+    assert "| GLM-4.5-Air (joint) | no cut fits joint training |  |  |  |  | [1] |" in lines
+    assert ("| issue 40 GLM-4.5-Air, first 17 of 46 layers (MTP-only fits) MTP-only / plain MTP-only loop step time "
+            "| 0.900x | <= 0.95x | yes | [1] |") in lines
+    assert ("| hidden 2048, 16/16 key/value heads of 128; 2 x 2048 tokens, bfloat16 | 0.050 s | 0.005 s | 10.000x | "
+            "1.00e-02 of 4.00e+00 | 2.00e-02 of 8.00e+00 | 5.00e-01 of 1.00e+02 | [1] |") in lines
+
+
 def test_report_names_no_folder_of_the_machine_that_measured():
     command = "python3 -m bench.hf_io --checkpoint ckpt/qwen3-0.6b-mtp --repeats 3 --out runs/b/hf_io.json"
     assert report.portable(command) == (

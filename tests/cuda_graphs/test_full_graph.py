@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
-from lightning_megatron.cuda_graphs.options import CudaGraphOptions, TrunkGraphs
+from lightning_megatron.cuda_graphs.options import CudaGraphOptions, IterationGraph, TrunkGraphs
 from lightning_megatron.cuda_graphs.refusals import Mechanism, Setting, check_setting, reason
 from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.microbatch import with_fixed_sequence_count
@@ -40,15 +40,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_options_are_parsed_once_into_one_frozen_object():
     from lightning_megatron.callbacks import MTPOnlyCallback
 
-    assert CudaGraphOptions.parse() == CudaGraphOptions(False, 256, TrunkGraphs.AUTO)
+    assert CudaGraphOptions.parse() == CudaGraphOptions(IterationGraph.AUTO, 256, TrunkGraphs.AUTO)
+    assert CudaGraphOptions.parse("none").full_iteration is IterationGraph.OFF
     options = CudaGraphOptions.parse("full_iteration", 16, cuda_graph_trunk=False)
-    assert options == CudaGraphOptions(full_iteration=True, sequences_per_row=16, frozen_trunk=TrunkGraphs.OFF)
+    assert options == CudaGraphOptions(full_iteration=IterationGraph.REQUIRED, sequences_per_row=16,
+                                       frozen_trunk=TrunkGraphs.OFF)
     assert CudaGraphOptions.parse(cuda_graph_trunk=True).frozen_trunk is TrunkGraphs.REQUIRED
     assert CudaGraphOptions.parse("none", 0).sequences_per_row == 0  # only the graph reads it
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.full_iteration = False  # type: ignore[misc]
+        options.full_iteration = IterationGraph.OFF  # type: ignore[misc]
     strategy = MegatronStrategy(hf_checkpoint="unused", cuda_graph="full_iteration", cuda_graph_sequences_per_row=8)
-    assert strategy.cuda_graphs.options == CudaGraphOptions(full_iteration=True, sequences_per_row=8)
+    assert strategy.cuda_graphs.options == CudaGraphOptions(full_iteration=IterationGraph.REQUIRED, sequences_per_row=8)
     assert MTPOnlyCallback(cuda_graph_trunk=False).cuda_graph_options.frozen_trunk is TrunkGraphs.OFF
 
 
@@ -57,15 +59,15 @@ def test_the_options_keep_their_names_types_and_defaults():
     from lightning_megatron.callbacks import MTPOnlyCallback
 
     hints = typing.get_type_hints(MegatronStrategy.__init__)
-    assert hints["cuda_graph"] == Literal["none", "full_iteration"]
+    assert hints["cuda_graph"] == Literal["auto", "none", "full_iteration"]
     assert hints["cuda_graph_sequences_per_row"] is int
     parameters = inspect.signature(MegatronStrategy).parameters
-    assert (parameters["cuda_graph"].default, parameters["cuda_graph_sequences_per_row"].default) == ("none", 256)
+    assert (parameters["cuda_graph"].default, parameters["cuda_graph_sequences_per_row"].default) == ("auto", 256)
     assert typing.get_type_hints(MTPOnlyCallback.__init__)["cuda_graph_trunk"] == bool | None
     assert inspect.signature(MTPOnlyCallback).parameters["cuda_graph_trunk"].default is None
 
 
-FULL = CudaGraphOptions(full_iteration=True)
+FULL = CudaGraphOptions(full_iteration=IterationGraph.REQUIRED)
 CPU = torch.device("cpu")
 
 
@@ -92,11 +94,12 @@ def test_each_refusal_of_the_options_names_the_option_and_the_fix(setting, messa
 
 
 @pytest.mark.parametrize("setting", [
-    Setting(CudaGraphOptions(), ParallelSizes(pipeline=2, context=2, expert=2), CPU, mtp_only=True),
-    Setting(CudaGraphOptions(frozen_trunk=TrunkGraphs.OFF), device=CPU, mtp_only=True),
+    Setting(CudaGraphOptions(IterationGraph.OFF), ParallelSizes(pipeline=2, context=2, expert=2), CPU, mtp_only=True),
+    Setting(CudaGraphOptions(), ParallelSizes(pipeline=2, context=2, expert=2), CPU, processes=8, mtp_only=True),
+    Setting(CudaGraphOptions(IterationGraph.OFF, frozen_trunk=TrunkGraphs.OFF), device=CPU, mtp_only=True),
     Setting(FULL, ParallelSizes(tensor=2, data=4), torch.device("cuda", 0)),
     Setting(FULL),
-], ids=["nothing_asked", "trunk_off", "one_gpu_per_replica", "nothing_known_yet"])
+], ids=["nothing_asked", "auto_steps_aside", "trunk_off", "one_gpu_per_replica", "nothing_known_yet"])
 def test_what_the_options_can_serve_is_not_refused(setting):
     check_setting(setting)
 
@@ -122,7 +125,7 @@ def test_the_whole_iteration_graph_refuses_moe_models_and_other_attention_cores(
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (dict(cuda_graph="whole"), "cuda_graph: 'whole' is not one of 'none', 'full_iteration'"),
+    (dict(cuda_graph="whole"), "cuda_graph: 'whole' is not one of 'auto', 'none', 'full_iteration'"),
     (dict(cuda_graph_sequences_per_row=0), "cuda_graph_sequences_per_row: 0 must be at least 1"),
     (dict(pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size: 1, got 2"),
     (dict(context_parallel_size=2), "needs context_parallel_size: 1, got 2"),

@@ -1,0 +1,32 @@
+"""Adjustments that patch the same attribute stack: suspending or reverting the earlier one keeps the later one's
+patch (the sequence-parallel and the zero-centred torch norms both wrap `WrappedTorchNorm.__new__`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lightning_megatron._compat._adjustment import Adjustment, Patches
+
+
+def _wrapping(name: str, target: SimpleNamespace) -> Adjustment:
+    """An adjustment that wraps `target.call`, recording its name in the calls it makes."""
+
+    def install(patches: Patches) -> None:
+        previous = target.call
+        patches.setattr(target, "call", lambda: [*previous(), name])
+
+    return Adjustment(name, "a test's upstream", lambda: True, install)
+
+
+def test_suspending_or_reverting_an_earlier_adjustment_keeps_the_later_ones():
+    target = SimpleNamespace(call=lambda: ["upstream"])
+    first, second = _wrapping("first", target), _wrapping("second", target)
+    assert first.apply() and second.apply()
+    assert target.call() == ["upstream", "first", "second"]
+    with first.suspended():
+        assert target.call() == ["upstream", "second"] and second.active and not first.active
+    assert target.call() == ["upstream", "first", "second"]  # in the order they were applied
+    first.revert()
+    assert target.call() == ["upstream", "second"]
+    second.revert()
+    assert target.call() == ["upstream"] and not first.active and not second.active
