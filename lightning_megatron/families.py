@@ -18,17 +18,24 @@ How to add a model family:
    names then need the checkpoint's config (`MTPNames.head(i, hf_config)`, `is_hf_mtp_tensor(name, hf_config)`),
    and `MTPNames.copies` lists the main-model tensors its checkpoints store again inside each MTP layer. A family
    with linear-attention layers (Qwen3.5's gated DeltaNet) sets `linear_attention=True`: the bridges then build it
-   only where a backend lists it in `linear_attention_model_types`, and tree packing is refused.
+   only where a backend lists it in `linear_attention_model_types`, and tree packing is refused. A multimodal
+   checkpoint whose text model (and MTP head) the package trains text-only, its other towers copied unchanged into
+   every export (Qwen3.5's published `qwen3_5` checkpoints), sets `language_model` to the text family it holds
+   (`LanguageModel`): that family's entry must exist, and the multimodal entry repeats its `mtp`, `moe` and
+   `linear_attention` (`vl_name` stays None: that is the image-training path of `lightning_megatron.vl`). Code that
+   reads the text model's config or names goes through `text_model_config` and `checkpoint_name`.
 2. Run `pytest tests/test_families.py tests/testing/test_checkpoints.py`: the consumer checks there say what else is
    needed.
    The tiny-checkpoint maker (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`, or
    `testing.vl.make_tiny_vl_checkpoint`) must learn to write the family (its config class and decoder-layer
    tensors) before the MTP-name checks can run on it; a family with MTP also needs its HF classes in
    `testing.references.hf_mtp_reference_logits`, and an MoE family its router fields in `lightning_megatron.moe`.
+   A multimodal family with a `language_model` is written by `make_tiny_checkpoint` from its text family's tensors
+   (renamed) plus its other towers (`testing.qwen3_5.multimodal_config`, `vision_tower_shapes` for Qwen3.5).
 3. Then the bridge tests (`tests/bridges/test_bridges.py`, `tests/_compat/test_bridges.py`, `tests/test_moe.py`,
-   `tests/vl/test_vl.py`) tell whether the bridges map it. A bridge builds an MoE family only where it lists it in
-   `moe_model_types`; without Transformer Engine the local spec builds `SequentialMLP` experts, so a megatron-bridge
-   registry that maps only `TEGroupedMLP` expert names (an MTP layer's, often) needs
+   `tests/vl/test_vl.py`, `tests/test_qwen3_5_vl.py`) tell whether the bridges map it. A bridge builds an MoE family
+   only where it lists it in `moe_model_types`; without Transformer Engine the local spec builds `SequentialMLP`
+   experts, so a megatron-bridge registry that maps only `TEGroupedMLP` expert names (an MTP layer's, often) needs
    `_compat.moe.install_sequential_expert_names` for its bridge class. Experts a checkpoint stores packed
    (Qwen3.5-MoE's `mlp.experts.gate_up_proj`) are read as they are by the references and the draft head
    (`hf_io.hf_module_state`), and a fresh MTP head stores them one by one (`mtp.restore`).
@@ -108,6 +115,35 @@ class MTPNames:
 
 
 @dataclass(frozen=True)
+class LanguageModel:
+    """Where a multimodal checkpoint keeps the text model the package trains on it, text only.
+
+    Its config.json holds the text family's config under `text_config`; the text family's `model.*` tensors are
+    stored under `prefix`, its LM head and MTP head under their own names, and the other towers' tensors (the vision
+    tower: `other_prefixes`) are copied unchanged into every export, so the exported folder is still the multimodal
+    checkpoint inference engines serve. A draft head only ever sees text, so MTP training needs no image.
+    """
+
+    model_type: str  # the text family (an entry of `MODEL_FAMILIES`)
+    prefix: str  # where the text family's `model.` tensors are stored
+    other_prefixes: tuple[str, ...]  # the tensors of the other towers, which the text model does not hold
+
+    def checkpoint_name(self, text_name: str) -> str:
+        """The multimodal checkpoint's name of a text-family tensor name."""
+        return self.prefix + text_name.removeprefix(_TEXT_MODEL_PREFIX) if text_name.startswith(
+            _TEXT_MODEL_PREFIX) else text_name
+
+    def text_name(self, name: str) -> str | None:
+        """The text-family name of a multimodal checkpoint's tensor; None for another tower's."""
+        if name.startswith(self.other_prefixes):
+            return None
+        return _TEXT_MODEL_PREFIX + name.removeprefix(self.prefix) if name.startswith(self.prefix) else name
+
+
+_TEXT_MODEL_PREFIX = "model."
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """What the package knows about one HF `model_type`."""
 
@@ -118,6 +154,8 @@ class ModelFamily:
     vl_name: str | None = None  # the vision-language model's display name; None for a text model
     linear_attention: bool = False  # some decoder layers are linear attention (Qwen3.5's gated DeltaNet): its state
     # runs along the whole row, so a packed row or a tree is not a mask over tokens
+    language_model: LanguageModel | None = None  # a multimodal checkpoint trained as the text model it holds
+    zero_centered_norms: bool = False  # its RMSNorms scale by `1 + weight` (Qwen3.5's): a fresh norm is zeros
 
 
 # GLM-4.5 / GLM-4.5-Air / GLM-4.6 (zai-org; megatron-bridge glm/glm45_bridge.py): each MTP layer is stored as one
@@ -163,6 +201,11 @@ _MIMO_MTP = MTPNames(
 # (Qwen/Qwen3.5-35B-A3B ... 397B-A17B, text model `qwen3_5_moe_text`) has the same head, its layer with routed experts
 # (stored one by one, where its decoder layers store them packed: `mlp.experts.gate_up_proj`; Qwen3.6 packs both).
 _QWEN3_5_MTP = replace(_QWEN3_MTP, layers_key="mtp_num_hidden_layers")
+# The checkpoints Qwen publishes (Qwen/Qwen3.5-0.8B ... 27B) are multimodal (`Qwen3_5ForConditionalGeneration`): the
+# text model under `model.language_model.`, the vision tower under `model.visual.`, `lm_head` and the MTP head `mtp.*`
+# at the top (megatron-bridge qwen_vl/qwen35_vl_bridge.py; transformers loads the same folder as Qwen3_5ForCausalLM).
+_QWEN3_5_LANGUAGE_MODEL = LanguageModel("qwen3_5_text", prefix="model.language_model.",
+                                        other_prefixes=("model.visual.",))
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     entry.model_type: entry
@@ -174,9 +217,13 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", mtp=_QWEN3_MTP, moe=True),
         ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
         ModelFamily("glm4_moe", "Glm4MoeForCausalLM", mtp=_GLM4_MOE_MTP, moe=True),
-        ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True),
+        ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", mtp=_QWEN3_5_MTP, linear_attention=True,
+                    zero_centered_norms=True),
+        ModelFamily("qwen3_5", "Qwen3_5ForConditionalGeneration", mtp=_QWEN3_5_MTP, linear_attention=True,
+                    language_model=_QWEN3_5_LANGUAGE_MODEL, zero_centered_norms=True),
         ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", mtp=_DEEPSEEK_V3_MTP, moe=True),
-        ModelFamily("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", mtp=_QWEN3_5_MTP, moe=True, linear_attention=True),
+        ModelFamily("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", mtp=_QWEN3_5_MTP, moe=True, linear_attention=True,
+                    zero_centered_norms=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),
     )
@@ -187,6 +234,8 @@ MTP_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.
 MOE_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.moe)
 VL_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.vl_name is not None)
 LINEAR_ATTENTION_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.linear_attention)
+LANGUAGE_MODEL_TYPES = tuple(name for name, entry in MODEL_FAMILIES.items() if entry.language_model is not None)
+"""The multimodal families trained as the text model they hold (`LanguageModel`)."""
 
 
 def family(model_type: str | None) -> ModelFamily:
@@ -239,5 +288,35 @@ def is_hf_mtp_tensor(name: str, hf_config: dict[str, Any] | None = None) -> bool
 
 
 def checkpoint_mtp_layers(hf_config: dict[str, Any]) -> int:
-    """How many MTP layers an HF config declares (0 when none), whatever key its family uses."""
-    return max((int(hf_config.get(key) or 0) for key in MTP_CONFIG_KEYS), default=0)
+    """How many MTP layers an HF config declares (0 when none), whatever key its family uses (in the text model's
+    config of a multimodal checkpoint)."""
+    config = text_model_config(hf_config)
+    return max((int(config.get(key) or 0) for key in MTP_CONFIG_KEYS), default=0)
+
+
+def language_model(hf_config: dict[str, Any] | None) -> LanguageModel | None:
+    """Where a multimodal checkpoint of this config keeps its text model; None for a text checkpoint."""
+    entry = MODEL_FAMILIES.get((hf_config or {}).get("model_type"))
+    return None if entry is None else entry.language_model
+
+
+def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model a checkpoint holds: its own, or a multimodal checkpoint's `text_config` with the
+    top-level `tie_word_embeddings` (where such checkpoints declare it)."""
+    if language_model(hf_config) is None:
+        return hf_config
+    return {**hf_config["text_config"], "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False))}
+
+
+def checkpoint_name(hf_config: dict[str, Any], text_name: str) -> str:
+    """Where a checkpoint of this config stores the text-family tensor `text_name` (`model.embed_tokens.weight`):
+    under that name, or under its multimodal name (`LanguageModel.checkpoint_name`)."""
+    layout = language_model(hf_config)
+    return text_name if layout is None else layout.checkpoint_name(text_name)
+
+
+def with_text_model_fields(hf_config: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A copy of `hf_config` with `fields` set in its text model's config (`text_config` of a multimodal one)."""
+    if language_model(hf_config) is None:
+        return {**hf_config, **fields}
+    return {**hf_config, "text_config": {**hf_config["text_config"], **fields}}

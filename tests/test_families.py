@@ -22,6 +22,8 @@ from lightning_megatron.families import (
     family,
     is_hf_mtp_tensor,
     mtp_names,
+    text_model_config,
+    with_text_model_fields,
 )
 from lightning_megatron.moe import checkpoint_num_experts
 from lightning_megatron.mtp.restore import restore_mtp_head
@@ -33,7 +35,8 @@ PACKAGE = Path(lightning_megatron.__file__).parent
 # Each MTP family's checkpoint minus its MTP head is this one: the same decoder (MiMo is Qwen2 plus MTP layers).
 BASE = {"qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False), "mimo": ("qwen2", False),
         "glm4_moe": ("glm4_moe", False), "deepseek_v3": ("deepseek_v3", False),
-        "qwen3_5_text": ("qwen3_5_text", False), "qwen3_5_moe_text": ("qwen3_5_moe_text", False)}
+        "qwen3_5_text": ("qwen3_5_text", False), "qwen3_5": ("qwen3_5", False),
+        "qwen3_5_moe_text": ("qwen3_5_moe_text", False)}
 
 
 def _tensor_names(path: Path) -> set[str]:
@@ -57,7 +60,22 @@ def test_every_tiny_family_is_in_the_table_with_its_architecture(tiny: dict) -> 
         assert MODEL_FAMILIES[name].moe is (name in MOE_MODEL_TYPES) is (checkpoint_num_experts(config) > 0)
         assert checkpoint_mtp_layers(config) == int(mtp)
         if mtp:
-            assert config[mtp_names(name).layers_key] == 1
+            assert text_model_config(config)[mtp_names(name).layers_key] == 1
+
+
+def test_a_multimodal_family_repeats_the_text_family_it_holds(tiny: dict) -> None:
+    for name, entry in MODEL_FAMILIES.items():
+        if entry.language_model is None:
+            continue
+        text = MODEL_FAMILIES[entry.language_model.model_type]
+        assert (entry.mtp, entry.linear_attention, entry.moe) == (text.mtp, text.linear_attention, text.moe)
+        config = json.loads((tiny[name, True] / "config.json").read_text())
+        assert text_model_config(config)["model_type"] == text.model_type
+        names = _tensor_names(tiny[name, True])
+        assert {entry.language_model.text_name(tensor) for tensor in names} - {None} == _tensor_names(
+            tiny[text.model_type, True])
+        assert {entry.language_model.checkpoint_name(tensor) for tensor in _tensor_names(
+            tiny[text.model_type, True])} == {tensor for tensor in names if entry.language_model.text_name(tensor)}
 
 
 @pytest.mark.parametrize("name", VL_FAMILIES)
@@ -104,7 +122,8 @@ def test_the_restore_tool_writes_the_tables_names(tiny: dict, tmp_path: Path, na
     for entry in source.iterdir():
         if entry.name == "config.json":
             config = json.loads(entry.read_text())
-            (stripped / entry.name).write_text(json.dumps({**config, mtp_names(name).layers_key: 0}))
+            (stripped / entry.name).write_text(json.dumps(with_text_model_fields(config,
+                                                                                 **{mtp_names(name).layers_key: 0})))
         elif entry.name != "model.safetensors":
             (stripped / entry.name).write_bytes(entry.read_bytes())
     from safetensors.torch import load_file, save_file

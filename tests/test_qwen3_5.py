@@ -96,8 +96,16 @@ def test_a_head_copied_from_the_last_layer_is_a_full_attention_layer(model_paral
     written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
     assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
+    assert_the_fresh_head_norms_scale_by_one(written)
     assert _mtp_head_difference(create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0],
                                 restored) <= 1e-5
+
+
+def assert_the_fresh_head_norms_scale_by_one(written: dict[str, torch.Tensor]) -> None:
+    """A fresh head's own norms (not copied from a decoder layer) scale by 1: Qwen3.5's scale by 1 + weight, so their
+    weights are zeros (`families.zero_centered_norms`), not ones."""
+    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        assert torch.count_nonzero(written[norm]) == 0, norm
 
 
 def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
@@ -152,19 +160,33 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
 # two processes: TP=2, PP=2, MTP-only and joint training ----------------------------------------------------------
 
 
-def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+def tensor_parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+    """At TP=2 with sequence parallelism: HF logits and the MTP head's, and the export (`assert_tensor_parallel`)."""
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
 
-    root, checkpoint = Path(tmp), Path(hf_checkpoint)
+    checkpoint = Path(hf_checkpoint)
     prepare_megatron_core()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, root / "tp2_export", mtp=True)}  # with SP
+    result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, Path(tmp) / "tp2_export", mtp=True)}
     chunk = create_bridge("megatron-bridge", checkpoint).build(ModelOptions(mtp=True))[0]
     result["tp2"]["mtp_head"] = _mtp_head_difference(chunk, checkpoint)
     parallel_state.destroy_model_parallel()
+    return result
+
+
+def assert_tensor_parallel(result: dict[str, Any], checkpoint: Path) -> None:
+    assert result["tp2"]["logits"] <= 1e-5
+    assert result["tp2"]["mtp_head"] <= 1e-5
+    assert result["tp2"]["export_unequal"] == []
+    assert result["tp2"]["exported"] == set(_tensors(checkpoint))
+
+
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:
+    root, checkpoint = Path(tmp), Path(hf_checkpoint)
+    result = tensor_parallel_case(rank, world_size, tmp, hf_checkpoint)
 
     mtp_only = _fit(root / "mtp_only", checkpoint, 3, world_size, bridge_type="megatron-bridge",
                     module=_mtp_only_module(), callbacks=(MTPOnlyCallback(),), tensor_model_parallel_size=2)
@@ -184,10 +206,7 @@ def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> 
 def test_tensor_and_pipeline_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
     results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]))
     for result in results:
-        assert result["tp2"]["logits"] <= 1e-5
-        assert result["tp2"]["mtp_head"] <= 1e-5
-        assert result["tp2"]["export_unequal"] == []
-        assert result["tp2"]["exported"] == set(_tensors(checkpoints["mtp"]))
+        assert_tensor_parallel(result, checkpoints["mtp"])
         assert result["audit"]["frozen_bit_identical"]
         assert result["mtp_only"][-1] < result["mtp_only"][0]
         tp2 = result["joint", "tp2"]
@@ -203,24 +222,23 @@ def test_tensor_and_pipeline_parallel_mtp_only_and_joint_training(checkpoints, t
 
 
 def test_the_speculative_decoder_with_its_head_is_greedy_decoding(checkpoints):
-    """The draft head loads and equals the reference; decoding with it (the DeltaNet states put back after each
-    rejected draft: `tests/speculative/` holds the batched, sampled and fitted-head cases) is greedy decoding."""
-    assert_the_draft_head_is_the_reference_and_decoding_is_greedy(checkpoints["mtp"])
+    assert_the_speculative_decoder_is_greedy_decoding(checkpoints["mtp"])
 
 
-def assert_the_draft_head_is_the_reference_and_decoding_is_greedy(path: Path) -> None:
-    """The checkpoint's draft head against the independent reference (1e-5), then 2-token drafting against greedy
-    decoding of a gated DeltaNet target, token for token."""
+def assert_the_speculative_decoder_is_greedy_decoding(checkpoint: Path) -> None:
+    """The draft head loads and equals the independent reference (1e-5); 2-token drafting with it (the DeltaNet
+    states put back after each rejected draft: `tests/speculative/` holds the batched, sampled and fitted-head cases)
+    is greedy decoding of the gated DeltaNet target, token for token."""
     from lightning_megatron.speculative.decode import greedy_decode, speculative_decode
     from lightning_megatron.speculative.mtp_head import load_mtp_head, load_target
 
-    target = load_target(path)
-    head = load_mtp_head(path, target)
+    target = load_target(checkpoint)
+    head = load_mtp_head(checkpoint, target)
     input_ids = _input_ids()
     with torch.no_grad():
         hidden = target.model(input_ids).last_hidden_state
         drafted = head(hidden[:, :-1], input_ids[:, 1:], torch.arange(SEQ - 1).expand(len(input_ids), -1))
-    assert float((drafted - hf_mtp_reference_logits(path, input_ids)).abs().max()) <= 1e-5
+    assert float((drafted - hf_mtp_reference_logits(checkpoint, input_ids)).abs().max()) <= 1e-5
     prompt = input_ids[0, :5].tolist()
     greedy = greedy_decode(target, prompt, max_new_tokens=12, eos_token_ids=[])
     speculative = speculative_decode(target, head, prompt, max_new_tokens=12, eos_token_ids=[], num_draft_tokens=2)

@@ -33,7 +33,8 @@ from tests.test_glm4_moe import (
 from tests.test_moe import fit_shortened_config
 from tests.test_qwen3_5 import (
     _mtp_head_difference,
-    assert_the_draft_head_is_the_reference_and_decoding_is_greedy,
+    assert_the_fresh_head_norms_scale_by_one,
+    assert_the_speculative_decoder_is_greedy_decoding,
     assert_tree_rows_and_packed_rows_under_context_parallelism_are_refused,
 )
 
@@ -101,6 +102,7 @@ def test_a_head_copied_from_the_last_layer_stores_its_packed_experts_one_by_one(
     assert torch.equal(written["mtp.layers.0.mlp.experts.3.up_proj.weight"], up)
     assert torch.equal(written["mtp.layers.0.mlp.experts.3.down_proj.weight"],
                        written["model.layers.1.mlp.experts.down_proj"][3])
+    assert_the_fresh_head_norms_scale_by_one(written)
     assert _mtp_head_difference(create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0],
                                 restored) <= 1e-5
 
@@ -120,7 +122,7 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
 
 
 def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(checkpoints):
-    assert_the_draft_head_is_the_reference_and_decoding_is_greedy(checkpoints["mtp"])
+    assert_the_speculative_decoder_is_greedy_decoding(checkpoints["mtp"])
 
 
 # two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------

@@ -29,9 +29,14 @@ from lightning_megatron.families import (
     checkpoint_mtp_layers,
     family,
     is_hf_mtp_tensor,
+    language_model,
+    text_model_config,
+    with_text_model_fields,
 )
 from lightning_megatron.hf_io import (
+    CheckpointReader,
     LoadReport,
+    Source,
     TensorSpec,
     checkpoint_tensor_dtypes,
     checkpoint_tensor_specs,
@@ -271,10 +276,21 @@ class Bridge(ABC):
 
     def hf_tensor_specs(self, dtype: torch.dtype | None = None) -> dict[str, TensorSpec]:
         """The tensors an export of the built model carries: the source checkpoint's names (its MTP tensors only
-        when the model was built with MTP), shapes, and dtypes (the source's, or `dtype`)."""
+        when the model was built with MTP; not those of `unchanged_hf_tensors`), shapes, and dtypes (the source's,
+        or `dtype`)."""
+        unchanged = self.unchanged_hf_tensors()
         return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
                 for name, spec in self._checkpoint_specs.items()
-                if self.options.mtp or not is_hf_mtp_tensor(name, self.hf_config)}
+                if name not in unchanged and (self.options.mtp or not is_hf_mtp_tensor(name, self.hf_config))}
+
+    def unchanged_hf_tensors(self) -> dict[str, TensorSpec]:
+        """The source checkpoint's tensors the model does not hold: the other towers of a multimodal checkpoint
+        trained as its text model (Qwen3.5's vision tower, `families.LanguageModel`). `save_hf` copies them from the
+        source bit for bit, so the exported folder is the whole multimodal checkpoint again."""
+        layout = language_model(self.hf_config)
+        if layout is None:
+            return {}
+        return {name: spec for name, spec in self._checkpoint_specs.items() if name.startswith(layout.other_prefixes)}
 
     @functools.cached_property
     def _checkpoint_specs(self) -> dict[str, TensorSpec]:
@@ -324,13 +340,13 @@ class Bridge(ABC):
         """
         path = Path(path)
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        specs = self.hf_tensor_specs(dtype)
-        sizes = {name: spec.nbytes for name, spec in specs.items()}
+        specs, unchanged = self.hf_tensor_specs(dtype), self.unchanged_hf_tensors()
+        sizes = {name: spec.nbytes for name, spec in {**specs, **unchanged}.items()}
         apart = {name: size for name, size in sizes.items() if name in separate}
         shards = [shard for group in ({name: size for name, size in sizes.items() if name not in apart}, apart)
                   if group for shard in plan_shards(group)]
         files = shard_file_names(len(shards))
-        mine = {file: [specs[name] for name in shard]
+        mine = {file: [specs[name] if name in specs else unchanged[name] for name in shard]
                 for index, (file, shard) in enumerate(zip(files, shards)) if index % world_size == rank}
         owned = {spec.name for file_specs in mine.values() for spec in file_specs}
         # a GPU model's tensors are staged from the GPU by the writer (a host copy per tensor would be slower)
@@ -345,6 +361,10 @@ class Bridge(ABC):
                             writer.write(name, tensor)
                         elif name not in specs and rank == 0:
                             extras[name] = tensor.to("cpu")
+                    if owned & unchanged.keys():
+                        source = CheckpointReader(self.hf_path)
+                        for name in sorted(owned & unchanged.keys()):
+                            writer.write(name, source.read(Source(name)))
             except BridgeError as error:
                 raise BridgeError(f"save_hf: {error}; nothing was written to {path}") from error
             if rank == 0:
@@ -365,7 +385,8 @@ class Bridge(ABC):
             if file.is_file() and file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
                 shutil.copy2(file, folder / file.name)
         if not self.options.mtp and self.checkpoint_mtp_layers:
-            config = {key: 0 if key in MTP_CONFIG_KEYS else value for key, value in self.hf_config.items()}
+            declared = text_model_config(self.hf_config)
+            config = with_text_model_fields(self.hf_config, **{key: 0 for key in MTP_CONFIG_KEYS if key in declared})
             (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
 from lightning_megatron.bridges.base import Bridge, apply_parallel_state, register_backend
+from lightning_megatron.bridges.language_model import language_model_auto_bridge, use_text_config
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.distributed import cpu_group
-from lightning_megatron.families import MTP_MODEL_TYPES, mtp_names
-from lightning_megatron.hf_io import LoadReport
+from lightning_megatron.families import MTP_MODEL_TYPES, language_model, mtp_names
+from lightning_megatron.hf_io import LoadReport, read_json
 from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
 from lightning_megatron.options import ModelOptions
@@ -30,7 +31,7 @@ class MegatronBridge(Bridge):
     supports_vl = True
     exports_selected_tensors = True
     moe_model_types = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text")
-    linear_attention_model_types = ("qwen3_5_text", "qwen3_5_moe_text")
+    linear_attention_model_types = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text")
     reads_model_config_before_build = True
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
@@ -45,12 +46,18 @@ class MegatronBridge(Bridge):
 
     @property
     def auto_bridge(self) -> Any:
-        """megatron-bridge's `AutoBridge` for this checkpoint (weights are streamed from safetensors on load)."""
+        """megatron-bridge's `AutoBridge` for this checkpoint (weights are streamed from safetensors on load); for a
+        multimodal checkpoint trained as its text model, the text bridge's (`bridges.language_model`)."""
         if self._auto_bridge is None:
             auto_bridge_class = import_megatron_bridge().AutoBridge
-            self._auto_bridge = auto_bridge_class.from_hf_pretrained(
-                str(self.hf_path), trust_remote_code=self.trust_remote_code
-            )
+            layout = language_model(self.hf_config)
+            if layout is not None:
+                self._auto_bridge = language_model_auto_bridge(auto_bridge_class, self.hf_path, self.hf_config, layout,
+                                                               trust_remote_code=self.trust_remote_code)
+            else:
+                self._auto_bridge = auto_bridge_class.from_hf_pretrained(
+                    str(self.hf_path), trust_remote_code=self.trust_remote_code
+                )
         return self._auto_bridge
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
@@ -97,9 +104,12 @@ class MegatronBridge(Bridge):
         if not sliced:
             self.auto_bridge.load_hf_weights(chunks, None if hf_path is None else str(hf_path))
             return LoadReport(library=True)
-        pretrained = self.auto_bridge.hf_pretrained if hf_path is None else (
-            self.auto_bridge._pretrained_wrapper_cls.from_pretrained(str(hf_path),
-                                                                     trust_remote_code=self.trust_remote_code))
+        pretrained = self.auto_bridge.hf_pretrained
+        if hf_path is not None:
+            pretrained = self.auto_bridge._pretrained_wrapper_cls.from_pretrained(
+                str(hf_path), trust_remote_code=self.trust_remote_code)
+            if language_model(self.hf_config) is not None:
+                use_text_config(pretrained, read_json(Path(hf_path) / "config.json"))
         return load_megatron_bridge(self.auto_bridge, chunks, hf_path or self.hf_path, pretrained)
 
     def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True,

@@ -4,7 +4,9 @@ A checkpoint exported with `mtp=False` carries the fine-tuned backbone but no MT
 declares zero MTP layers. Training or serving its MTP head needs them back: from the checkpoint the fine-tuning
 started from (`source`), or made fresh (`init`). Everything else must stay as fine-tuned, so the fine-tuned tensors
 are written bit for bit, every other file is copied byte for byte, and config.json changes only in its MTP layer
-count. Only safetensors are read and written here: no Megatron, no Lightning.
+count. Only safetensors are read and written here: no Megatron, no Lightning. A multimodal checkpoint trained as its
+text model (Qwen3.5's published `qwen3_5`: `families.LanguageModel`) is read and written in its own layout: the MTP
+layer count in its `text_config`, the last decoder layer under its multimodal name, the vision tower copied as is.
 
 The command is `lightning-megatron-restore-mtp` (`lightning_megatron.cli.restore_mtp`).
 """
@@ -20,7 +22,16 @@ import torch
 from safetensors import safe_open
 
 from lightning_megatron.atomic import write_atomically
-from lightning_megatron.families import MTP_CONFIG_KEYS, MTP_MODEL_TYPES, MTPNames, checkpoint_mtp_layers, family
+from lightning_megatron.families import (
+    MTP_CONFIG_KEYS,
+    MTP_MODEL_TYPES,
+    MTPNames,
+    checkpoint_mtp_layers,
+    checkpoint_name,
+    family,
+    text_model_config,
+    with_text_model_fields,
+)
 from lightning_megatron.hf_io import read_json, safetensors_files, write_safetensors
 
 Init = Literal["random", "copy-last-layer"]
@@ -43,9 +54,10 @@ def restore_mtp_head(
 
     `source` is the checkpoint the fine-tuning started from: its MTP tensors and MTP layer count are copied, after
     checking that its family, hidden size, vocab size and every MTP tensor's shape fit the fine-tuned checkpoint.
-    `init="random"` draws matrices from N(0, initializer_range) (config.json, default 0.02) with `seed`, norm
-    weights are ones, biases (and routers' expert biases) zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer
-    layer, sets the MTP norms to ones and draws the projection (eh_proj / input_proj) as `random` does.
+    `init="random"` draws matrices from N(0, initializer_range) (config.json, default 0.02) with `seed`, norms
+    scale by 1 (weights ones; zeros where the family's norms scale by `1 + weight`, Qwen3.5's), biases (and routers'
+    expert biases) are zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer layer,
+    sets the MTP norms to scale by 1 and draws the projection (eh_proj / input_proj) as `random` does.
     A fresh MTP layer stores its routed experts one by one (`experts.{e}.gate_proj.weight`, ...), as the MTP layers
     of every family's checkpoints do, also where the decoder layers pack them (Qwen3.5-MoE); from `source`, the
     source's layout is kept (Qwen3.6 packs its MTP layer's experts too).
@@ -86,8 +98,9 @@ def restore_mtp_head(
         mtp_layers = 1
         expected = _mtp_shapes(names, config, _experts_one_by_one_shapes(shapes), mtp_layers)
 
-    keys = [key for key in MTP_CONFIG_KEYS if key in config or key in source_config] or [names.layers_key]
-    restored_config = {**config, **dict.fromkeys(keys, mtp_layers)}
+    declared = (text_model_config(config), text_model_config(source_config))
+    keys = [key for key in MTP_CONFIG_KEYS if any(key in fields for fields in declared)] or [names.layers_key]
+    restored_config = with_text_model_fields(config, **dict.fromkeys(keys, mtp_layers))
     # Listed before anything is written: `output` (and its staging folder) may lie inside `finetuned`.
     copied = [
         entry
@@ -98,15 +111,17 @@ def restore_mtp_head(
     ]
 
     tensors = _load_tensors(finetuned)
-    dtype = tensors["model.embed_tokens.weight"].dtype
+    embedding = checkpoint_name(config, "model.embed_tokens.weight")
+    dtype = tensors[embedding].dtype
     if source is not None:
         mtp_tensors = _load_tensors(source, names=set(expected))
     else:
-        mtp_tensors = _fresh_mtp_tensors(expected, _experts_one_by_one(tensors), init,
-                                         std=config.get("initializer_range", 0.02), seed=seed)
+        mtp_tensors = _fresh_mtp_tensors(expected, _experts_one_by_one(tensors), init, seed=seed,
+                                         std=text_model_config(config).get("initializer_range", 0.02),
+                                         unit_norm=0.0 if family(model_type).zero_centered_norms else 1.0)
     for i in range(mtp_layers):  # the MTP layers' copies of the embedding and LM head: the fine-tuned ones
-        mtp_tensors.update({copy: tensors[main if main in tensors else "model.embed_tokens.weight"]
-                            for main, copy in names.copy_names(i, config).items()})
+        mtp_tensors.update({copy: tensors[main if main in tensors else embedding]
+                            for main, copy in names.copy_names(i, text_model_config(config)).items()})
     mtp_tensors = {name: tensor.to(dtype) for name, tensor in mtp_tensors.items()}
 
     def write(folder: Path) -> None:
@@ -164,10 +179,11 @@ def _check_source(
             f"{source_config.get('model_type')!r}; the MTP head must come from a checkpoint of the same family"
         )
     for key in ("hidden_size", "vocab_size"):
-        if config.get(key) != source_config.get(key):
+        ours, theirs = text_model_config(config).get(key), text_model_config(source_config).get(key)
+        if ours != theirs:
             raise MTPRestoreError(
-                f"{key}: the fine-tuned checkpoint {finetuned} has {config.get(key)}, the source {source} has "
-                f"{source_config.get(key)}; the MTP head must come from the checkpoint the fine-tuning started from"
+                f"{key}: the fine-tuned checkpoint {finetuned} has {ours}, the source {source} has {theirs}; the MTP "
+                "head must come from the checkpoint the fine-tuning started from"
             )
     mtp_layers = checkpoint_mtp_layers(source_config)
     if mtp_layers == 0:
@@ -180,7 +196,7 @@ def _check_source(
 
 def _mtp_prefixes(names: MTPNames, config: dict[str, Any], mtp_layers: int) -> tuple[str, ...]:
     """The name prefixes of `mtp_layers` MTP layers of a checkpoint with this config."""
-    return names.layer_prefixes({**config, names.layers_key: mtp_layers})
+    return names.layer_prefixes({**text_model_config(config), names.layers_key: mtp_layers})
 
 
 def _mtp_shapes(
@@ -190,23 +206,25 @@ def _mtp_shapes(
 
     An MTP transformer layer is a decoder layer, so its tensors are read off the fine-tuned last decoder layer.
     """
-    hidden = config["hidden_size"]
-    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    text_config = text_model_config(config)
+    hidden, num_layers = text_config["hidden_size"], text_config["num_hidden_layers"]
+    last = checkpoint_name(config, f"model.layers.{num_layers - 1}.")
     decoder_layer = {name.removeprefix(last): name for name in shapes if name.startswith(last)}
     if not decoder_layer:
         raise MTPRestoreError(
-            f"finetuned: config.json declares num_hidden_layers={config['num_hidden_layers']}, but there are no "
-            f"{last}* tensors; the checkpoint is incomplete"
+            f"finetuned: config.json declares num_hidden_layers={num_layers}, but there are no {last}* tensors; the "
+            "checkpoint is incomplete"
         )
+    embedding = checkpoint_name(config, "model.embed_tokens.weight")
     expected: dict[str, tuple[tuple[int, ...], str | None]] = {}
     for i in range(mtp_layers):
-        head = names.head(i, config)
+        head = names.head(i, text_config)
         expected[head.pop("projection")] = ((hidden, 2 * hidden), None)
         expected.update({norm: ((hidden,), None) for norm in head.values()})
         for suffix, name in decoder_layer.items():
-            expected[names.layer_prefix(i, config) + suffix] = (shapes[name], name)
-        expected.update({copy: (shapes[main if main in shapes else "model.embed_tokens.weight"], None)
-                         for main, copy in names.copy_names(i, config).items()})
+            expected[names.layer_prefix(i, text_config) + suffix] = (shapes[name], name)
+        expected.update({copy: (shapes[main if main in shapes else embedding], None)
+                         for main, copy in names.copy_names(i, text_config).items()})
     return expected
 
 
@@ -273,7 +291,9 @@ def _fresh_mtp_tensors(
     *,
     std: float,
     seed: int,
+    unit_norm: float,
 ) -> dict[str, torch.Tensor]:
+    """`unit_norm`: the weight of a norm that scales by 1 (0 where the family's norms scale by `1 + weight`)."""
     generator = torch.Generator().manual_seed(seed)
     fresh = {}
     for name, (shape, mirrored) in sorted(expected.items()):  # sorted: the same seed draws the same tensors
@@ -282,7 +302,7 @@ def _fresh_mtp_tensors(
         elif name.endswith("bias"):  # biases, and the routers' expert bias (GLM-4.5's e_score_correction_bias)
             fresh[name] = torch.zeros(shape)
         elif len(shape) == 1:  # the only other vectors are norm weights
-            fresh[name] = torch.ones(shape)
+            fresh[name] = torch.full(shape, unit_norm)
         else:
             fresh[name] = torch.normal(0.0, std, shape, generator=generator)
     return fresh

@@ -26,10 +26,16 @@ from lightning_megatron.families import MODEL_FAMILIES, MOE_MODEL_TYPES, mtp_nam
 from lightning_megatron.testing import qwen3_5
 from lightning_megatron.testing.deepseek import deepseek_v3_config_fields, mla_attention_shapes
 from lightning_megatron.testing.mimo import write_mimo_remote_code
-from lightning_megatron.testing.tokenizer import build_tokenizer, special_token_roles, tokenizer_config
+from lightning_megatron.testing.tokenizer import (
+    VISION_SPECIAL_TOKENS,
+    VISION_TOKEN_ROLES,
+    build_tokenizer,
+    special_token_roles,
+    tokenizer_config,
+)
 
 Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3",
-                 "qwen3_5_text", "qwen3_5_moe_text"]
+                 "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -46,6 +52,8 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("deepseek_v3", True),
     ("qwen3_5_text", False),
     ("qwen3_5_text", True),
+    ("qwen3_5", False),
+    ("qwen3_5", True),
     ("qwen3_5_moe_text", False),
     ("qwen3_5_moe_text", True),
 )
@@ -60,8 +68,11 @@ embedding and LM head), as GLM-4.5-Air's checkpoint does. DeepSeek-V3 (``deepsee
 layout with multi-head latent attention and YaRN RoPE in place of GLM's attention (`testing.deepseek`), and
 group-limited routing (``MoEShape.n_group``, ``topk_group``). Qwen3.5 (``qwen3_5_text``) interleaves gated DeltaNet
 and gated full-attention layers, its MTP layer a full-attention one under Qwen3's ``mtp.*`` keys
-(:mod:`lightning_megatron.testing.qwen3_5`); Qwen3.5-MoE (``qwen3_5_moe_text``) has Qwen3.5's layers and MTP layer
-with routed experts (packed in the decoder layers, one by one in the MTP layer) and a sigmoid-gated shared expert."""
+(:mod:`lightning_megatron.testing.qwen3_5`); ``qwen3_5`` is the multimodal form Qwen publishes: the same text model
+(the same tensors, for the same seed) under ``model.language_model.``, ``lm_head`` and ``mtp.*`` at the top, a
+two-block vision tower under ``model.visual.``, and the vision tokens in its tokenizer. Qwen3.5-MoE
+(``qwen3_5_moe_text``) has Qwen3.5's layers and MTP layer with routed experts (packed in the decoder layers, one by
+one in the MTP layer) and a sigmoid-gated shared expert."""
 
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
@@ -127,8 +138,10 @@ def make_tiny_checkpoint(
     )
     _check_shape(family, shape, explicit_head_dim=head_dim is not None)
     moe = _check_moe_shape(family, moe)
+    multimodal = MODEL_FAMILIES[family].language_model
+    text_family: Family = family if multimodal is None else multimodal.model_type  # type: ignore[assignment]
     if tokenizer is None:
-        tokenizer = build_tokenizer(vocab_size)
+        tokenizer = build_tokenizer(vocab_size, VISION_SPECIAL_TOKENS if multimodal else ())
     elif tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the given tokenizer's {tokenizer.get_vocab_size()} tokens; "
@@ -138,13 +151,19 @@ def make_tiny_checkpoint(
     ids = {role: tokenizer.token_to_id(token) for role, token in roles.items()}
 
     def write(folder: Path) -> None:
-        config = _model_config(family, mtp, tied, dtype, shape, ids, moe)
-        shapes = _with_experts(family, tensor_shapes(family, mtp, tied, shape), moe, shape)
-        tensors = {name: random_tensor(name, tensor_shape, seed, zero_centred=qwen3_5.zero_centred(family, name))
+        config = _model_config(text_family, mtp, tied, dtype, shape, ids, moe)
+        shapes = _with_experts(text_family, tensor_shapes(text_family, mtp, tied, shape), moe, shape)
+        tensors = {name: random_tensor(name, tensor_shape, seed, zero_centred=qwen3_5.zero_centred(text_family, name))
                    .to(dtype) for name, tensor_shape in shapes.items()}
         if mtp:  # the MTP layer's copies of the embedding and LM head (GLM-4.5) hold the main model's values
             for main, copy in mtp_names(family).copy_names(0, config).items():
                 tensors[copy] = tensors[main if main in tensors else "model.embed_tokens.weight"].clone()
+        if multimodal is not None:  # the text model's tensors under the multimodal names, and a vision tower
+            vision_ids = {role: tokenizer.token_to_id(token) for role, token in VISION_TOKEN_ROLES.items()}
+            config = qwen3_5.multimodal_config(config, vision_ids)
+            tensors = {multimodal.checkpoint_name(name): tensor for name, tensor in tensors.items()}
+            tensors.update({name: random_tensor(name, tensor_shape, seed).to(dtype)
+                            for name, tensor_shape in qwen3_5.vision_tower_shapes(config).items()})
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         write_json(folder / "config.json", config)
         write_json(

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES, MODEL_FAMILIES
+from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES, MODEL_FAMILIES, language_model, text_model_config
 from lightning_megatron.hf_io import hf_module_state
 
 
@@ -39,6 +39,9 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
        DeltaNet), its norms ``1 + weight``; Qwen3.5-MoE's a ``Qwen3_5MoeDecoderLayer``, so with its routed and
        shared experts.
     5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
+
+    A multimodal checkpoint (Qwen3.5's published ``qwen3_5``) is read as the text model it holds: its
+    ``text_config`` and its language model's, LM head's and MTP head's tensors.
 
     Returns logits ``[batch, seq - 1, vocab]`` for positions ``0..seq-2``: position ``t`` predicts token ``t+2``.
     Megatron's MTP also computes a last position (from a rolled-in pad token); causal attention keeps it from
@@ -71,6 +74,10 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         raise ValueError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}")
     raw_config = json.loads((path / "config.json").read_text())
     weights = {name: t.float() for name, t in load_file(str(path / "model.safetensors")).items()}
+    layout = language_model(raw_config)
+    if layout is not None:  # a multimodal checkpoint: its text model's config and tensors, under the text names
+        raw_config = text_model_config(raw_config)
+        weights = {layout.text_name(name): t for name, t in weights.items() if layout.text_name(name) is not None}
     config_fields = {k: v for k, v in raw_config.items() if k not in ("architectures", "auto_map", "model_type")}
     config_fields.update(dtype="float32", attn_implementation="eager")
 

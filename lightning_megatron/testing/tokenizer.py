@@ -14,6 +14,12 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# The Qwen vision-language models' tokens: an image's span and its placeholder tokens (one per image token)
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+VISION_SPECIAL_TOKENS = (VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD, "<|video_pad|>")
+VISION_TOKEN_ROLES = {"image_token_id": IMAGE_PAD, "video_token_id": "<|video_pad|>",
+                      "vision_start_token_id": VISION_START, "vision_end_token_id": VISION_END}
+"""The config.json keys of the Qwen-VL configs that name the vision tokens' ids."""
 
 # Qwen-style ChatML. The {% generation %} block lets apply_chat_template(return_assistant_tokens_mask=True) mark
 # the assistant reply (content and its <|im_end|>) as the part to train on.
@@ -88,16 +94,18 @@ assert result == [5, 7, 9, 11, 13], result
 '''
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
+def build_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = ()) -> Tokenizer:
     """Byte-level BPE trained on the fixed corpus, so any text round-trips.
 
-    The vocab is exactly ``vocab_size``: ChatML specials first (ids 0, 1, 2), the 256 bytes, the merges, and, when
-    the corpus runs out of merges (past about 900), ``<|reserved_N|>`` special tokens to fill up.
+    The vocab is exactly ``vocab_size``: ChatML specials first (ids 0, 1, 2), then ``extra_special_tokens`` (e.g.
+    :data:`VISION_SPECIAL_TOKENS`), the 256 bytes, the merges, and, when the corpus runs out of merges (past about
+    900), ``<|reserved_N|>`` special tokens to fill up.
     """
-    minimum = 256 + len(SPECIAL_TOKENS)
+    specials = [*SPECIAL_TOKENS, *extra_special_tokens]
+    minimum = 256 + len(specials)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + special tokens), got {vocab_size}")
-    return train_byte_level_bpe([TOKENIZER_CORPUS], vocab_size, list(SPECIAL_TOKENS))
+    return train_byte_level_bpe([TOKENIZER_CORPUS], vocab_size, specials)
 
 
 def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:

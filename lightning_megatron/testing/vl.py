@@ -23,6 +23,8 @@ from lightning_megatron.testing.tokenizer import (
     IM_END,
     IM_START,
     TOKENIZER_CORPUS,
+    VISION_SPECIAL_TOKENS,
+    VISION_TOKEN_ROLES,
     tokenizer_config,
     train_byte_level_bpe,
 )
@@ -31,9 +33,7 @@ _MAX_TOKENIZER_SIZE = 1024  # a larger vocab_size gets embedding rows past the t
 VLFamily = Literal["qwen2_5_vl", "qwen3_vl"]
 VL_FAMILIES: tuple[VLFamily, ...] = ("qwen2_5_vl", "qwen3_vl")
 
-VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
-_VL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD,
-                      "<|video_pad|>")
+_VL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, *VISION_SPECIAL_TOKENS)
 
 # Qwen-VL ChatML: a message's content is a string or a list of {"type": "text", "text": ...} and
 # {"type": "image"} items; each image becomes <|vision_start|><|image_pad|><|vision_end|> (the data path expands the
@@ -161,8 +161,7 @@ def _vl_config(
         intermediate_size=vision_intermediate_size, out_hidden_size=hidden_size, spatial_merge_size=2,
         temporal_patch_size=2,
     )
-    tokens = dict(image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
-                  vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
+    tokens = {role: ids[token] for role, token in VISION_TOKEN_ROLES.items()}
     if family == "qwen2_5_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
         every = vision_full_attention_every or vision_depth

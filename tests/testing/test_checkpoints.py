@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_megatron.families import MODEL_FAMILIES, text_model_config
 from lightning_megatron.testing.checkpoints import FAMILIES, make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 
@@ -81,8 +82,8 @@ IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 2
 def _mtp_keys(family: str, mtp: bool) -> set[str]:
     return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS,
             ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS,  # GLM-4.5's names have no "mtp"
-            ("qwen3_5_text", True): QWEN3_MTP_KEYS, ("qwen3_5_moe_text", True): QWEN3_5_MOE_MTP_KEYS}.get(
-        (family, mtp), set())
+            ("qwen3_5_text", True): QWEN3_MTP_KEYS, ("qwen3_5", True): QWEN3_MTP_KEYS,
+            ("qwen3_5_moe_text", True): QWEN3_5_MOE_MTP_KEYS}.get((family, mtp), set())
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,9 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
     model, info = AutoModelForCausalLM.from_pretrained(
         path, trust_remote_code=family == "mimo", output_loading_info=True
     )
-    assert type(model).__name__ == config["architectures"][0]
+    # a multimodal checkpoint loads as its text model (transformers' own reading, which the package's follows)
+    layout = MODEL_FAMILIES[family].language_model
+    assert type(model).__name__ == MODEL_FAMILIES[layout.model_type if layout else family].architecture
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # Qwen3ForCausalLM has no MTP module: it skips exactly the MTP tensors. MiMo's remote code loads everything.
     expected_unexpected = QWEN3_MTP_KEYS if (family, mtp) == ("qwen3", True) else set()
@@ -142,7 +145,7 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
     else:
         assert set(info["unexpected_keys"]) == expected_unexpected
     layers_key = "mtp_num_hidden_layers" if family.startswith("qwen3_5") else "num_nextn_predict_layers"
-    assert config.get(layers_key) == (1 if mtp else None)
+    assert text_model_config(config).get(layers_key) == (1 if mtp else None)
     assert model.config.tie_word_embeddings is tied
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tied
     with torch.no_grad():
@@ -155,12 +158,16 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
 @pytest.mark.parametrize("tied", [False, True])
 def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> None:
     names = set(load_file(checkpoints[family, mtp, tied] / "model.safetensors"))
+    layout = MODEL_FAMILIES[family].language_model
+    if layout is not None:  # the text model's names, the vision tower's apart
+        assert any(name.startswith(layout.other_prefixes) for name in names)
+        names = {layout.text_name(name) for name in names} - {None}
     assert ("lm_head.weight" in names) is not tied
     assert {n for n in names if "mtp" in n} == _mtp_keys(family, mtp)
     has_bias = family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
     assert ("model.layers.1.self_attn.q_norm.weight" in names) is (
-        family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"))
+        family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text"))
     is_moe = family in ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
     assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
     assert ("model.layers.1.mlp.experts.gate_up_proj" in names) is (family == "qwen3_5_moe_text")
@@ -171,6 +178,19 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     assert ({name for name in names if name.startswith("model.layers.2.")} == DEEPSEEK_V3_MTP_KEYS) is (
         family == "deepseek_v3" and mtp)
     assert ("model.layers.0.self_attn.kv_b_proj.weight" in names) is (family == "deepseek_v3")
+
+
+def test_the_multimodal_qwen3_5_checkpoint_is_the_text_one_with_a_vision_tower(checkpoints: dict) -> None:
+    """Qwen3_5ForConditionalGeneration loads every tensor but the MTP head (which transformers skips), and on text
+    its logits are those of the text checkpoint of the same seed."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(checkpoints["qwen3_5", True, False],
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"]
+    text = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_5_text", True, False])
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, text(IDS).logits)
 
 
 def test_glm4_moe_copies_the_embedding_and_lm_head_into_its_mtp_layer(checkpoints: dict) -> None:
