@@ -33,7 +33,12 @@ How to add a model family:
    A multimodal family with a `language_model` is written by `make_tiny_checkpoint` from its text family's tensors
    (renamed) plus its other towers (`testing.qwen3_5.multimodal_config`, `vision_tower_shapes` for Qwen3.5).
 3. Then the bridge tests (`tests/bridges/test_bridges.py`, `tests/_compat/test_bridges.py`, `tests/test_moe.py`,
-   `tests/vl/test_vl.py`, `tests/test_qwen3_5_vl.py`) tell whether the bridges map it.
+   `tests/vl/test_vl.py`, `tests/test_qwen3_5_vl.py`) tell whether the bridges map it. A bridge builds an MoE family
+   only where it lists it in `moe_model_types`; without Transformer Engine the local spec builds `SequentialMLP`
+   experts, so a megatron-bridge registry that maps only `TEGroupedMLP` expert names (an MTP layer's, often) needs
+   `_compat.moe.install_sequential_expert_names` for its bridge class. Experts a checkpoint stores packed
+   (Qwen3.5-MoE's `mlp.experts.gate_up_proj`) are read as they are by the references and the draft head
+   (`hf_io.hf_module_state`), and a fresh MTP head stores them one by one (`mtp.restore`).
 """
 
 from __future__ import annotations
@@ -192,7 +197,9 @@ _MIMO_MTP = MTPNames(
     hidden_first=True,
 )
 # Qwen3.5 (Qwen/Qwen3.5-0.8B ... 27B, text model `qwen3_5_text`; megatron-bridge qwen/qwen35_bridge.py) stores its MTP
-# layer as Qwen3-Next does, under Qwen3's names, and declares it as `mtp_num_hidden_layers`.
+# layer as Qwen3-Next does, under Qwen3's names, and declares it as `mtp_num_hidden_layers`. Qwen3.5-MoE
+# (Qwen/Qwen3.5-35B-A3B ... 397B-A17B, text model `qwen3_5_moe_text`) has the same head, its layer with routed experts
+# (stored one by one, where its decoder layers store them packed: `mlp.experts.gate_up_proj`; Qwen3.6 packs both).
 _QWEN3_5_MTP = replace(_QWEN3_MTP, layers_key="mtp_num_hidden_layers")
 # The checkpoints Qwen publishes (Qwen/Qwen3.5-0.8B ... 27B) are multimodal (`Qwen3_5ForConditionalGeneration`): the
 # text model under `model.language_model.`, the vision tower under `model.visual.`, `lm_head` and the MTP head `mtp.*`
@@ -215,6 +222,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("qwen3_5", "Qwen3_5ForConditionalGeneration", mtp=_QWEN3_5_MTP, linear_attention=True,
                     language_model=_QWEN3_5_LANGUAGE_MODEL, zero_centered_norms=True),
         ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", mtp=_DEEPSEEK_V3_MTP, moe=True),
+        ModelFamily("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", mtp=_QWEN3_5_MTP, moe=True, linear_attention=True,
+                    zero_centered_norms=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),
     )

@@ -20,7 +20,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +48,19 @@ def safetensors_files(hf_path: Path) -> list[Path]:
     return sorted(Path(hf_path).glob("*.safetensors"))
 
 
-def hf_module_state(state: Mapping[str, torch.Tensor], read: Any, prefix: str) -> dict[str, torch.Tensor]:
+def hf_module_state(state: Mapping[str, torch.Tensor], read: Any, prefix: str, stored: Collection[str]
+                    ) -> dict[str, torch.Tensor]:
     """A transformers module's state dict (`state`: its own, for the names and shapes) read from a checkpoint's
-    tensors under `prefix` (`read(name)` returns one). Checkpoints store routed experts one by one
-    (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`); transformers 5 fuses them into
-    `experts.gate_up_proj` [experts, 2 x ffn, hidden] (gate rows first) and `experts.down_proj`."""
+    tensors under `prefix` (`read(name)` returns one; `stored`: the checkpoint's tensor names). Most checkpoints store
+    routed experts one by one (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`); transformers 5 fuses them into
+    `experts.gate_up_proj` [experts, 2 x ffn, hidden] (gate rows first) and `experts.down_proj`, which some
+    checkpoints store as they are (Qwen3.5-MoE's decoder layers)."""
     loaded = {}
     for name, value in state.items():
         experts = prefix + name.rsplit(".", 1)[0] + "."
-        if name.endswith("experts.gate_up_proj"):
+        if prefix + name in stored:
+            loaded[name] = read(prefix + name)
+        elif name.endswith("experts.gate_up_proj"):
             loaded[name] = torch.stack([torch.cat([read(f"{experts}{e}.gate_proj.weight"),
                                                    read(f"{experts}{e}.up_proj.weight")]) for e in range(len(value))])
         elif name.endswith("experts.down_proj"):

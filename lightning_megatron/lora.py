@@ -95,8 +95,20 @@ def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: l
         dist.all_reduce(matches, group=parallel_state.get_pipeline_model_parallel_group())
     unmatched = [target for target, count in zip(target_modules, matches.tolist(), strict=True) if count == 0]
     if unmatched:
-        raise ValueError(f"target_modules: {unmatched} matched no linear layer of the model; use names such as "
-                         f"{list(DEFAULT_TARGET_MODULES)} or patterns such as '*.layers.0.*.linear_qkv'")
+        raise ValueError(f"target_modules: {unmatched} matched no linear layer of the model; its layers' linears are "
+                         f"{_layer_linear_names(chunks)} (multi-latent attention and gated DeltaNet layers name theirs "
+                         "otherwise than linear_qkv), or use patterns such as '*.layers.0.*.linear_qkv'")
+
+
+def _layer_linear_names(chunks: list[torch.nn.Module]) -> list[str]:
+    """The names of the tensor-parallel linears inside this pipeline stage's transformer layers (MTP included), as
+    target_modules names them (a wrapped one by its own name, not its adapter's)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return sorted({name.removesuffix(".to_wrap").rsplit(".", 1)[-1] for chunk in chunks
+                   for name, module in chunk.named_modules()
+                   if ".layers." in name and ".adapter." not in name
+                   and isinstance(module, ColumnParallelLinear | RowParallelLinear)})
 
 
 # ---------------------------------------------------------------------------------------------------- export

@@ -47,6 +47,8 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     Qwen-MoE routes with a softmax over all experts, keeps the top k and, with `norm_topk_prob`, renormalises them:
     Megatron's `moe_router_pre_softmax=False` (softmax over the top-k logits) is that renormalised softmax,
     `True` the plain one. The HF load-balancing coefficient `router_aux_loss_coef` becomes Megatron's `aux_loss`.
+    Qwen2-MoE and Qwen3.5-MoE add a shared expert gated by a sigmoid; Qwen3.5-MoE always renormalises (its config
+    has no `norm_topk_prob`).
 
     GLM-4.5 routes with a sigmoid, picks the top k of `sigmoid + e_score_correction_bias` (Megatron's expert bias),
     renormalises the chosen sigmoids and scales them by `routed_scaling_factor`; its first `first_k_dense_replace`
@@ -87,7 +89,9 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         "moe_aux_loss_coeff": float(hf_config.get("router_aux_loss_coef", 0.0)),
         "moe_token_dispatcher_type": "alltoall",
     }
-    if model_type == "qwen2_moe":
+    if model_type == "qwen3_5_moe_text":  # its router (Qwen3_5MoeTopKRouter) always renormalises the top k
+        settings["moe_router_pre_softmax"] = False
+    if model_type in ("qwen2_moe", "qwen3_5_moe_text"):
         settings["moe_shared_expert_intermediate_size"] = int(hf_config["shared_expert_intermediate_size"])
         settings["moe_shared_expert_gate"] = True
     return settings

@@ -16,15 +16,28 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from lightning_megatron.bridges import BridgeError, backend_class
+from lightning_megatron.bridges import BridgeError, backend_class, create_bridge
 from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
-from lightning_megatron.lora import LoRAConfig, check_lora_supported, export_lora_adapter, export_lora_merged
+from lightning_megatron.families import is_hf_mtp_tensor
+from lightning_megatron.lora import (
+    DEFAULT_TARGET_MODULES,
+    LoRAConfig,
+    add_lora_adapters,
+    check_lora_supported,
+    export_lora_adapter,
+    export_lora_merged,
+)
 from lightning_megatron.module import SFTModule
+from lightning_megatron.options import ModelOptions
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
+from tests.test_deepseek_v3 import DEEPSEEK
+from tests.test_glm4_moe import GLM
+from tests.test_moe import _logits_difference
+from tests.test_qwen3_5 import _mtp_head_difference
 
 SEQ, VOCAB, SAMPLES, STEPS = 16, 384, 16, 3
 LORA = dict(rank=4, alpha=8)
@@ -57,12 +70,12 @@ class RecordWeights(pl.Callback):
 
 
 def _fit(tmp_path: Path, checkpoint: Path, devices: int = 1, module_kwargs: dict[str, Any] | None = None,
-         **strategy_kwargs: Any) -> dict:
+         lora: dict[str, Any] | None = None, **strategy_kwargs: Any) -> dict:
     strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", precision="fp32",
                                 micro_batch_size=2, global_batch_size=4, **strategy_kwargs)
     recorder = RecordWeights()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS,
-                         callbacks=[LoRACallback(**LORA), recorder], default_root_dir=tmp_path,
+                         callbacks=[LoRACallback(**{**LORA, **(lora or {})}), recorder], default_root_dir=tmp_path,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     loader = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=2, drop_last=True)
@@ -299,3 +312,54 @@ def test_lora_with_mtp_only_fails_before_the_model_is_built(process_group, tmp_p
 def test_invalid_lora_options_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoRAConfig(**kwargs)
+
+
+# The families with native MTP heads: adapters on every linear of their layers (multi-latent attention's down and up
+# projections, the gated DeltaNet's input and output projections, routed and shared experts), the MTP layer's
+# included, trained jointly with the MTP loss; the merged export is the trained model, its MTP head included.
+MLA_TARGETS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+               "linear_fc1", "linear_fc2"]
+GATED_DELTANET_TARGETS = [*DEFAULT_TARGET_MODULES, "in_proj", "out_proj"]
+NATIVE_MTP_FAMILIES = {"glm4_moe": (GLM, list(DEFAULT_TARGET_MODULES)), "deepseek_v3": (DEEPSEEK, MLA_TARGETS),
+                       "qwen3_5_text": (None, GATED_DELTANET_TARGETS),
+                       "qwen3_5_moe_text": (MoEShape(), GATED_DELTANET_TARGETS)}
+# the HF tensors no adapter reaches: norms, routers and their expert bias, the shared expert's gate, embeddings and
+# LM heads (and the MTP layer's copies of them), the MTP projection
+NOT_ADAPTED = ("norm.weight", "mlp.gate.weight", "e_score_correction_bias", "shared_expert_gate.weight",
+               "embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "eh_proj.weight", "mtp.fc.weight",
+               "A_log", "dt_bias", "conv1d.weight")
+
+
+@pytest.mark.parametrize("family", NATIVE_MTP_FAMILIES)
+def test_joint_lora_on_a_native_mtp_family_merges_into_an_export_of_the_trained_model(process_group, tmp_path,
+                                                                                     family):
+    from megatron.core.utils import unwrap_model
+
+    moe, targets = NATIVE_MTP_FAMILIES[family]
+    checkpoint = make_tiny_checkpoint(tmp_path / family, family, mtp=True, moe=moe)
+    result = _fit(tmp_path, checkpoint, module_kwargs={"enable_mtp": True}, lora={"target_modules": targets})
+    recorder = result["recorder"]
+    assert recorder.trainable == set(recorder.adapters)
+    assert any(name.startswith("mtp.") for name in recorder.adapters)
+    assert all(torch.equal(param, before) for _, param, before in recorder.base.values())
+
+    merged = export_lora_merged(result["strategy"], tmp_path / "merged")
+    chunk = unwrap_model(result["strategy"].model_chunks[0])
+    assert _logits_difference(chunk, merged) <= 1e-5
+    assert _mtp_head_difference(chunk, merged) <= 1e-5
+    original, exported = load_file(checkpoint / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert exported.keys() == original.keys()
+    changed = {name for name in original if not torch.equal(exported[name], original[name])}
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert any(is_hf_mtp_tensor(name, config) for name in changed)
+    assert not any(name.endswith(NOT_ADAPTED) for name in changed)
+
+
+def test_default_targets_on_multi_latent_attention_name_its_linears(model_parallel, tmp_path):
+    chunks = create_bridge("megatron-bridge", make_tiny_checkpoint(tmp_path / "deepseek_v3", "deepseek_v3",
+                                                                   moe=DEEPSEEK)).build(ModelOptions())
+    with pytest.raises(ValueError, match=r"target_modules: \['linear_qkv'\] matched no linear layer of the model; its "
+                                         r"layers' linears are \['linear_fc1', 'linear_fc2', 'linear_kv_down_proj', "
+                                         r"'linear_kv_up_proj', 'linear_proj', 'linear_q_down_proj', "
+                                         r"'linear_q_up_proj'\]"):
+        add_lora_adapters(chunks, LoRAConfig())

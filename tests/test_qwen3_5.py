@@ -28,7 +28,7 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
-from tests.test_glm4_moe import _build_check_and_export, _tensors
+from tests.test_glm4_moe import _build_check_and_export, _tensors, assert_restoring_the_mtp_head_round_trips
 from tests.test_moe import (
     LR,
     SEQ,
@@ -36,7 +36,6 @@ from tests.test_moe import (
     _input_ids,
     _logits_difference,
     _mtp_only_module,
-    _same_tensors,
     fit_shortened_config,
 )
 
@@ -92,29 +91,21 @@ def test_restoring_the_mtp_head_round_trips_bit_for_bit(model_parallel, checkpoi
     assert_restoring_the_mtp_head_round_trips(checkpoints["mtp"], tmp_path)
 
 
-def assert_restoring_the_mtp_head_round_trips(original: Path, tmp_path: Path) -> None:
-    """Exported without its MTP head, then the head restored from the original: the original again, bit for bit
-    (config.json included), and so is a build of it exported with MTP."""
-    bridge = create_bridge("megatron-bridge", original)
-    finetuned = bridge.save_hf(bridge.build(ModelOptions(mtp=False)), tmp_path / "finetuned")
-    assert not any(is_hf_mtp_tensor(name) for name in _tensors(finetuned))
-    restored = restore_mtp_head(finetuned, tmp_path / "restored", source=original)
-    assert _same_tensors(original, restored) == []
-    assert json.loads((restored / "config.json").read_text()) == json.loads((original / "config.json").read_text())
-    bridge = create_bridge("megatron-bridge", restored)
-    assert _same_tensors(original, bridge.save_hf(bridge.build(ModelOptions(mtp=True)), tmp_path / "exported")) == []
-
-
 def test_a_head_copied_from_the_last_layer_is_a_full_attention_layer(model_parallel, checkpoints, tmp_path):
     restored = restore_mtp_head(checkpoints["plain"], tmp_path / "restored", init="copy-last-layer")
     written, expected = _tensors(restored), _tensors(checkpoints["mtp"])
     assert {n: tuple(t.shape) for n, t in written.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
-    # the head's own norms scale by 1: Qwen3.5's scale by 1 + weight
-    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
-        assert torch.count_nonzero(written[norm]) == 0, norm
+    assert_the_fresh_head_norms_scale_by_one(written)
     assert _mtp_head_difference(create_bridge("megatron-bridge", restored).build(ModelOptions(mtp=True))[0],
                                 restored) <= 1e-5
+
+
+def assert_the_fresh_head_norms_scale_by_one(written: dict[str, torch.Tensor]) -> None:
+    """A fresh head's own norms (not copied from a decoder layer) scale by 1: Qwen3.5's scale by 1 + weight, so their
+    weights are zeros (`families.zero_centered_norms`), not ones."""
+    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        assert torch.count_nonzero(written[norm]) == 0, norm
 
 
 def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
@@ -123,16 +114,21 @@ def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parall
         create_bridge("mbridge", checkpoints["mtp"]).validate(ModelOptions())
 
 
-@pytest.mark.parametrize(("packing", "context_parallel_size", "message"), [
-    ("tree", 1, r"packing='tree' cannot run 'qwen3_5_text' checkpoints: .* use packing: true"),
-    (True, 2, r"packing=True with context_parallel_size=2 is not supported for 'qwen3_5_text' .* set packing: false"),
-])
-def test_tree_rows_and_packed_rows_under_context_parallelism_are_refused_before_any_data_is_read(
-        checkpoints, packing, context_parallel_size, message):
-    data = SFTDataModule(train_path="unread.jsonl", hf_checkpoint=str(checkpoints["mtp"]), seq_length=64,
-                         packing=packing, micro_batch_size=1, context_parallel_size=context_parallel_size)
-    with pytest.raises(ValueError, match=message):
-        data.setup("fit")
+def test_tree_rows_and_packed_rows_under_context_parallelism_are_refused_before_any_data_is_read(checkpoints):
+    assert_tree_rows_and_packed_rows_under_context_parallelism_are_refused(checkpoints["mtp"])
+
+
+def assert_tree_rows_and_packed_rows_under_context_parallelism_are_refused(hf_checkpoint: Path) -> None:
+    """A gated DeltaNet checkpoint's data refuses tree rows, and packed rows at CP=2, naming its model_type."""
+    model_type = json.loads((hf_checkpoint / "config.json").read_text())["model_type"]
+    for packing, context_parallel_size, message in (
+            ("tree", 1, rf"packing='tree' cannot run '{model_type}' checkpoints: .* use packing: true"),
+            (True, 2, rf"packing=True with context_parallel_size=2 is not supported for '{model_type}' .* set "
+                      "packing: false")):
+        data = SFTDataModule(train_path="unread.jsonl", hf_checkpoint=str(hf_checkpoint), seq_length=64,
+                             packing=packing, micro_batch_size=1, context_parallel_size=context_parallel_size)
+        with pytest.raises(ValueError, match=message):
+            data.setup("fit")
 
 
 def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
@@ -230,8 +226,9 @@ def test_the_speculative_decoder_with_its_head_is_greedy_decoding(checkpoints):
 
 
 def assert_the_speculative_decoder_is_greedy_decoding(checkpoint: Path) -> None:
-    """The draft head loads and equals the reference; decoding with it (the DeltaNet states put back after each
-    rejected draft: `tests/speculative/` holds the batched, sampled and fitted-head cases) is greedy decoding."""
+    """The draft head loads and equals the independent reference (1e-5); 2-token drafting with it (the DeltaNet
+    states put back after each rejected draft: `tests/speculative/` holds the batched, sampled and fitted-head cases)
+    is greedy decoding of the gated DeltaNet target, token for token."""
     from lightning_megatron.speculative.decode import greedy_decode, speculative_decode
     from lightning_megatron.speculative.mtp_head import load_mtp_head, load_target
 

@@ -23,10 +23,13 @@ from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
-from tests.test_glm4_moe import _tensors, assert_logits_mtp_head_and_round_trip
+from tests.test_glm4_moe import (
+    _tensors,
+    assert_logits_mtp_head_and_round_trip,
+    assert_restoring_the_mtp_head_round_trips,
+)
 from tests.test_moe import _fit, _mtp_only_module
 from tests.test_qwen3_5 import (
-    assert_restoring_the_mtp_head_round_trips,
     assert_tensor_parallel,
     assert_the_speculative_decoder_is_greedy_decoding,
     tensor_parallel_case,

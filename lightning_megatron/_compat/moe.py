@@ -129,6 +129,13 @@ def _install_qwen3_moe_unfused_permutation(patches: Patches) -> None:
     set_provider_fields(patches, Qwen3MoEBridge, {"moe_permute_fusion": False})
 
 
+def _install_qwen35_moe_unfused_permutation(patches: Patches) -> None:
+    from megatron.bridge.models.qwen.qwen35_bridge import Qwen35MoEBridge
+
+    # TE's fused permutation; the unfused one computes the same
+    set_provider_fields(patches, Qwen35MoEBridge, {"moe_permute_fusion": False})
+
+
 def _install_glm45_local_fusions(patches: Patches) -> None:
     from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
 
@@ -159,33 +166,69 @@ def _glm45_bridge_for_names() -> Any:
 
 
 def _install_glm45_sequential_expert_names(patches: Patches) -> None:
-    """The local spec's `SequentialMLP` experts (`experts.local_experts.{k}.linear_fc1.weight`), in the decoder and
-    in the MTP layers, beside the `TEGroupedMLP` names (`experts.linear_fc1.weight{k}`) GLM-4.5's registry maps."""
-    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+    """The local spec's `SequentialMLP` experts, in the decoder and in the MTP layers, beside the `TEGroupedMLP`
+    names GLM-4.5's registry maps."""
     from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
 
-    mapping_registry = GLM45Bridge.mapping_registry
+    install_sequential_expert_names(patches, GLM45Bridge)
+
+
+_GROUPED_TO_SEQUENTIAL = ((".mlp.experts.linear_fc1.weight*", ".mlp.experts.local_experts.*.linear_fc1.weight"),
+                          (".mlp.experts.linear_fc2.weight*", ".mlp.experts.local_experts.*.linear_fc2.weight"))
+
+
+def install_sequential_expert_names(patches: Patches, bridge_class: type) -> None:
+    """`bridge_class`'s registry maps the local spec's `SequentialMLP` experts
+    (`experts.local_experts.{k}.linear_fc1.weight`) the way it maps the `TEGroupedMLP` names
+    (`experts.linear_fc1.weight{k}`), wherever it maps only the latter (per-expert or packed HF experts alike)."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import (
+        AutoMapping,
+        FusedExpertMapping,
+        FusedGatedExpertMapping,
+        GatedMLPMapping,
+    )
+
+    mapping_registry = bridge_class.mapping_registry
+
+    def sequential_mapping(mapping: Any, name: str) -> Any:
+        if isinstance(mapping, (FusedGatedExpertMapping, FusedExpertMapping)):  # one packed HF tensor
+            return type(mapping)(name, mapping.hf_param, mapping.permute_dims, mapping.transpose_on_export)
+        if isinstance(mapping, GatedMLPMapping):
+            return GatedMLPMapping(megatron_param=name, gate=mapping.hf_param["gate"], up=mapping.hf_param["up"])
+        if type(mapping) is AutoMapping:
+            return AutoMapping(megatron_param=name, hf_param=mapping.hf_param)
+        return None
 
     @functools.wraps(mapping_registry)
     def mapping_registry_with_sequential_experts(bridge: Any) -> Any:
         registry = mapping_registry(bridge)
+        mapped = {mapping.megatron_param for mapping in registry.mappings}
         sequential = []
         for mapping in registry.mappings:
-            name = mapping.megatron_param
-            for grouped, local in ((".mlp.experts.linear_fc1.weight*", ".mlp.experts.local_experts.*.linear_fc1.weight"),
-                                   (".mlp.experts.linear_fc2.weight*", ".mlp.experts.local_experts.*.linear_fc2.weight")):
-                if not name.endswith(grouped):
-                    continue
-                local_name = name.removesuffix(grouped) + local
-                if isinstance(mapping, GatedMLPMapping):
-                    sequential.append(GatedMLPMapping(megatron_param=local_name, gate=mapping.hf_param["gate"],
-                                                      up=mapping.hf_param["up"]))
-                elif isinstance(mapping, AutoMapping):
-                    sequential.append(AutoMapping(megatron_param=local_name, hf_param=mapping.hf_param))
-        return MegatronMappingRegistry(*registry.mappings, *sequential)
+            for grouped, local in _GROUPED_TO_SEQUENTIAL:
+                name = mapping.megatron_param.removesuffix(grouped) + local
+                if mapping.megatron_param.endswith(grouped) and name not in mapped:
+                    sequential.append(sequential_mapping(mapping, name))
+        return MegatronMappingRegistry(*registry.mappings, *filter(None, sequential))
 
-    patches.setattr(GLM45Bridge, "mapping_registry", mapping_registry_with_sequential_experts)
+    patches.setattr(bridge_class, "mapping_registry", mapping_registry_with_sequential_experts)
+
+
+def _qwen35_moe_maps_no_sequential_mtp_experts() -> bool:
+    from megatron.bridge.models.qwen.qwen35_bridge import Qwen35MoEBridge
+
+    registry = Qwen35MoEBridge.mapping_registry(object.__new__(Qwen35MoEBridge))  # no checkpoint: per-expert names
+    # "mtp.": the prefix of Megatron's MTP parameters (GPTModel.mtp), not an HF name
+    return not any(mapping.megatron_param.startswith("mtp.") and ".local_experts." in mapping.megatron_param
+                   for mapping in registry.mappings)
+
+
+def _install_qwen35_moe_sequential_mtp_expert_names(patches: Patches) -> None:
+    """The local spec's `SequentialMLP` experts in Qwen3.5-MoE's MTP layer (its decoder's are mapped upstream)."""
+    from megatron.bridge.models.qwen.qwen35_bridge import Qwen35MoEBridge
+
+    install_sequential_expert_names(patches, Qwen35MoEBridge)
 
 
 def _glm45_exports_no_mtp_copies() -> bool:
@@ -294,6 +337,22 @@ def _install_qwen3_moe_mtp_names(patches: Patches) -> None:
 
 
 MEGATRON_BRIDGE_ADJUSTMENTS = (
+    Adjustment(
+        "megatron_bridge.qwen35_moe_unfused_permutation",
+        "megatron/bridge/models/qwen/qwen35_bridge.py:101 moe_permute_fusion=True: 'fused permutation is not "
+        "available' without TE (megatron/core/transformer/transformer_config.py:2667)",
+        no_transformer_engine,
+        _install_qwen35_moe_unfused_permutation,
+    ),
+    Adjustment(
+        "megatron_bridge.qwen35_moe_sequential_mtp_expert_names",
+        "megatron/bridge/models/qwen/qwen35_bridge.py:363-391 maps the MTP layer's experts by TEGroupedMLP names "
+        "only (its decoder's by both, :104-130): loading the local spec's SequentialMLP experts fails at "
+        "model_bridge.py:1100 after 'No mapping found for megatron_param: "
+        "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.0.linear_fc1.weight'",
+        _qwen35_moe_maps_no_sequential_mtp_experts,
+        _install_qwen35_moe_sequential_mtp_expert_names,
+    ),
     Adjustment(
         "megatron_bridge.glm45_local_fusions",
         "megatron/bridge/models/glm/glm45_bridge.py:69,75,81 moe_permute_fusion=True: 'fused permutation is not "

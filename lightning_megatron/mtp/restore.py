@@ -58,6 +58,9 @@ def restore_mtp_head(
     scale by 1 (weights ones; zeros where the family's norms scale by `1 + weight`, Qwen3.5's), biases (and routers'
     expert biases) are zeros. `init="copy-last-layer"` copies the last decoder layer into the MTP transformer layer,
     sets the MTP norms to scale by 1 and draws the projection (eh_proj / input_proj) as `random` does.
+    A fresh MTP layer stores its routed experts one by one (`experts.{e}.gate_proj.weight`, ...), as the MTP layers
+    of every family's checkpoints do, also where the decoder layers pack them (Qwen3.5-MoE); from `source`, the
+    source's layout is kept (Qwen3.6 packs its MTP layer's experts too).
     MTP tensors take the dtype of the fine-tuned input embedding: source tensors of another dtype are cast.
     The folder is written atomically; an earlier HF checkpoint at `output` is replaced.
     """
@@ -86,13 +89,14 @@ def restore_mtp_head(
     if source is not None:
         source_config = _read_config(source, "source")
         mtp_layers = _check_source(finetuned, config, source, source_config, model_type)
-        expected = _mtp_shapes(names, config, shapes, mtp_layers)
-        _check_source_tensors(source, _tensor_shapes(source, "source"), _mtp_prefixes(names, config, mtp_layers),
-                              expected)
+        source_shapes, source_prefixes = _tensor_shapes(source, "source"), _mtp_prefixes(names, config, mtp_layers)
+        packed = any(name.startswith(source_prefixes) and name.endswith(_PACKED_EXPERTS) for name in source_shapes)
+        expected = _mtp_shapes(names, config, shapes if packed else _experts_one_by_one_shapes(shapes), mtp_layers)
+        _check_source_tensors(source, source_shapes, source_prefixes, expected)
     else:
         source_config = {}
         mtp_layers = 1
-        expected = _mtp_shapes(names, config, shapes, mtp_layers)
+        expected = _mtp_shapes(names, config, _experts_one_by_one_shapes(shapes), mtp_layers)
 
     declared = (text_model_config(config), text_model_config(source_config))
     keys = [key for key in MTP_CONFIG_KEYS if any(key in fields for fields in declared)] or [names.layers_key]
@@ -112,7 +116,7 @@ def restore_mtp_head(
     if source is not None:
         mtp_tensors = _load_tensors(source, names=set(expected))
     else:
-        mtp_tensors = _fresh_mtp_tensors(expected, tensors, init, seed=seed,
+        mtp_tensors = _fresh_mtp_tensors(expected, _experts_one_by_one(tensors), init, seed=seed,
                                          std=text_model_config(config).get("initializer_range", 0.02),
                                          unit_norm=0.0 if family(model_type).zero_centered_norms else 1.0)
     for i in range(mtp_layers):  # the MTP layers' copies of the embedding and LM head: the fine-tuned ones
@@ -222,6 +226,33 @@ def _mtp_shapes(
         expected.update({copy: (shapes[main if main in shapes else embedding], None)
                          for main, copy in names.copy_names(i, text_config).items()})
     return expected
+
+
+_PACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _experts_one_by_one(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with packed routed experts (Qwen3.5-MoE's decoder layers: `experts.gate_up_proj` [experts,
+    2 x ffn, hidden], gate rows first, and `experts.down_proj` [experts, hidden, ffn]) as views of the one-by-one
+    tensors an MTP layer stores (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`)."""
+    result = {}
+    for name, tensor in tensors.items():
+        if name.endswith(_PACKED_EXPERTS[0]):
+            experts = name.removesuffix("gate_up_proj")
+            for expert, (gate, up) in enumerate(packed.chunk(2) for packed in tensor):
+                result[f"{experts}{expert}.gate_proj.weight"], result[f"{experts}{expert}.up_proj.weight"] = gate, up
+        elif name.endswith(_PACKED_EXPERTS[1]):
+            experts = name.removesuffix("down_proj")
+            result.update({f"{experts}{expert}.down_proj.weight": down for expert, down in enumerate(tensor)})
+        else:
+            result[name] = tensor
+    return result
+
+
+def _experts_one_by_one_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`_experts_one_by_one` of tensors of these shapes: their names and shapes."""
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    return {name: tuple(tensor.shape) for name, tensor in _experts_one_by_one(meta).items()}
 
 
 def _check_source_tensors(

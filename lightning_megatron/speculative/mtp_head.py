@@ -174,7 +174,7 @@ def load_mtp_head(hf_path: str | Path, target: PreTrainedModel) -> MTPDraftHead:
             raise ValueError(f"{hf_path}: the {family} MTP layer is missing the tensor {name}")
         return read(name)
 
-    layer_state = hf_module_state(head.layer.state_dict(), read_layer_tensor, layer_prefix)
+    layer_state = hf_module_state(head.layer.state_dict(), read_layer_tensor, layer_prefix, tensor_files)
     head.enorm.load_state_dict({"weight": read(tensors["embedding_norm"])})
     head.hnorm.load_state_dict({"weight": read(tensors["hidden_norm"])})
     head.eh_proj.load_state_dict({"weight": projection})
@@ -189,7 +189,7 @@ def _detect_layout(hf_path: Path, tensor_names: Collection[str], hf_config: dict
     layouts = distinct_mtp_names()
     own = MODEL_FAMILIES.get(hf_config.get("model_type"))
     if own is not None and own.mtp is not None:
-        layouts = {own.mtp: own.model_type, **layouts}
+        layouts = {own.mtp: own.model_type, **{names: name for names, name in layouts.items() if names != own.mtp}}
     for names, family in layouts.items():
         if names.head(0, hf_config)["projection"] in tensor_names:
             return family, names

@@ -35,7 +35,7 @@ from lightning_megatron.testing.tokenizer import (
 )
 
 Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3",
-                 "qwen3_5_text", "qwen3_5"]
+                 "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -54,6 +54,8 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3_5_text", True),
     ("qwen3_5", False),
     ("qwen3_5", True),
+    ("qwen3_5_moe_text", False),
+    ("qwen3_5_moe_text", True),
 )
 """Supported ``(family, mtp)`` combinations: MTP exists for Qwen3 (Qwen3-Next-style ``mtp.*`` keys) and MiMo
 (always, ``model.mtp_layers.0.*``); Qwen2 and Llama are plain decoders. Qwen3-MoE and Qwen2-MoE (with its gated
@@ -68,7 +70,9 @@ group-limited routing (``MoEShape.n_group``, ``topk_group``). Qwen3.5 (``qwen3_5
 and gated full-attention layers, its MTP layer a full-attention one under Qwen3's ``mtp.*`` keys
 (:mod:`lightning_megatron.testing.qwen3_5`); ``qwen3_5`` is the multimodal form Qwen publishes: the same text model
 (the same tensors, for the same seed) under ``model.language_model.``, ``lm_head`` and ``mtp.*`` at the top, a
-two-block vision tower under ``model.visual.``, and the vision tokens in its tokenizer."""
+two-block vision tower under ``model.visual.``, and the vision tokens in its tokenizer. Qwen3.5-MoE
+(``qwen3_5_moe_text``) has Qwen3.5's layers and MTP layer with routed experts (packed in the decoder layers, one by
+one in the MTP layer) and a sigmoid-gated shared expert."""
 
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
@@ -234,6 +238,7 @@ def _model_config(
         LlamaConfig,
         Qwen2Config,
         Qwen2MoeConfig,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -263,14 +268,17 @@ def _model_config(
     if family == "glm4_moe":  # GLM-4.5's attention: q/k/v biases, no q/k norms, RoPE on half of each head
         fields.update(attention_bias=True, use_qk_norm=False)
         fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": 0.5}
-    if family == qwen3_5.MODEL_TYPE:
+    if family in qwen3_5.MODEL_TYPES:
         fields.update(qwen3_5.config_fields(shape), rope_parameters=qwen3_5.rope_parameters(_ROPE_THETA))
+    if family == qwen3_5.MOE_MODEL_TYPE:  # every MLP is routed experts: no dense FFN size
+        del fields["intermediate_size"]
     if mtp:
         # The key megatron-bridge maps to mtp_num_layers (model_bridge.py CONFIG_MAPPING; mimo_bridge.py).
         fields[mtp_names(family).layers_key] = 1
     config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mimo": Qwen2Config,
                   "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "glm4_moe": Glm4MoeConfig,
-                  "deepseek_v3": DeepseekV3Config, qwen3_5.MODEL_TYPE: Qwen3_5TextConfig}[family]
+                  "deepseek_v3": DeepseekV3Config, qwen3_5.MODEL_TYPE: Qwen3_5TextConfig,
+                  qwen3_5.MOE_MODEL_TYPE: Qwen3_5MoeTextConfig}[family]
     if moe is not None:
         fields.update(_moe_config_fields(family, moe, shape))
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
@@ -309,7 +317,7 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, l
                           ) -> dict[str, tuple[int, ...]]:
     """One decoder layer's tensors (`layer` None: the MTP layer): Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v
     biases; Qwen3.5's layers are gated DeltaNet or gated full attention, its MTP layer full attention."""
-    if family == qwen3_5.MODEL_TYPE:
+    if family in qwen3_5.MODEL_TYPES:
         full_attention = layer is None or qwen3_5.is_full_attention(layer)
         return qwen3_5.decoder_layer_shapes(prefix, shape, full_attention=full_attention)
     hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
@@ -378,6 +386,8 @@ class MoEShape:
     routed_scaling_factor: float = 1.0
     n_group: int = 1  # DeepSeek-V3's group-limited routing: experts in n_group groups, tokens routed within the
     topk_group: int = 1  # topk_group groups whose two best experts score highest
+    packed_mtp_experts: bool = False  # Qwen3.5-MoE's MTP layer stores its experts packed, as its decoder layers do
+    # (Qwen3.6's checkpoints); Qwen3.5's store them one by one
 
 
 def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
@@ -388,6 +398,11 @@ def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
     moe = moe or MoEShape()
     if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
         raise ValueError(f"MoEShape: top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+    if family == qwen3_5.MOE_MODEL_TYPE and not moe.norm_topk_prob:
+        raise ValueError(f"MoEShape: norm_topk_prob=False is not {family!r}'s router, which always renormalises the "
+                         "top k; use norm_topk_prob=True")
+    if moe.packed_mtp_experts and family != qwen3_5.MOE_MODEL_TYPE:
+        raise ValueError(f"MoEShape: packed_mtp_experts=True is Qwen3.5-MoE's (Qwen3.6's) layout, not {family!r}'s")
     return moe
 
 
@@ -402,8 +417,11 @@ def _moe_config_fields(family: Family, moe: MoEShape, shape: CheckpointShape) ->
         mlp_only_layers=[],
     )
     fields["moe_intermediate_size"] = expert_size
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", qwen3_5.MOE_MODEL_TYPE):
         fields["shared_expert_intermediate_size"] = shared_size
+    if family == qwen3_5.MOE_MODEL_TYPE:  # its router always renormalises the top k; every layer is MoE
+        for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+            del fields[key]
     if family in ("glm4_moe", "deepseek_v3"):  # their router: no auxiliary-loss coefficient, no decoder_sparse_step
         for key in ("num_experts", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers"):
             del fields[key]
@@ -437,11 +455,14 @@ def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoESh
             continue
         mlp = name.removesuffix("gate_proj.weight")
         result[f"{mlp}gate.weight"] = (moe.num_experts, hidden_size)
-        for expert in range(moe.num_experts):
+        packed = qwen3_5.packs_experts(family, mlp, moe.packed_mtp_experts)
+        if packed:
+            result.update(qwen3_5.packed_expert_shapes(mlp, moe.num_experts, hidden_size, expert_size))
+        for expert in range(0 if packed else moe.num_experts):
             result[f"{mlp}experts.{expert}.gate_proj.weight"] = (expert_size, hidden_size)
             result[f"{mlp}experts.{expert}.up_proj.weight"] = (expert_size, hidden_size)
             result[f"{mlp}experts.{expert}.down_proj.weight"] = (hidden_size, expert_size)
-        if family == "qwen2_moe":
+        if family in ("qwen2_moe", qwen3_5.MOE_MODEL_TYPE):
             result[f"{mlp}shared_expert.gate_proj.weight"] = (shared_size, hidden_size)
             result[f"{mlp}shared_expert.up_proj.weight"] = (shared_size, hidden_size)
             result[f"{mlp}shared_expert.down_proj.weight"] = (hidden_size, shared_size)

@@ -1,4 +1,5 @@
-"""The Qwen3.5 dense layout (HF `qwen3_5_text`) for the tiny-checkpoint maker (`testing.checkpoints`).
+"""The Qwen3.5 layouts (HF `qwen3_5_text`, dense; `qwen3_5_moe_text`; the multimodal `qwen3_5`) for the
+tiny-checkpoint maker (`testing.checkpoints`).
 
 Qwen3.5 interleaves gated DeltaNet linear-attention layers (`linear_attn.*`) with gated full-attention layers
 (`self_attn.*`, whose `q_proj` also produces the output gate, so it is twice the query size), by `layer_types`
@@ -7,6 +8,13 @@ Its MTP layer (`mtp.*`, the names of the family table) is one full-attention lay
 Qwen3.5-0.8B's index; every RMSNorm but the DeltaNet output norm is zero-centred (`1 + weight`). The linear-attention
 sizes follow the checkpoint's shape: as many key heads as KV heads, as many value heads as query heads, both of
 `head_dim`, a causal convolution of width 4 (Qwen3.5's).
+
+Qwen3.5-MoE's layers (and its MTP layer) replace the dense MLP by routed experts beside a sigmoid-gated shared
+expert (`mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`). Qwen/Qwen3.5-35B-A3B's index
+stores the decoder layers' experts packed (`mlp.experts.gate_up_proj` [experts, 2 x ffn, hidden], gate rows first,
+and `mlp.experts.down_proj` [experts, hidden, ffn], without a `.weight`) and the MTP layer's one by one
+(`mtp.layers.0.mlp.experts.{e}.gate_proj.weight`, ...); Qwen3.6 packs the MTP layer's too
+(`MoEShape.packed_mtp_experts`).
 
 The checkpoints Qwen publishes are the multimodal form (`qwen3_5`, `Qwen3_5ForConditionalGeneration`): the same text
 model under `model.language_model.` (the family table's `LanguageModel`), `lm_head` and `mtp.*` at the top, a vision
@@ -34,6 +42,8 @@ class CheckpointShape(Protocol):
     head_dim: int
 
 MODEL_TYPE = "qwen3_5_text"
+MOE_MODEL_TYPE = "qwen3_5_moe_text"
+MODEL_TYPES = (MODEL_TYPE, MOE_MODEL_TYPE)
 MULTIMODAL_MODEL_TYPE = "qwen3_5"
 FULL_ATTENTION_INTERVAL = 2
 CONV_KERNEL = 4
@@ -64,8 +74,22 @@ def is_full_attention(layer: int) -> bool:
 
 def zero_centred(family: str, name: str) -> bool:
     """Whether tensor `name` of a `family` checkpoint is a zero-centred RMSNorm weight (scale `1 + weight`): every
-    Qwen3.5 norm but the DeltaNet's gated output norm."""
-    return family == MODEL_TYPE and name.endswith("norm.weight") and ".linear_attn.norm." not in name
+    Qwen3.5 norm but the DeltaNet's gated output norm (the family table's `zero_centered_norms`)."""
+    return (MODEL_FAMILIES[family].zero_centered_norms and name.endswith("norm.weight")
+            and ".linear_attn.norm." not in name)
+
+
+def packs_experts(family: str, mlp_prefix: str, packed_mtp_experts: bool) -> bool:
+    """Whether the routed experts under `mlp_prefix` are stored packed: Qwen3.5-MoE's decoder layers', and its MTP
+    layer's with `packed_mtp_experts` (Qwen3.6's layout)."""
+    return family == MOE_MODEL_TYPE and (packed_mtp_experts or mlp_prefix.startswith("model.layers."))
+
+
+def packed_expert_shapes(mlp_prefix: str, num_experts: int, hidden_size: int, expert_size: int
+                         ) -> dict[str, tuple[int, ...]]:
+    """The packed routed experts of one Qwen3.5-MoE decoder layer, as transformers' `Qwen3_5MoeExperts` holds them."""
+    return {f"{mlp_prefix}experts.gate_up_proj": (num_experts, 2 * expert_size, hidden_size),
+            f"{mlp_prefix}experts.down_proj": (num_experts, hidden_size, expert_size)}
 
 
 def decoder_layer_shapes(prefix: str, shape: CheckpointShape, *, full_attention: bool) -> dict[str, tuple[int, ...]]:

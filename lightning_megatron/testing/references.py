@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lightning_megatron.families import MODEL_FAMILIES, language_model, text_model_config
+from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES, MODEL_FAMILIES, language_model, text_model_config
 from lightning_megatron.hf_io import hf_module_state
 
 
@@ -36,7 +36,8 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
        decoder layer they are stored as, so with their routed experts, DeepSeek-V3's with its multi-head latent
        attention and YaRN rotary embedding) with a causal mask and the same rotary positions ``0..S-2``. Qwen3.5's
        is a ``Qwen3_5DecoderLayer`` built as its first full-attention layer (gated attention; the MTP layer has no
-       DeltaNet), its norms ``1 + weight``.
+       DeltaNet), its norms ``1 + weight``; Qwen3.5-MoE's a ``Qwen3_5MoeDecoderLayer``, so with its routed and
+       shared experts.
     5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
 
     A multimodal checkpoint (Qwen3.5's published ``qwen3_5``) is read as the text model it holds: its
@@ -54,6 +55,8 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3ForCausalLM,
@@ -64,6 +67,7 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
 
     path = Path(path)
     if input_ids.ndim != 2 or input_ids.shape[1] < 2:
@@ -83,12 +87,13 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeDecoderLayer, Glm4MoeRMSNorm),
         "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3DecoderLayer, DeepseekV3RMSNorm),
         "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, Qwen3_5DecoderLayer, Qwen3_5RMSNorm),
+        "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm),
     }
     model_type = raw_config["model_type"]
     names = MODEL_FAMILIES[model_type].mtp if model_type in classes else None
     if names is None or names.head(0, raw_config)["projection"] not in weights:
-        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo, GLM-4.5, DeepSeek-V3 or "
-                         "Qwen3.5)")
+        raise ValueError(f"{path} has no MTP weights this reference knows (Qwen3-MTP, MiMo, GLM-4.5, DeepSeek-V3, "
+                         "Qwen3.5 or Qwen3.5-MoE)")
     config_cls, model_cls, layer_cls, norm_cls = classes[model_type]
     config = config_cls(**config_fields)
     head, layer_prefix = names.head(0, raw_config), names.layer_prefix(0, raw_config)
@@ -106,7 +111,7 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         read.add(name)
         return main_weights[name]
 
-    model.load_state_dict(hf_module_state(model.state_dict(), read_main, ""))
+    model.load_state_dict(hf_module_state(model.state_dict(), read_main, "", main_weights))
     if set(main_weights) - read:
         raise ValueError(f"{path}: main model weights do not match: unexpected={sorted(set(main_weights) - read)}")
 
@@ -116,9 +121,10 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
         return module
 
     # GLM-4.5's MTP layer is built as the decoder layer it is stored as; Qwen3.5's as its first full-attention layer
-    index = config.layer_types.index("full_attention") if model_type == "qwen3_5_text" else names.index(0, raw_config)
+    index = (config.layer_types.index("full_attention") if model_type in LINEAR_ATTENTION_MODEL_TYPES
+             else names.index(0, raw_config))
     layer = layer_cls(config, layer_idx=index).eval()
-    layer.load_state_dict(hf_module_state(layer.state_dict(), weights.__getitem__, layer_prefix))
+    layer.load_state_dict(hf_module_state(layer.state_dict(), weights.__getitem__, layer_prefix, weights))
 
     with torch.no_grad():
         hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1]

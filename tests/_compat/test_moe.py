@@ -194,3 +194,50 @@ def test_megatron_bridge_glm45_mtp_copies(megatron_bridge: ModuleType, glm_check
     exported = dict(bridge.export_hf_weights([model], cpu=True, show_progress=False))
     assert exported.keys() == hf.keys()
     assert [name for name in hf if not torch.equal(hf[name], exported[name])] == []
+
+
+# Qwen3.5-MoE through megatron-bridge's own Qwen35MoEBridge settings (gated DeltaNet and gated attention layers with
+# routed experts and a gated shared expert, the MTP layer's experts one by one, or packed as Qwen3.6 stores them)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], Path]:
+    made: dict[bool, Path] = {}
+
+    def get(packed_mtp_experts: bool = False) -> Path:
+        if packed_mtp_experts not in made:
+            made[packed_mtp_experts] = make_tiny_checkpoint(
+                tmp_path_factory.mktemp(f"qwen3_5_moe_packed{packed_mtp_experts}"), "qwen3_5_moe_text", mtp=True,
+                moe=MoEShape(packed_mtp_experts=packed_mtp_experts))
+        return made[packed_mtp_experts]
+
+    return get
+
+
+def test_megatron_bridge_qwen35_moe_unfused_permutation(megatron_bridge: ModuleType, qwen3_5_moe_checkpoint,
+                                                        input_ids) -> None:
+    path = qwen3_5_moe_checkpoint()
+    with ADJUSTMENTS["megatron_bridge.qwen35_moe_unfused_permutation"].suspended():
+        with pytest.raises(ValueError, match="fused permutation is not available"):
+            _megatron_bridge_model(megatron_bridge, path)
+    _assert_matches_hf(_megatron_bridge_model(megatron_bridge, path), path, input_ids)
+
+
+@pytest.mark.parametrize("packed_mtp_experts", [False, True])
+def test_megatron_bridge_qwen35_moe_sequential_mtp_expert_names(megatron_bridge: ModuleType, qwen3_5_moe_checkpoint,
+                                                                packed_mtp_experts: bool) -> None:
+    path = qwen3_5_moe_checkpoint(packed_mtp_experts)
+    with ADJUSTMENTS["megatron_bridge.qwen35_moe_sequential_mtp_expert_names"].suspended():
+        with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'megatron_module'"):
+            _megatron_bridge_model(megatron_bridge, path)
+
+    model = _megatron_bridge_model(megatron_bridge, path)
+    hf, state = load_file(path / "model.safetensors"), model.state_dict()
+    experts = "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.3"
+    down = hf["mtp.layers.0.mlp.experts.down_proj"][3] if packed_mtp_experts else (
+        hf["mtp.layers.0.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(state[f"{experts}.linear_fc2.weight"], down)
+    bridge = megatron_bridge.AutoBridge.from_hf_pretrained(path)
+    exported = dict(bridge.export_hf_weights([model], cpu=True, show_progress=False))
+    assert exported.keys() == hf.keys()
+    assert [name for name in hf if not torch.equal(hf[name], exported[name])] == []

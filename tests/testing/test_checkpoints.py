@@ -72,13 +72,18 @@ GLM4_MOE_MTP_KEYS = {
 DEEPSEEK_V3_MTP_KEYS = {name for name in GLM4_MOE_MTP_KEYS if ".self_attn." not in name} | {
     f"model.layers.2.self_attn.{name}.weight" for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
                                                           "kv_a_layernorm", "kv_b_proj", "o_proj")}
+# Qwen3.5-MoE's MTP layer (megatron-bridge 0.6.2's qwen/qwen35_bridge.py MTP mappings, Qwen3.5-35B-A3B's index):
+# Qwen3-MoE's, its experts one by one, plus a shared expert and its sigmoid gate.
+QWEN3_5_MOE_MTP_KEYS = QWEN3_MOE_MTP_KEYS | {"mtp.layers.0.mlp.shared_expert_gate.weight", *(
+    f"mtp.layers.0.mlp.shared_expert.{projection}_proj.weight" for projection in ("gate", "up", "down"))}
 IDS = torch.tensor([[5, 17, 42, 99, 200, 301, 7, 64], [300, 3, 3, 150, 11, 12, 250, 383]])
 
 
 def _mtp_keys(family: str, mtp: bool) -> set[str]:
     return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS,
             ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS,  # GLM-4.5's names have no "mtp"
-            ("qwen3_5_text", True): QWEN3_MTP_KEYS, ("qwen3_5", True): QWEN3_MTP_KEYS}.get((family, mtp), set())
+            ("qwen3_5_text", True): QWEN3_MTP_KEYS, ("qwen3_5", True): QWEN3_MTP_KEYS,
+            ("qwen3_5_moe_text", True): QWEN3_5_MOE_MTP_KEYS}.get((family, mtp), set())
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +144,7 @@ def test_loads_in_transformers_and_runs(checkpoints: dict, family: str, mtp: boo
         assert bool(info["unexpected_keys"]) is mtp and all(key.startswith(prefix) for key in info["unexpected_keys"])
     else:
         assert set(info["unexpected_keys"]) == expected_unexpected
-    layers_key = "mtp_num_hidden_layers" if family in ("qwen3_5_text", "qwen3_5") else "num_nextn_predict_layers"
+    layers_key = "mtp_num_hidden_layers" if family.startswith("qwen3_5") else "num_nextn_predict_layers"
     assert text_model_config(config).get(layers_key) == (1 if mtp else None)
     assert model.config.tie_word_embeddings is tied
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tied
@@ -161,11 +166,12 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     assert {n for n in names if "mtp" in n} == _mtp_keys(family, mtp)
     has_bias = family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
-    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (family in ("qwen3", "qwen3_moe", "qwen3_5_text",
-                                                                               "qwen3_5"))
+    assert ("model.layers.1.self_attn.q_norm.weight" in names) is (
+        family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text"))
     is_moe = family in ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
     assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
-    assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family == "qwen2_moe")
+    assert ("model.layers.1.mlp.experts.gate_up_proj" in names) is (family == "qwen3_5_moe_text")
+    assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family in ("qwen2_moe", "qwen3_5_moe_text"))
     assert ("model.layers.0.mlp.experts.0.up_proj.weight" in names) is (family in ("qwen3_moe", "qwen2_moe"))
     assert ({name for name in names if name.startswith("model.layers.2.")} == GLM4_MOE_MTP_KEYS) is (
         family == "glm4_moe" and mtp)
@@ -400,3 +406,24 @@ def test_qwen3_5_interleaves_gated_deltanet_and_gated_attention_as_its_checkpoin
     assert tensors["mtp.fc.weight"].shape == (64, 128)
     assert tensors["model.norm.weight"].abs().mean() < 0.2  # scale 1 + weight
     assert (tensors["model.layers.0.linear_attn.norm.weight"] - 1).abs().mean() < 0.2  # scale weight
+
+
+def test_qwen3_5_moe_packs_its_decoder_experts_but_not_its_mtp_layers(checkpoints: dict) -> None:
+    """Qwen3.5-35B-A3B's layout at the tiny sizes: each decoder layer's experts packed (gate rows first, as
+    transformers' Qwen3_5MoeExperts holds them), the MTP layer's one by one, both with a gated shared expert."""
+    path = checkpoints["qwen3_5_moe_text", True, False]
+    tensors = load_file(path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+    assert (config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (
+        4, 32, 64)
+    for layer in (0, 1):
+        experts = f"model.layers.{layer}.mlp.experts."
+        assert tensors[experts + "gate_up_proj"].shape == (4, 2 * 32, 64)
+        assert tensors[experts + "down_proj"].shape == (4, 64, 32)
+        assert not any(name.startswith(experts + "0.") for name in tensors)
+        assert tensors[f"model.layers.{layer}.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert tensors["mtp.layers.0.mlp.experts.3.gate_proj.weight"].shape == (32, 64)
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" not in tensors
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in tensors
+    assert tensors["mtp.layers.0.self_attn.q_proj.weight"].shape == (2 * 64, 64)  # queries and output gates
