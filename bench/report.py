@@ -4,7 +4,7 @@ Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.p
 per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `families.py` (the same per
 family, and its gated DeltaNet layer comparison), `gdn.py`, `hf_io.py` (P3), `attention.py` (P4, and the older
 attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7), `async_save.py` and
-`sizes.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table, the sizes table, a
+`sizes.py` and `norms.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table, the sizes table, a
 table of the ratios against their targets, an HF load/save table, the packing layouts and the source of every figure
 (command, device, versions, date).
 """
@@ -17,9 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+from bench.report_cells import Result, gib, kind, percent, row, seconds, times, tokens
+from bench.report_kernels import gdn_table, norms_table
 
-Result = tuple[str, dict[str, Any]]
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load(paths: list[Path]) -> list[Result]:
@@ -30,41 +31,11 @@ def load(paths: list[Path]) -> list[Result]:
     return [(file.name, json.loads(file.read_text())) for file in files]
 
 
-def kind(data: dict[str, Any]) -> str | None:
-    if "benchmark" in data:
-        return data["benchmark"]
-    return "attention" if "hf_transformers_sdpa" in data else None
-
-
-def _seconds(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f} s"
-
-
-def _tokens(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / 1000:.1f}k"
-
-
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def _gib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} GiB"
-
-
-def _times(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}x"
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
 def _step_row(label: str, figures: dict[str, Any] | None, ratio: str, source: str) -> str | None:
     if figures is None:
         return None
-    return _row([label, _seconds(figures.get("step_s")), _tokens(figures.get("tokens_per_s")),
-                 _percent(figures.get("mfu")), _gib(figures.get("peak_memory_gib")), ratio, source])
+    return row([label, seconds(figures.get("step_s")), tokens(figures.get("tokens_per_s")),
+                percent(figures.get("mfu")), gib(figures.get("peak_memory_gib")), ratio, source])
 
 
 def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
@@ -82,11 +53,11 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             _step_row(f"plain Megatron-Core loop, joint with MTP{precision}", runs.get("plain"), "reference",
                       source),
             _step_row(f"lightning_megatron, joint with MTP{precision}", runs.get("lightning"),
-                      f"{_times(overhead.get('lightning_over_plain_step_time'))} plain step time", source),
+                      f"{times(overhead.get('lightning_over_plain_step_time'))} plain step time", source),
             _step_row(f"lightning_megatron, MTP-only (`MTPOnlyCallback`){precision}", runs.get("mtp_only"),
-                      f"{_times(mtp_only.get('step_time_ratio'))} joint step time, "
-                      f"{_times(mtp_only.get('peak_memory_ratio'))} joint peak memory"
-                      + (f" ({_times(mtp_only['peak_memory_ratio_including_setup'])} with set-up)"
+                      f"{times(mtp_only.get('step_time_ratio'))} joint step time, "
+                      f"{times(mtp_only.get('peak_memory_ratio'))} joint peak memory"
+                      + (f" ({times(mtp_only['peak_memory_ratio_including_setup'])} with set-up)"
                          if mtp_only.get("peak_memory_ratio_including_setup") else ""), source),
         ]
     for name, data in results:
@@ -98,7 +69,7 @@ def training_table(results: list[Result], sources: dict[str, int]) -> list[str]:
         source, megatron = f"[{sources[name]}]", data.get("megatron", {})
         hf = data.get("hf_transformers_sdpa")
         joint_step = joint_step_by_device.get(data.get("device", ""))
-        vs_ours = (f"ours (joint, with MTP): {_times(joint_step / hf['step_s'])} its step time"
+        vs_ours = (f"ours (joint, with MTP): {times(joint_step / hf['step_s'])} its step time"
                    if hf and joint_step else "")
         bf16 = data.get("shape", {}).get("dtype", "bf16") == "bf16"
         rows += [
@@ -123,12 +94,12 @@ _MTP_MEMORY_VARIANTS = {"joint": "lightning_megatron, joint with MTP",
                         "cached_epochs": "MTP-only with the trunk cache, later epochs (read it)"}
 MTP_MEMORY_KINDS = ("mtp_memory", "trunk_cache", "families")  # JSON with `shapes` of runs, figures and targets
 _MTP_MEMORY_FIGURES = {  # figure -> (label, formatter, unit after the target)
-    "mtp_only_over_joint_peak_memory": ("MTP-only / joint peak memory", _times, "x"),
-    "mtp_only_over_joint_step_time": ("MTP-only / joint step time", _times, "x"),
-    "mtp_only_peak_memory_gib": ("MTP-only peak memory", _gib, " GiB"),
-    "mtp_only_step_s": ("MTP-only step time", _seconds, " s"),
-    "mtp_only_over_plain_mtp_only_step_time": ("MTP-only / plain MTP-only loop step time", _times, "x"),
-    "mtp_only_over_plain_mtp_only_peak_memory": ("MTP-only / plain MTP-only loop peak memory", _times, "x"),
+    "mtp_only_over_joint_peak_memory": ("MTP-only / joint peak memory", times, "x"),
+    "mtp_only_over_joint_step_time": ("MTP-only / joint step time", times, "x"),
+    "mtp_only_peak_memory_gib": ("MTP-only peak memory", gib, " GiB"),
+    "mtp_only_step_s": ("MTP-only step time", seconds, " s"),
+    "mtp_only_over_plain_mtp_only_step_time": ("MTP-only / plain MTP-only loop step time", times, "x"),
+    "mtp_only_over_plain_mtp_only_peak_memory": ("MTP-only / plain MTP-only loop peak memory", times, "x"),
 }
 
 
@@ -141,17 +112,17 @@ def _mtp_memory_rows(data: dict[str, Any], source: str) -> list[str | None]:
     for shape_name, shape in data["shapes"].items():
         if "runs" not in shape:  # a families cut that did not fit, or a part that failed
             why = shape.get("skipped") or "failed: " + shape.get("error", "no runs").strip().splitlines()[-1][:100]
-            rows.append(_row([_shape_label(shape_name, shape), why, "", "", "", "", source]))
+            rows.append(row([_shape_label(shape_name, shape), why, "", "", "", "", source]))
             continue
         figures = shape.get("figures", {})
         ratios = {
             "joint": "reference",
             "mtp_only": ", ".join(text for text in (
-                f"{_times(figures['mtp_only_over_joint_step_time'])} joint step time, "
-                f"{_times(figures['mtp_only_over_joint_peak_memory'])} joint peak memory"
+                f"{times(figures['mtp_only_over_joint_step_time'])} joint step time, "
+                f"{times(figures['mtp_only_over_joint_peak_memory'])} joint peak memory"
                 if figures.get("mtp_only_over_joint_step_time") is not None else "",
-                f"{_times(figures['mtp_only_over_plain_mtp_only_step_time'])} plain loop's step time, "
-                f"{_times(figures.get('mtp_only_over_plain_mtp_only_peak_memory'))} plain loop's peak memory"
+                f"{times(figures['mtp_only_over_plain_mtp_only_step_time'])} plain loop's step time, "
+                f"{times(figures.get('mtp_only_over_plain_mtp_only_peak_memory'))} plain loop's peak memory"
                 if figures.get("mtp_only_over_plain_mtp_only_step_time") is not None else "") if text),
             "plain_mtp_only": "reference",
         }
@@ -166,48 +137,22 @@ def _mtp_memory_target_rows(data: dict[str, Any], source: str) -> list[str]:
     prefix = "issue 40" if kind(data) == "families" else "P2"
     for shape_name, shape in data["shapes"].items():
         for figure, target in shape.get("targets", {}).items():
-            label, formatter, unit = _MTP_MEMORY_FIGURES.get(figure, (figure, _times, ""))
+            label, formatter, unit = _MTP_MEMORY_FIGURES.get(figure, (figure, times, ""))
             value = shape.get("figures", {}).get(figure)
             met = "n/a" if value is None else ("yes" if value <= target else "no")
-            rows.append(_row([f"{prefix} {_shape_label(shape_name, shape)} {label}", formatter(value),
-                              f"<= {target}{unit}", met, source]))
+            rows.append(row([f"{prefix} {_shape_label(shape_name, shape)} {label}", formatter(value),
+                             f"<= {target}{unit}", met, source]))
     return rows
-
-
-def gdn_table(results: list[Result], sources: dict[str, int]) -> list[str]:
-    """The gated DeltaNet layer alone, fla's kernels against the PyTorch path (`gdn.py`, and `families.py`'s)."""
-    rows = []
-    for name, data in results:
-        gdn = data if kind(data) == "gdn" else data.get("gdn") if kind(data) == "families" else None
-        if not gdn:
-            continue
-        if "pytorch" not in gdn:
-            rows.append(_row(["failed: " + gdn.get("error", "").strip().splitlines()[-1][:100], *[""] * 6,
-                              f"[{sources[name]}]"]))
-            continue
-        layer, fla = gdn["layer"], gdn["fla"]
-        shape = (f"hidden {layer['hidden']}, {layer['key_heads']}/{layer['value_heads']} key/value heads of "
-                 f"{layer['value_head_dim']}; {gdn['micro_batch']} x {gdn['seq']} tokens, {gdn['dtype']}")
-        differences = gdn.get("difference", {})
-        cells = [f"{values['max_abs']:.2e} of {values['pytorch_max_abs']:.2e}" for values in differences.values()]
-        rows.append(_row([shape, _seconds(gdn["pytorch"]["forward_backward_s"]),
-                          _seconds(fla["forward_backward_s"]) if "forward_backward_s" in fla
-                          else f"skipped: {fla.get('skipped', '')}", _times(gdn.get("pytorch_over_fla")),
-                          *(cells or ["n/a"] * 3), f"[{sources[name]}]"]))
-    if not rows:
-        return []
-    return ["| gated DeltaNet layer | PyTorch path fwd+bwd | fla fwd+bwd | PyTorch / fla | output: max abs diff of max "
-            "| input grad | in_proj weight grad | source |", "|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _target_row(figure: str, value: float | None, target: float, source: str) -> str:
     met = "n/a" if value is None else ("yes" if value <= target else "no")
-    return _row([figure, _times(value), f"<= {target}x", met, source])
+    return row([figure, times(value), f"<= {target}x", met, source])
 
 
 def _at_least_row(figure: str, value: float | None, target: float, formatter: Any, source: str) -> str:
     met = "n/a" if value is None else ("yes" if value >= target else "no")
-    return _row([figure, formatter(value), f">= {formatter(target)}", met, source])
+    return row([figure, formatter(value), f">= {formatter(target)}", met, source])
 
 
 def _packing_target_rows(data: dict[str, Any], source: str) -> list[str]:
@@ -218,19 +163,19 @@ def _packing_target_rows(data: dict[str, Any], source: str) -> list[str]:
     speed = {name: figures.get("real_tokens_per_s") for name, figures in data["layouts"].items()}
     candidates = [
         ("P5 packed / full rows, real tokens/s (eager)", summary.get("packed_over_full_tokens_per_s"),
-         summary["target_packed_over_full"], _times),
+         summary["target_packed_over_full"], times),
         ("P5 packed / padded rows, real tokens/s (eager)", summary.get("packed_over_padded_tokens_per_s"),
-         full_over_padded, _times),
+         full_over_padded, times),
         ("P5 packed (graphed) / the faster full rows, real tokens/s",
-         summary.get("packed_graph_over_fastest_full_tokens_per_s"), summary["target_packed_over_full"], _times),
+         summary.get("packed_graph_over_fastest_full_tokens_per_s"), summary["target_packed_over_full"], times),
         ("P5 packed (graphed) / padded rows, real tokens/s", summary.get("packed_graph_over_padded_tokens_per_s"),
-         full_over_padded, _times),
+         full_over_padded, times),
         ("P5 packed / padded rows, both graphed, real tokens/s",
          summary.get("packed_graph_over_padded_graph_tokens_per_s"),
-         summary.get("target_packed_over_padded_all_graphed", 3.0), _times),
-        ("P5 full rows (graphed), tokens/s", speed.get("full_graph"), summary["target_full_tokens_per_s"], _tokens),
+         summary.get("target_packed_over_padded_all_graphed", 3.0), times),
+        ("P5 full rows (graphed), tokens/s", speed.get("full_graph"), summary["target_full_tokens_per_s"], tokens),
         ("P5 full rows (graphed), GPU busy", busy.get("full_graph"), summary["target_full_gpu_busy_fraction"],
-         _percent),
+         percent),
     ]
     return [_at_least_row(figure, value, target, formatter, source)
             for figure, value, target, formatter in candidates if value is not None]
@@ -246,15 +191,15 @@ def packing_table(results: list[Result], sources: dict[str, int]) -> list[str]:
         full = (layouts.get("full") or {}).get("real_tokens_per_s")
         for layout, figures in layouts.items():
             if "error" in figures:
-                rows.append(_row([f"`{layout}`", figures["error"].splitlines()[0][:100], *[""] * 6,
-                                  f"[{sources[name]}]"]))
+                rows.append(row([f"`{layout}`", figures["error"].splitlines()[0][:100], *[""] * 6,
+                                 f"[{sources[name]}]"]))
                 continue
             speed = figures["real_tokens_per_s"]
-            rows.append(_row([f"`{layout}`", _seconds(figures["step_s"]), _tokens(speed),
-                              _times(speed / full) if full else "n/a", _percent(figures.get("gpu_busy_fraction")),
-                              str(figures.get("kernel_launch_calls", "n/a")),
-                              str(figures.get("graph_launch_calls", "n/a")), _gib(figures.get("peak_memory_gib")),
-                              f"[{sources[name]}]"]))
+            rows.append(row([f"`{layout}`", seconds(figures["step_s"]), tokens(speed),
+                             times(speed / full) if full else "n/a", percent(figures.get("gpu_busy_fraction")),
+                             str(figures.get("kernel_launch_calls", "n/a")),
+                             str(figures.get("graph_launch_calls", "n/a")), gib(figures.get("peak_memory_gib")),
+                             f"[{sources[name]}]"]))
     if not rows:
         return []
     return ["| layout | step | real tokens/s | over eager full rows | GPU busy | kernel launches | graph launches | "
@@ -295,13 +240,13 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             rows.append(_target_row("P7 colocated sync / disk round trip", sync["colocated_vs_disk_round_trip"],
                                     targets["colocated_vs_disk_round_trip"], source))
             met = "yes" if sync["colocated_sync_s"] <= targets["colocated_sync_s"] else "no"
-            rows.append(_row(["P7 colocated sync of the whole model", _seconds(sync["colocated_sync_s"]),
-                              f"<= {targets['colocated_sync_s']} s", met, source]))
+            rows.append(row(["P7 colocated sync of the whole model", seconds(sync["colocated_sync_s"]),
+                             f"<= {targets['colocated_sync_s']} s", met, source]))
             if sync["colocated_extra_sender_memory_bytes"] is not None:
                 extra = sync["colocated_extra_sender_memory_bytes"] / 2**30
-                rows.append(_row(["P7 extra sender GPU memory", f"{extra:.2f} GiB",
-                                  f"<= {sync['colocated_extra_memory_limit_bytes'] / 2**30:.2f} GiB",
-                                  "yes" if sync["colocated_extra_memory_within_limit"] else "no", source]))
+                rows.append(row(["P7 extra sender GPU memory", f"{extra:.2f} GiB",
+                                 f"<= {sync['colocated_extra_memory_limit_bytes'] / 2**30:.2f} GiB",
+                                 "yes" if sync["colocated_extra_memory_within_limit"] else "no", source]))
             rows.append(_target_row("P7 step time with WeightSync / without",
                                     data["steps_between_syncs"]["step_time_ratio"], targets["step_time_ratio"], source))
             for figure, label in (("delta_vs_full_disk", "P7 MTP-only delta / full sync, disk"),
@@ -318,15 +263,15 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                     source))
             noise = data.get("noise_reference")
             if noise is not None:  # the synchronous run's steps, no save in flight: the machine's own spread
-                rows.append(_row(["(noise) sync run, no save in flight: slowest step / median",
-                                  _times(noise["sync_max_step_over_median"]), "reference", "-", source]))
+                rows.append(row(["(noise) sync run, no save in flight: slowest step / median",
+                                 times(noise["sync_max_step_over_median"]), "reference", "-", source]))
     if not rows:
         return []
     return ["| figure | measured | target | met | source |", "|---|---|---|---|---|", *rows]
 
 
-_SIZES_FIGURES = {"tokens_per_s": ("tokens/s", _tokens), "mfu": ("MFU", _percent),
-                  "lightning_over_plain_step_time": ("Lightning / plain step time", _times)}
+_SIZES_FIGURES = {"tokens_per_s": ("tokens/s", tokens), "mfu": ("MFU", percent),
+                  "lightning_over_plain_step_time": ("Lightning / plain step time", times)}
 
 
 def _sizes_target_rows(data: dict[str, Any], source: str) -> list[str]:
@@ -337,15 +282,15 @@ def _sizes_target_rows(data: dict[str, Any], source: str) -> list[str]:
             continue
         lightning = config["figures"].get("lightning", {})
         label = config["settings"]["label"]
-        for kind, bounds in config["targets"].items():
+        for direction, bounds in config["targets"].items():
             for figure, bound in bounds.items():
-                name, formatter = _SIZES_FIGURES.get(figure, (figure, _times))
+                name, formatter = _SIZES_FIGURES.get(figure, (figure, times))
                 value = lightning.get(figure)
-                if kind == "at_least":
+                if direction == "at_least":
                     rows.append(_at_least_row(f"{label}: {name}", value, bound, formatter, source))
                 else:
                     met = "n/a" if value is None else ("yes" if value <= bound else "no")
-                    rows.append(_row([f"{label}: {name}", formatter(value), f"<= {formatter(bound)}", met, source]))
+                    rows.append(row([f"{label}: {name}", formatter(value), f"<= {formatter(bound)}", met, source]))
     return rows
 
 
@@ -358,22 +303,22 @@ def sizes_table(results: list[Result], sources: dict[str, int]) -> list[str]:
         source = f"[{sources[name]}]"
         for config_name, config in data["configs"].items():
             if "skipped" in config:
-                rows.append(_row([f"`{config_name}`", "", f"skipped: {config['skipped']}", *[""] * 7, source]))
+                rows.append(row([f"`{config_name}`", "", f"skipped: {config['skipped']}", *[""] * 7, source]))
                 continue
             label, figures = config["settings"]["label"], config["figures"]
             for run_name, rounds in config["runs"].items():
                 failed = next((run for run in rounds if "error" in run), None)
                 if run_name not in figures:
                     error = failed["error"].splitlines()[0][:100] if failed else "no run"
-                    rows.append(_row([label, run_name, f"{failed['failure'] if failed else 'n/a'}: {error}",
-                                      *[""] * 7, source]))
+                    rows.append(row([label, run_name, f"{failed['failure'] if failed else 'n/a'}: {error}",
+                                     *[""] * 7, source]))
                     continue
                 run = figures[run_name]
                 tflops = "n/a" if run.get("model_tflop_per_s") is None else f"{run['model_tflop_per_s']:.0f}"
-                ratio = _times(run.get("lightning_over_plain_step_time")) if run_name == "lightning" else "reference"
-                rows.append(_row([label, run_name, _seconds(run["step_s"]), _tokens(run["tokens_per_s"]), tflops,
-                                  _percent(run.get("mfu")), _percent(run.get("gpu_busy_fraction")),
-                                  _gib(run.get("peak_memory_gib")), ratio, source]))
+                ratio = times(run.get("lightning_over_plain_step_time")) if run_name == "lightning" else "reference"
+                rows.append(row([label, run_name, seconds(run["step_s"]), tokens(run["tokens_per_s"]), tflops,
+                                 percent(run.get("mfu")), percent(run.get("gpu_busy_fraction")),
+                                 gib(run.get("peak_memory_gib")), ratio, source]))
     if not rows:
         return []
     return ["| configuration | run | median step | real tokens/s | model TFLOP/s | MFU | GPU busy | peak GPU memory | "
@@ -387,9 +332,9 @@ def hf_io_table(results: list[Result], sources: dict[str, int]) -> list[str]:
             continue
         for bridge, t in data["bridges"].items():
             tensors = f"{t['tensors']}{' (MTP head included)' if t.get('mtp') else ' (no MTP head)'}"
-            rows.append(_row([bridge, tensors, f"{t['bytes'] / 1e9:.2f} GB", _seconds(t["build_and_load_s"]),
-                              _seconds(t["raw_read_s"]), _times(t["load_vs_raw_read"]), _seconds(t["save_s"]),
-                              _seconds(t["raw_write_s"]), _times(t["save_vs_raw_write"]), f"[{sources[name]}]"]))
+            rows.append(row([bridge, tensors, f"{t['bytes'] / 1e9:.2f} GB", seconds(t["build_and_load_s"]),
+                             seconds(t["raw_read_s"]), times(t["load_vs_raw_read"]), seconds(t["save_s"]),
+                             seconds(t["raw_write_s"]), times(t["save_vs_raw_write"]), f"[{sources[name]}]"]))
     if not rows:
         return []
     return ["| bridge | tensors | size | build + load | raw read | ratio | save | raw write | ratio | source |",
@@ -429,11 +374,11 @@ def tree_table(results: list[Result], sources: dict[str, int]) -> list[str]:
         if kind(data) != "tree":
             continue
         batch, runs, ratio, loss = data["batch"], data["runs"], data["tree_over_flat"], data["loss"]
-        rows.append(_row([
+        rows.append(row([
             f"{batch['sequences']} sequences, {batch['original_tokens']} tokens",
-            f"{batch['tree_token_ratio']:.3f}", _tokens(runs["flat"]["original_tokens_per_s"]),
-            _tokens(runs["tree"]["original_tokens_per_s"]), _times(ratio["original_tokens_per_s"]) + " (>= 3x)",
-            _times(ratio["step_time"]), _times(ratio["peak_memory"]), *_tree_loss_cells(loss),
+            f"{batch['tree_token_ratio']:.3f}", tokens(runs["flat"]["original_tokens_per_s"]),
+            tokens(runs["tree"]["original_tokens_per_s"]), times(ratio["original_tokens_per_s"]) + " (>= 3x)",
+            times(ratio["step_time"]), times(ratio["peak_memory"]), *_tree_loss_cells(loss),
             str(data["recompiles_after_warmup"]), f"[{sources[name]}]",
         ]))
     if not rows:
@@ -471,7 +416,8 @@ def render(results: list[Result]) -> str:
                          ("HF checkpoint load and save", hf_io_table(known, sources)),
                          ("Packed, padded and full rows (P5)", packing_table(known, sources)),
                          ("Tree packing vs flat packing (P6)", tree_table(known, sources)),
-                         ("Gated DeltaNet layer: fla's kernels vs the PyTorch path", gdn_table(known, sources))):
+                         ("Gated DeltaNet layer: fla's kernels vs the PyTorch path", gdn_table(known, sources)),
+                         ("RMSNorm: torch's kernels vs the compiled ones (issue 41)", norms_table(known, sources))):
         if table:
             sections.append("\n".join([f"**{title}**", "", *table]))
     sources_section = [_source_line(sources[name], name, data) for name, data in known]

@@ -15,6 +15,7 @@ from lightning_megatron._compat import (
     context_parallel,
     cpu,
     deepseek,
+    fast_rms_norm,
     gated_delta_net,
     grouped_experts,
     mbridge,
@@ -33,12 +34,13 @@ def prepare_megatron_core() -> list[str]:
     """Make Megatron-Core runnable on this machine; returns the names of the active adjustments.
 
     The CPU adjustments apply only without CUDA; the no-Apex/TE ones wherever those are missing (GPU machine too);
-    megatron-core's notice that its own checkpoint writer is deprecated is dropped wherever it still logs it.
+    megatron-core's notice that its own checkpoint writer is deprecated is dropped wherever it still logs it. The
+    compiled RMSNorm comes last: it swaps the class of the norm the earlier `WrappedTorchNorm` adjustments built.
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
                    *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
-                   *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS)
+                   *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS, *fast_rms_norm.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 

@@ -76,6 +76,7 @@ TINY_RUNS = {
     "sizes": _tiny("test_sizes_benchmark_runs_tiny", "bench.sizes", "--tiny", "--configs", "qwen3_8b_lora",
                    "qwen3_0.6b_mtp_default", "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"),
     # 2 MiB to plan GLM's cuts against: its tiny model's MTP-only training fits (1.1 MiB), joint training not (3 MiB)
+    "norms": _tiny("test_norms_benchmark_runs_tiny", "bench.norms", "--tiny"),
     "families": _tiny("test_families_benchmark_runs_tiny", "bench.families", "--tiny", "--free-gib", "0.002",
                       "--reserve-gib", "0"),
 }
@@ -403,6 +404,10 @@ def test_sizes_benchmark_runs_tiny(tiny_runs):
 
 
 @pytest.mark.slow
+def test_norms_benchmark_runs_tiny(tiny_runs):  # its figures: tests/bench/test_norms.py, in-process
+    assert set(_tiny_result(tiny_runs, "norms")["shapes"]["tiny"]["norms"]) == {"hidden", "query", "key"}
+
+
 def test_families_benchmark_runs_tiny(tiny_runs):
     result = _tiny_result(tiny_runs, "families")
     shapes = result["shapes"]

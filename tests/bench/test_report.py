@@ -110,6 +110,24 @@ def test_report_tables_the_families_benchmark():
             "1.00e-02 of 4.00e+00 | 2.00e-02 of 8.00e+00 | 5.00e-01 of 1.00e+02 | [1] |") in lines
 
 
+def test_report_tables_the_norms_benchmark():
+    def arm(gpu_us: float) -> dict:
+        return {"forward_backward_wall_us": 2 * gpu_us, "forward_backward_gpu_us": gpu_us,
+                "max_abs_diff": {"output": 0.01, "input_grad": 0.02, "weight_grad": 0.5},
+                "reference_max_abs": {"output": 4.0, "input_grad": 8.0, "weight_grad": 100.0}}
+
+    arms = {"torch": arm(72.0), "compiled": arm(18.0), "aten_compiled_weight_grad": arm(30.0),
+            "eager": arm(150.0)}
+    norm = {"rows": 65536, "width": 128, "arms": arms}
+    data = {"benchmark": "norms", "command": "python3 -m bench.norms", "device": "NVIDIA H200", "shapes": {
+        "qwen3_0.6b": {"layers": 28, "norms": {"query": norm},
+                       "per_microbatch": {"gpu_ms": {"torch": 9.0, "compiled": 3.0}, "compiled_over_torch": 1 / 3}}}}
+    lines = report.render([("n.json", data)]).splitlines()
+    assert ("| qwen3_0.6b query | 65536 x 128 | 72.0 us | 18.0 us | 30.0 us | 150.0 us | 0.250x | 1.0e-02 of 4.0e+00 "
+            "/ 2.0e-02 of 8.0e+00 / 5.0e-01 of 1.0e+02 | [1] |") in lines
+    assert "| qwen3_0.6b: a microbatch's norms | 28 layers | 9.00 ms | 3.00 ms | n/a | n/a | 0.333x |  | [1] |" in lines
+
+
 def test_report_names_no_folder_of_the_machine_that_measured():
     command = "python3 -m bench.hf_io --checkpoint ckpt/qwen3-0.6b-mtp --repeats 3 --out runs/b/hf_io.json"
     assert report.portable(command) == (

@@ -1,0 +1,301 @@
+"""Megatron-Core's RMSNorms without Transformer Engine, forward and backward from kernels Inductor generates.
+
+Without TE, megatron-core's local spec builds every RMSNorm through `WrappedTorchNorm` as a `torch.nn.RMSNorm`
+(megatron/core/transformer/torch_norm.py:63,69). On CUDA its backward reduces the weight gradient with
+`GammaBetaBackwardCUDAKernelTemplate` (torch's aten/src/ATen/native/cuda/layer_norm_kernel.cu), slow where rows
+are many and short, as Qwen3's per-head q/k norms are (tokens x heads rows of head_dim 128). One H200 step of
+Qwen3-0.6B joint SFT + MTP (rows of 4096, bf16, torch 2.11; `bench/results/h200_2026-12-04/packing_profile.md`)
+spent 114 ms of its 1.14 s of GPU work in that kernel over 1582 calls (14 microbatches x (28 layers x 4 norms + the
+final one)), 36 ms in the input gradient's and 30 ms in the forward's: 16% of the GPU's time, as much as the largest
+GEMMs. TE's `TENorm` has fused kernels for all three; torch 2.14 has them too where `nvidia-cutlass-dsl` is installed
+(its CuTe-DSL override of `aten::_fused_rms_norm_backward`), and there this adjustment steps aside.
+
+The adjustment keeps every norm a `torch.nn.RMSNorm` (or `gated_delta_net.ZeroCenteredRMSNorm`, Qwen3.5's `1 +
+weight` norm): `WrappedTorchNorm` builds it as before, then its class becomes a subclass that changes `forward` only
+(`FastRMSNorm`, `FastZeroCenteredRMSNorm`), so parameters, names, state dicts, sequence-parallel marks, checkpoints
+and the bridges' mappings are untouched. On a CUDA tensor that forward is `RMSNormFunction` over the rows flattened to
+[M, N] (a view where the layout allows, e.g. the key heads' strided slice of the fused QKV output, so nothing more is
+kept for the backward than torch's norm keeps): the forward, the input gradient and the weight gradient are each a
+`torch.compile`d function of plain torch ops, written as torch's own decomposition of its fused RMSNorm computes them
+(torch/_decomp/decompositions.py: float32 inside, cast back), which Inductor turns into fused Triton kernels (a row
+reduction forward, one for the input gradient, a reduction over the rows split across blocks for the weight
+gradient). The compiled functions take no part in autograd (the Function holds it), so grad mode, frozen weights and
+inputs without gradients make no new graphs; the rows are marked dynamic and `dynamic=False` keeps the width static,
+so each function compiles once per width, dtype and row stride, whatever the sequence length, micro-batch or
+validation shape, and each width has a compiled copy of its own (dynamo's recompile limit, 8 graphs per function,
+then never counts the widths of all the models one process trains).
+
+Why all three kernels, rather than torch's fused forward and input gradient with only the weight's reduction replaced
+(`aten::_fused_rms_norm_backward` with the weight's output masked off): in that profile those two took 19 and 23 us
+a call where their memory traffic (about 20 and 30 MB a call on average) needs 5-8 us at the H200's ~4 TB/s, against
+the weight gradient's 72 us for 20 MB; Qwen3.5's `1 + weight` scale cannot go through torch's kernels without being
+rounded to bf16 first; and one path serves both norms. Unmeasured: `bench/norms.py` times this path, torch's, and
+that alternative (`aten_compiled_weight_grad`) at the real shapes, for the GPU session to choose.
+
+Compiling happens at a width's first call, in the first training step: before any CUDA graph capture, since the
+whole-iteration graph's eager warm-up step and the frozen trunk's eager warm-up calls come first. A call inside a
+capture whose signature has not run compiled yet takes the eager functions (a compile cannot run inside a capture).
+A compile that fails (no Triton, no C compiler for Triton's launcher) is logged once, and every norm then runs
+torch's kernels. The CPU, and any tensor off CUDA, keeps torch's norm.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_megatron._compat._adjustment import Adjustment, Patches
+from lightning_megatron._compat.gated_delta_net import ZeroCenteredRMSNorm
+from lightning_megatron._compat.no_te import no_transformer_engine
+
+_LOG = logging.getLogger(__name__)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class State:
+    """Whether the swapped classes take the compiled path: the adjustment is applied and nothing refused it."""
+
+    active: bool = False
+    refused: str | None = None  # why compiling failed: every norm runs torch's kernels from then on
+
+
+STATE = State()
+
+
+# the math: what the compiled kernels are made from, and what runs where they cannot --------------------------------
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `x` [M, N] normalised and scaled by `weight + offset`, in float32 and cast to x's dtype, as torch's
+    RMSNorm (offset 0) and `ZeroCenteredRMSNorm` (offset 1) compute them; and each row's 1/rms [M, 1] (float32)."""
+    hidden = x.float()
+    rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return (hidden * rstd * (weight.float() + offset)).to(x.dtype), rstd
+
+
+def rms_norm_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                        offset: float) -> torch.Tensor:
+    """The loss's gradient by the rows `x` from its gradient by the output: torch's decomposition of
+    `_fused_rms_norm_backward`, in float32, cast to x's dtype."""
+    normed = x.float() * rstd
+    grad_normed = grad.float() * (weight.float() + offset)
+    total = (normed * grad_normed).sum(-1, keepdim=True)
+    return ((grad_normed - normed / x.shape[-1] * total) * rstd).to(x.dtype)
+
+
+def rms_norm_weight_grad(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The loss's gradient by the weight [N] (float32): the output's gradient times the normalised rows, summed
+    over the rows (the same for `weight + offset`)."""
+    return (grad.float() * (x.float() * rstd)).sum(0)
+
+
+# the compiled kernels ---------------------------------------------------------------------------------------------
+
+
+def _signature(args: tuple[Any, ...]) -> tuple:
+    """What a compiled function's graphs differ by: each tensor's dtype, width, strides and whether it has one row
+    (dynamo specialises that size), the other arguments' values, the grad and inference modes."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *((arg.dtype, arg.shape[1:], arg.stride(), arg.shape[0] == 1) if isinstance(arg, torch.Tensor) else arg
+              for arg in args))
+
+
+def _refuse(error: Exception) -> None:
+    if STATE.refused is None:
+        STATE.refused = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        _LOG.warning("RMSNorm: torch.compile failed (%s); the norms run torch's kernels from now on", STATE.refused)
+
+
+def _with_own_code(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` with a code object of its own: dynamo keeps its graphs, and counts them against its recompile
+    limit (8 by default; hitting it under `fullgraph=True` is an error), per code object."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+
+
+class CompiledKernel:
+    """One of the functions above through `torch.compile`, one compiled copy per width (made at the width's first
+    call: the widths of several models in one process never share a recompile limit); its eager self once compiling
+    failed, and inside a CUDA graph capture for a signature that has not run compiled yet."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.ran: set[tuple] = set()  # the signatures that ran compiled
+        self._by_width: dict[int, Callable[..., Any]] = {}
+
+    def compiled(self, width: int) -> Callable[..., Any]:
+        if width not in self._by_width:
+            self._by_width[width] = torch.compile(_with_own_code(self.function), dynamic=False, fullgraph=True)
+        return self._by_width[width]
+
+    def __call__(self, *args: Any) -> Any:
+        if STATE.refused is not None:
+            return self.function(*args)
+        signature = _signature(args)
+        capturing = args[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and signature not in self.ran:
+            return self.function(*args)
+        try:
+            compiled = self.compiled(args[0].shape[-1])
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim() == 2:
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)  # the rows: one graph for every M
+            result = compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            if capturing:  # the capture is broken already: the caller's fallback decides
+                raise
+            _refuse(error)
+            return self.function(*args)
+        self.ran.add(signature)
+        return result
+
+
+@dataclass(frozen=True)
+class Kernels:
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm_forward
+    input_grad: Callable[..., torch.Tensor] = rms_norm_input_grad
+    weight_grad: Callable[..., torch.Tensor] = rms_norm_weight_grad
+
+
+EAGER = Kernels()
+COMPILED = Kernels(CompiledKernel(rms_norm_forward), CompiledKernel(rms_norm_input_grad),
+                   CompiledKernel(rms_norm_weight_grad))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm of rows [M, N] by `weight + offset` with `kernels`' forward and gradients: autograd stays here, so the
+    kernels are plain functions (one compiled graph whatever needs a gradient); the weight's gradient is made only
+    when the weight trains (LoRA and MTP-only freeze the norms)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                kernels: Kernels) -> torch.Tensor:
+        output, rstd = kernels.forward(rows, weight, eps, offset)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.offset, ctx.kernels = offset, kernels
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weight, rstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        wants_rows, wants_weight = ctx.needs_input_grad[:2]
+        grad_rows = ctx.kernels.input_grad(grad, rows, weight, rstd, ctx.offset) if wants_rows else None
+        grad_weight = ctx.kernels.weight_grad(grad, rows, rstd).to(weight.dtype) if wants_weight else None
+        return grad_rows, grad_weight, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             kernels: Kernels = COMPILED) -> torch.Tensor:
+    """RMSNorm of `x` over its last dimension by `weight + offset` through `RMSNormFunction` (`kernels`: the
+    compiled ones by default, `EAGER` for the same math without compiling)."""
+    rows = x.reshape(-1, x.shape[-1])  # a view where the strides allow one
+    return RMSNormFunction.apply(rows, weight, eps, offset, kernels).reshape(x.shape)
+
+
+# the modules ------------------------------------------------------------------------------------------------------
+
+
+class _CompiledForward:
+    """The forward of an RMSNorm through `rms_norm` on CUDA while the adjustment is active; torch's otherwise."""
+
+    offset = 0.0
+    normalized_shape: tuple[int, ...]
+    weight: torch.nn.Parameter | None
+    eps: float | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._takes_compiled_path(x):
+            return rms_norm(x, self.weight, self.eps, self.offset)
+        return super().forward(x)  # type: ignore[misc]
+
+    def _takes_compiled_path(self, x: torch.Tensor) -> bool:
+        return (STATE.active and STATE.refused is None and x.is_cuda and x.dtype in _DTYPES and x.numel() > 0
+                and self.weight is not None and self.eps is not None and len(self.normalized_shape) == 1
+                and self.weight.device == x.device)
+
+
+class FastRMSNorm(_CompiledForward, torch.nn.RMSNorm):
+    """`torch.nn.RMSNorm` whose CUDA forward and backward are Inductor's kernels (module docstring)."""
+
+
+class FastZeroCenteredRMSNorm(_CompiledForward, ZeroCenteredRMSNorm):
+    """`ZeroCenteredRMSNorm` (scale `1 + weight`) whose CUDA forward and backward are Inductor's kernels."""
+
+    offset = 1.0
+
+
+FAST_CLASSES: dict[type, type] = {torch.nn.RMSNorm: FastRMSNorm, ZeroCenteredRMSNorm: FastZeroCenteredRMSNorm}
+
+
+# the adjustment ---------------------------------------------------------------------------------------------------
+
+
+def triton_available() -> bool:
+    """Whether Inductor can generate CUDA kernels here (Triton importable and the GPU new enough for it)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return importlib.util.find_spec("triton") is not None
+    return has_triton()
+
+
+def torch_rms_norm_has_fused_dsl_kernels() -> bool:
+    """Whether torch itself routes its fused RMSNorm backward to CuTe-DSL kernels (torch 2.14's `torch._native`,
+    where `nvidia-cutlass-dsl` and `apache-tvm-ffi` are installed): upstream's fix of the slow weight gradient."""
+    try:
+        from torch._native import registry
+        return "_fused_rms_norm_backward" in registry.get_dsl_operations("cutedsl")
+    except (ImportError, AttributeError):
+        return False
+
+
+def _torch_rms_norm_is_slow_here() -> bool:
+    return (torch.cuda.is_available() and no_transformer_engine() and triton_available()
+            and not torch_rms_norm_has_fused_dsl_kernels())
+
+
+def _deactivate() -> None:
+    STATE.active = False
+
+
+def _install_fast_rms_norm(patches: Patches) -> None:
+    """The norm `WrappedTorchNorm` builds (with whatever else is adjusted: sequence-parallel marks, the zero-centred
+    norm), its class swapped for the one with the compiled forward; instances made before a revert go back to torch's
+    forward with it (`STATE.active`)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    previous_new = WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        norm = previous_new(cls, config, hidden_size, *args, **kwargs)
+        fast = FAST_CLASSES.get(type(norm))
+        if fast is not None:
+            norm.__class__ = fast
+        return norm
+
+    patches.setattr(WrappedTorchNorm, "__new__", staticmethod(new))
+    STATE.active = True
+    patches.on_revert(_deactivate)
+
+
+ADJUSTMENTS = (
+    Adjustment(
+        "megatron_core.fast_rms_norm",
+        "megatron/core/transformer/torch_norm.py:63,69 builds torch.nn.RMSNorm (no Apex/TE), whose CUDA backward "
+        "reduces the weight gradient with GammaBetaBackwardCUDAKernelTemplate (torch's "
+        "aten/src/ATen/native/cuda/layer_norm_kernel.cu): 10% of a Qwen3-0.6B step's GPU time on an H200",
+        _torch_rms_norm_is_slow_here,
+        _install_fast_rms_norm,
+    ),
+)
