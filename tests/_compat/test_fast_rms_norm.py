@@ -38,6 +38,7 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_in_fresh_process
 
 ADJUSTMENT = fast_rms_norm.ADJUSTMENTS[0]
+os.environ.setdefault(fast_rms_norm.OPT_IN, "1")  # opted in: the GPU tests (and fresh processes) apply it
 EPS = 1e-6
 
 
