@@ -20,10 +20,10 @@ How to add a model family:
    with linear-attention layers (Qwen3.5's gated DeltaNet) sets `linear_attention=True`: the bridges then build it
    only where a backend lists it in `linear_attention_model_types`, and tree packing is refused. A multimodal
    checkpoint whose text model (and MTP head) the package trains text-only, its other towers copied unchanged into
-   every export (Qwen3.5's published `qwen3_5` checkpoints), sets `language_model` to the text family it holds
-   (`LanguageModel`): that family's entry must exist, and the multimodal entry repeats its `mtp`, `moe` and
-   `linear_attention` (`vl_name` stays None: that is the image-training path of `lightning_megatron.vl`). Code that
-   reads the text model's config or names goes through `text_model_config` and `checkpoint_name`.
+   every export (Qwen3.5's published `qwen3_5` and `qwen3_5_moe` checkpoints), sets `language_model` to the text
+   family it holds (`LanguageModel`): that family's entry must exist, and the multimodal entry repeats its `mtp`,
+   `moe` and `linear_attention` (`vl_name` stays None: that is the image-training path of `lightning_megatron.vl`).
+   Code that reads the text model's config or names goes through `text_model_config` and `checkpoint_name`.
 2. Run `pytest tests/test_families.py tests/testing/test_checkpoints.py`: the consumer checks there say what else is
    needed.
    The tiny-checkpoint maker (`lightning_megatron.testing.checkpoints.make_tiny_checkpoint`, or
@@ -206,6 +206,9 @@ _QWEN3_5_MTP = replace(_QWEN3_MTP, layers_key="mtp_num_hidden_layers")
 # at the top (megatron-bridge qwen_vl/qwen35_vl_bridge.py; transformers loads the same folder as Qwen3_5ForCausalLM).
 _QWEN3_5_LANGUAGE_MODEL = LanguageModel("qwen3_5_text", prefix="model.language_model.",
                                         other_prefixes=("model.visual.",))
+# Qwen3.5-MoE's published checkpoints (Qwen/Qwen3.5-35B-A3B ... 397B-A17B: `Qwen3_5MoeForConditionalGeneration`) lay
+# their text model out the same way (megatron-bridge qwen_vl/qwen35_vl_bridge.py `Qwen35VLMoEBridge`).
+_QWEN3_5_MOE_LANGUAGE_MODEL = replace(_QWEN3_5_LANGUAGE_MODEL, model_type="qwen3_5_moe_text")
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     entry.model_type: entry
@@ -224,6 +227,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", mtp=_DEEPSEEK_V3_MTP, moe=True),
         ModelFamily("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", mtp=_QWEN3_5_MTP, moe=True, linear_attention=True,
                     zero_centered_norms=True),
+        ModelFamily("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", mtp=_QWEN3_5_MTP, moe=True,
+                    linear_attention=True, language_model=_QWEN3_5_MOE_LANGUAGE_MODEL, zero_centered_norms=True),
         ModelFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vl_name="Qwen2.5-VL"),
         ModelFamily("qwen3_vl", "Qwen3VLForConditionalGeneration", vl_name="Qwen3-VL"),
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.families import MOE_MODEL_TYPES
+from lightning_megatron.families import MOE_MODEL_TYPES, text_model_config
 
 # Router fields an HF checkpoint fixes: a different value computes a different model.
 CHECKPOINT_ROUTER_FIELDS = (
@@ -37,8 +37,10 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # 
 
 
 def checkpoint_num_experts(hf_config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer declared by an HF config (0 for a dense model)."""
-    return next((int(hf_config[key]) for key in EXPERT_COUNT_KEYS if hf_config.get(key)), 0)
+    """Routed experts per MoE layer declared by an HF config (its text model's: `families.text_model_config`; 0 for
+    a dense model)."""
+    config = text_model_config(hf_config)
+    return next((int(config[key]) for key in EXPERT_COUNT_KEYS if config.get(key)), 0)
 
 
 def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +67,7 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     """
     if not checkpoint_num_experts(hf_config):
         return {}
+    hf_config = text_model_config(hf_config)  # a multimodal checkpoint's router is its text model's
     model_type = hf_config.get("model_type")
     if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"hf_checkpoint: MoE model_type {model_type!r} is not supported; the MoE families are "
@@ -177,6 +180,7 @@ def check_expert_parallel(hf_config: dict[str, Any], expert_model_parallel_size:
                           expert_tensor_parallel_size: int) -> None:
     """What expert parallelism needs from the checkpoint, checked before the model is built."""
     num_experts = checkpoint_num_experts(hf_config)
+    hf_config = text_model_config(hf_config)
     if expert_model_parallel_size > 1 and not num_experts:
         raise ValueError(f"expert_model_parallel_size: {expert_model_parallel_size} needs an MoE checkpoint; this "
                          "one has no experts (num_experts in config.json); set expert_model_parallel_size: 1")

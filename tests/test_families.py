@@ -36,7 +36,7 @@ PACKAGE = Path(lightning_megatron.__file__).parent
 BASE = {"qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False), "mimo": ("qwen2", False),
         "glm4_moe": ("glm4_moe", False), "deepseek_v3": ("deepseek_v3", False),
         "qwen3_5_text": ("qwen3_5_text", False), "qwen3_5": ("qwen3_5", False),
-        "qwen3_5_moe_text": ("qwen3_5_moe_text", False)}
+        "qwen3_5_moe_text": ("qwen3_5_moe_text", False), "qwen3_5_moe": ("qwen3_5_moe", False)}
 
 
 def _tensor_names(path: Path) -> set[str]:

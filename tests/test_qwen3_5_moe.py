@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lightning_megatron.bridges import BridgeError, create_bridge
+from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
@@ -136,7 +137,11 @@ def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp
 
 @pytest.mark.slow
 def test_the_tiny_qwen3_5_moe_config_trains_the_mtp_head_on_two_processes(tmp_path):
-    """`lightning-megatron fit --config configs/tiny/qwen3_5_moe_mtp_only.yaml`, shortened, writing under tmp_path."""
+    """`lightning-megatron fit --config configs/tiny/qwen3_5_moe_mtp_only.yaml`, shortened, writing under tmp_path: the
+    multimodal form (`qwen3_5_moe`) at EP=2, its export the original but for the MTP head."""
     fit_shortened_config("configs/tiny/qwen3_5_moe_mtp_only.yaml", tmp_path)
     assert json.loads((tmp_path / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
-    assert _tensors(tmp_path / "hf").keys() == _tensors(tmp_path / "tiny").keys()
+    exported, original = _tensors(tmp_path / "hf"), _tensors(tmp_path / "tiny")
+    assert exported.keys() == original.keys() and any(name.startswith("model.visual.") for name in original)
+    assert {name for name in original if not torch.equal(exported[name], original[name])} == {
+        name for name in original if is_hf_mtp_tensor(name)}

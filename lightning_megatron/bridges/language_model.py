@@ -1,9 +1,11 @@
 """The text model inside a multimodal checkpoint, built and exported by megatron-bridge's text bridge under the
-checkpoint's own tensor names (Qwen3.5's published `qwen3_5` checkpoints: the family table's `LanguageModel`).
+checkpoint's own tensor names (Qwen3.5's published `qwen3_5` and `qwen3_5_moe` checkpoints: the family table's
+`LanguageModel`).
 
 Why text only: what the package trains on these checkpoints is the language model and its MTP draft head, and a
 draft head only ever sees text. transformers reads the same folder the same way (its `AutoModelForCausalLM` loads a
-`qwen3_5` checkpoint as `Qwen3_5ForCausalLM`, dropping `model.visual.*`), and so do SGLang's and vLLM's MTP drafters.
+`qwen3_5` checkpoint as `Qwen3_5ForCausalLM` and a `qwen3_5_moe` one as `Qwen3_5MoeForCausalLM`, dropping
+`model.visual.*`), and so do SGLang's and vLLM's MTP drafters.
 megatron-bridge's multimodal bridge (`qwen_vl/qwen35_vl_bridge.py`) would build the vision tower too, but not without
 Transformer Engine (its vision spec is TE's, `qwen35_vl_provider.py:502-529`), and the image path
 (`lightning_megatron.vl`) trains no MTP head.
@@ -13,7 +15,10 @@ model's config (the checkpoint's `text_config`, as the text family's architectur
 text bridge's mappings to the checkpoint's (`LanguageModel.checkpoint_name`: `model.` -> `model.language_model.`;
 `lm_head` and `mtp.*` keep theirs). Loads then read and exports write the multimodal names directly; the vision
 tower's tensors, which the model does not hold, are copied unchanged into every export by the HF writer
-(`Bridge.unchanged_hf_tensors`), so an exported folder is the full multimodal checkpoint again.
+(`Bridge.unchanged_hf_tensors`), so an exported folder is the full multimodal checkpoint again. A text bridge that
+picks its mappings by the checkpoint's tensor names (Qwen3.5-MoE's, whose experts may be stored packed or one by one:
+it looks under `model.layers.`, `qwen/qwen35_bridge.py` `Qwen35MoEBridge.mapping_registry`) is shown the text model's
+names while it picks them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from lightning_megatron.families import MODEL_FAMILIES, LanguageModel, text_model_config
@@ -58,11 +64,44 @@ def _renaming_auto_bridge_class(auto_bridge_class: type) -> type:
         @property
         def _model_bridge(self) -> Any:  # a new model bridge on every access, as upstream's
             bridge = super()._model_bridge
-            registry = bridge.mapping_registry
-            bridge.mapping_registry = lambda: _stored_under(registry(), self.language_model)
+            registry, layout = bridge.mapping_registry, self.language_model
+
+            def registry_under_checkpoint_names() -> Any:
+                pretrained = bridge.hf_pretrained  # upstream's checkpoint wrapper, set before it asks for mappings
+                bridge.hf_pretrained = _TextModelNames(pretrained, layout)
+                try:
+                    return _stored_under(registry(), layout)
+                finally:
+                    bridge.hf_pretrained = pretrained
+
+            bridge.mapping_registry = registry_under_checkpoint_names
             return bridge
 
     return LanguageModelAutoBridge
+
+
+class _TextModelNames:
+    """What a model bridge holds as `hf_pretrained` (megatron-bridge's wrapper of the multimodal checkpoint, or a bare
+    config), its tensor names (`state.source.get_all_keys()`) the text model's (`LanguageModel.text_name`); everything
+    else is the original's."""
+
+    def __init__(self, pretrained: Any, layout: LanguageModel) -> None:
+        self._pretrained = pretrained
+        self._layout = layout
+
+    @property
+    def state(self) -> Any:
+        # an AttributeError where the original holds no checkpoint (a config), as upstream's `hasattr` checks expect
+        source = self._pretrained.state.source
+
+        def text_model_keys() -> list[str]:
+            names = (self._layout.text_name(name) for name in source.get_all_keys())
+            return [name for name in names if name is not None]
+
+        return SimpleNamespace(source=SimpleNamespace(get_all_keys=text_model_keys))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pretrained, name)
 
 
 def _stored_under(registry: Any, layout: LanguageModel) -> Any:

@@ -30,8 +30,8 @@ class MegatronBridge(Bridge):
     supports_lora = True
     supports_vl = True
     exports_selected_tensors = True
-    moe_model_types = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text")
-    linear_attention_model_types = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text")
+    moe_model_types = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_5_moe")
+    linear_attention_model_types = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
     reads_model_config_before_build = True
 
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:

@@ -87,14 +87,15 @@ class MegatronCLI(LightningCLI):
         parser.add_argument(
             "--tiny_checkpoint_family",
             type=Literal["qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text"],
+                         "qwen3_5_moe_text", "qwen3_5_moe"],
             default="qwen3",
             help="The family make_tiny_checkpoint writes (with its MTP layer): qwen3, qwen3_moe (4 experts, top 2), "
                  "glm4_moe (GLM-4.5's layout: a dense first layer, then 4 sigmoid-routed experts with an expert "
                  "bias and a shared expert), deepseek_v3 (GLM-4.5's MoE layout with multi-head latent attention "
                  "and YaRN RoPE), qwen3_5_text (Qwen3.5's text model: gated DeltaNet and gated full-attention "
-                 "layers), qwen3_5 (that text model in the multimodal form Qwen publishes, with a vision tower) "
-                 "or qwen3_5_moe_text (Qwen3.5's layers with 4 softmax-routed experts and a gated shared expert).",
+                 "layers), qwen3_5 (that text model in the multimodal form Qwen publishes, with a vision tower), "
+                 "qwen3_5_moe_text (Qwen3.5's layers with 4 softmax-routed experts and a gated shared expert) or "
+                 "qwen3_5_moe (that text model in the multimodal form Qwen publishes).",
         )
 
     def before_instantiate_classes(self) -> None:

@@ -5,8 +5,9 @@ declares zero MTP layers. Training or serving its MTP head needs them back: from
 started from (`source`), or made fresh (`init`). Everything else must stay as fine-tuned, so the fine-tuned tensors
 are written bit for bit, every other file is copied byte for byte, and config.json changes only in its MTP layer
 count. Only safetensors are read and written here: no Megatron, no Lightning. A multimodal checkpoint trained as its
-text model (Qwen3.5's published `qwen3_5`: `families.LanguageModel`) is read and written in its own layout: the MTP
-layer count in its `text_config`, the last decoder layer under its multimodal name, the vision tower copied as is.
+text model (Qwen3.5's published `qwen3_5` and `qwen3_5_moe`: `families.LanguageModel`) is read and written in its own
+layout: the MTP layer count in its `text_config`, the last decoder layer under its multimodal name, the vision tower
+copied as is.
 
 The command is `lightning-megatron-restore-mtp` (`lightning_megatron.cli.restore_mtp`).
 """

@@ -35,7 +35,7 @@ from lightning_megatron.testing.tokenizer import (
 )
 
 Family = Literal["qwen3", "qwen2", "llama", "mimo", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3",
-                 "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text"]
+                 "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"]
 
 FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3", False),
@@ -56,6 +56,8 @@ FAMILIES: tuple[tuple[Family, bool], ...] = (
     ("qwen3_5", True),
     ("qwen3_5_moe_text", False),
     ("qwen3_5_moe_text", True),
+    ("qwen3_5_moe", False),
+    ("qwen3_5_moe", True),
 )
 """Supported ``(family, mtp)`` combinations: MTP exists for Qwen3 (Qwen3-Next-style ``mtp.*`` keys) and MiMo
 (always, ``model.mtp_layers.0.*``); Qwen2 and Llama are plain decoders. Qwen3-MoE and Qwen2-MoE (with its gated
@@ -72,7 +74,8 @@ and gated full-attention layers, its MTP layer a full-attention one under Qwen3'
 (the same tensors, for the same seed) under ``model.language_model.``, ``lm_head`` and ``mtp.*`` at the top, a
 two-block vision tower under ``model.visual.``, and the vision tokens in its tokenizer. Qwen3.5-MoE
 (``qwen3_5_moe_text``) has Qwen3.5's layers and MTP layer with routed experts (packed in the decoder layers, one by
-one in the MTP layer) and a sigmoid-gated shared expert."""
+one in the MTP layer) and a sigmoid-gated shared expert; ``qwen3_5_moe`` is its multimodal form, as ``qwen3_5`` is
+Qwen3.5's."""
 
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
@@ -137,9 +140,9 @@ def make_tiny_checkpoint(
         max_position_embeddings=max_position_embeddings,
     )
     _check_shape(family, shape, explicit_head_dim=head_dim is not None)
-    moe = _check_moe_shape(family, moe)
     multimodal = MODEL_FAMILIES[family].language_model
     text_family: Family = family if multimodal is None else multimodal.model_type  # type: ignore[assignment]
+    moe = _check_moe_shape(text_family, moe)
     if tokenizer is None:
         tokenizer = build_tokenizer(vocab_size, VISION_SPECIAL_TOKENS if multimodal else ())
     elif tokenizer.get_vocab_size() > vocab_size:
@@ -160,7 +163,7 @@ def make_tiny_checkpoint(
                 tensors[copy] = tensors[main if main in tensors else "model.embed_tokens.weight"].clone()
         if multimodal is not None:  # the text model's tensors under the multimodal names, and a vision tower
             vision_ids = {role: tokenizer.token_to_id(token) for role, token in VISION_TOKEN_ROLES.items()}
-            config = qwen3_5.multimodal_config(config, vision_ids)
+            config = qwen3_5.multimodal_config(family, config, vision_ids)
             tensors = {multimodal.checkpoint_name(name): tensor for name, tensor in tensors.items()}
             tensors.update({name: random_tensor(name, tensor_shape, seed).to(dtype)
                             for name, tensor_shape in qwen3_5.vision_tower_shapes(config).items()})

@@ -1,5 +1,5 @@
-"""The Qwen3.5 layouts (HF `qwen3_5_text`, dense; `qwen3_5_moe_text`; the multimodal `qwen3_5`) for the
-tiny-checkpoint maker (`testing.checkpoints`).
+"""The Qwen3.5 layouts (HF `qwen3_5_text`, dense; `qwen3_5_moe_text`; the multimodal `qwen3_5` and `qwen3_5_moe`) for
+the tiny-checkpoint maker (`testing.checkpoints`).
 
 Qwen3.5 interleaves gated DeltaNet linear-attention layers (`linear_attn.*`) with gated full-attention layers
 (`self_attn.*`, whose `q_proj` also produces the output gate, so it is twice the query size), by `layer_types`
@@ -16,12 +16,13 @@ and `mlp.experts.down_proj` [experts, hidden, ffn], without a `.weight`) and the
 (`mtp.layers.0.mlp.experts.{e}.gate_proj.weight`, ...); Qwen3.6 packs the MTP layer's too
 (`MoEShape.packed_mtp_experts`).
 
-The checkpoints Qwen publishes are the multimodal form (`qwen3_5`, `Qwen3_5ForConditionalGeneration`): the same text
-model under `model.language_model.` (the family table's `LanguageModel`), `lm_head` and `mtp.*` at the top, a vision
-tower under `model.visual.`, and config.json holding the text model's config as `text_config` (with MRoPE sections:
-an image's tokens get 3-D positions) beside a `vision_config`. `multimodal_config` and `vision_tower_shapes` give
-the tiny checkpoint of that form its config and its vision tower (named and shaped by transformers'
-`Qwen3_5VisionModel`, which megatron-bridge's `qwen_vl/qwen35_vl_bridge.py` maps too).
+The checkpoints Qwen publishes are the multimodal form (`qwen3_5`, `Qwen3_5ForConditionalGeneration`; `qwen3_5_moe`,
+`Qwen3_5MoeForConditionalGeneration`): the same text model under `model.language_model.` (the family table's
+`LanguageModel`), `lm_head` and `mtp.*` at the top, a vision tower under `model.visual.`, and config.json holding the
+text model's config as `text_config` (with MRoPE sections: an image's tokens get 3-D positions) beside a
+`vision_config`. `multimodal_config` and `vision_tower_shapes` give the tiny checkpoint of that form its config and
+its vision tower (named and shaped by transformers' `Qwen3_5VisionModel` / `Qwen3_5MoeVisionModel`, which
+megatron-bridge's `qwen_vl/qwen35_vl_bridge.py` maps too).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class CheckpointShape(Protocol):
 MODEL_TYPE = "qwen3_5_text"
 MOE_MODEL_TYPE = "qwen3_5_moe_text"
 MODEL_TYPES = (MODEL_TYPE, MOE_MODEL_TYPE)
-MULTIMODAL_MODEL_TYPE = "qwen3_5"
 FULL_ATTENTION_INTERVAL = 2
 CONV_KERNEL = 4
 PARTIAL_ROTARY_FACTOR = 0.25  # Qwen3.5's: RoPE on the first quarter of each head
@@ -131,15 +131,27 @@ def decoder_layer_shapes(prefix: str, shape: CheckpointShape, *, full_attention:
     return shapes
 
 
-def multimodal_config(text_config: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
-    """The config.json of the multimodal checkpoint holding a text model of `text_config` (the tiny one's), with a
-    two-block vision tower a quarter of the text width and `token_ids` for its image, video and vision-span tokens.
+def _multimodal_classes(family: str) -> tuple[type, type]:
+    """transformers' config class and vision tower class of a multimodal Qwen3.5 family."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    classes = {"qwen3_5": (Qwen3_5Config, Qwen3_5VisionModel), "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeVisionModel)}
+    if family not in classes:
+        raise ValueError(f"family: {family!r} is not a multimodal Qwen3.5 family; use one of {', '.join(classes)}")
+    return classes[family]
+
+
+def multimodal_config(family: str, text_config: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+    """The config.json of the multimodal `family` checkpoint holding a text model of `text_config` (the tiny one's),
+    with a two-block vision tower a quarter of the text width and `token_ids` for its image, video and vision-span
+    tokens.
 
     The text model's rotary half-dims are split over MRoPE's temporal, height and width sections in the proportions of
     Qwen3.5's [11, 11, 10] (interleaved); on text, whose three positions are equal, that is the text model's RoPE.
     """
-    from transformers import Qwen3_5Config
-
+    config_class, _ = _multimodal_classes(family)
     text = {key: value for key, value in text_config.items() if key not in ("architectures", "transformers_version")}
     rope = text["rope_parameters"]
     half = int(text["head_dim"] * rope["partial_rotary_factor"]) // 2
@@ -149,20 +161,20 @@ def multimodal_config(text_config: dict[str, Any], token_ids: dict[str, int]) ->
     hidden = int(text["hidden_size"])
     vision = dict(depth=2, hidden_size=hidden // 2, num_heads=2, intermediate_size=hidden, out_hidden_size=hidden,
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
-                           dtype=text["dtype"], **token_ids)
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
+                          dtype=text["dtype"], **token_ids)
     fields = json.loads(config.to_json_string(use_diff=True))
-    fields["architectures"] = [MODEL_FAMILIES[MULTIMODAL_MODEL_TYPE].architecture]
+    fields["architectures"] = [MODEL_FAMILIES[family].architecture]
     return fields
 
 
 def vision_tower_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The vision tower's tensors (checkpoint names, shapes) of a multimodal config, as transformers builds it."""
     import torch
-    from transformers import Qwen3_5Config
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
+    family = config["model_type"]
+    config_class, vision_model_class = _multimodal_classes(family)
     with torch.device("meta"):
-        tower = Qwen3_5VisionModel(Qwen3_5Config(**config).vision_config)
-    (prefix,) = MODEL_FAMILIES[MULTIMODAL_MODEL_TYPE].language_model.other_prefixes
+        tower = vision_model_class(config_class(**config).vision_config)
+    (prefix,) = MODEL_FAMILIES[family].language_model.other_prefixes
     return {prefix + name: tuple(tensor.shape) for name, tensor in tower.state_dict().items()}

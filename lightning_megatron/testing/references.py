@@ -40,7 +40,7 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
        shared experts.
     5. The MTP final norm, then the LM head (``embed_tokens`` if tied).
 
-    A multimodal checkpoint (Qwen3.5's published ``qwen3_5``) is read as the text model it holds: its
+    A multimodal checkpoint (Qwen3.5's published ``qwen3_5``, ``qwen3_5_moe``) is read as the text model it holds: its
     ``text_config`` and its language model's, LM head's and MTP head's tensors.
 
     Returns logits ``[batch, seq - 1, vocab]`` for positions ``0..seq-2``: position ``t`` predicts token ``t+2``.

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_megatron.families import MODEL_FAMILIES, text_model_config
+from lightning_megatron.families import LANGUAGE_MODEL_TYPES, MODEL_FAMILIES, text_model_config
 from lightning_megatron.testing.checkpoints import FAMILIES, make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 
@@ -83,7 +83,8 @@ def _mtp_keys(family: str, mtp: bool) -> set[str]:
     return {("qwen3", True): QWEN3_MTP_KEYS, ("mimo", True): MIMO_MTP_KEYS,
             ("qwen3_moe", True): QWEN3_MOE_MTP_KEYS,  # GLM-4.5's names have no "mtp"
             ("qwen3_5_text", True): QWEN3_MTP_KEYS, ("qwen3_5", True): QWEN3_MTP_KEYS,
-            ("qwen3_5_moe_text", True): QWEN3_5_MOE_MTP_KEYS}.get((family, mtp), set())
+            ("qwen3_5_moe_text", True): QWEN3_5_MOE_MTP_KEYS,
+            ("qwen3_5_moe", True): QWEN3_5_MOE_MTP_KEYS}.get((family, mtp), set())
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +168,12 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     has_bias = family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe")
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is has_bias
     assert ("model.layers.1.self_attn.q_norm.weight" in names) is (
-        family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text"))
+        family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"))
     is_moe = family in ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
     assert ("model.layers.1.mlp.experts.3.down_proj.weight" in names) is is_moe
-    assert ("model.layers.1.mlp.experts.gate_up_proj" in names) is (family == "qwen3_5_moe_text")
-    assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (family in ("qwen2_moe", "qwen3_5_moe_text"))
+    assert ("model.layers.1.mlp.experts.gate_up_proj" in names) is (family in ("qwen3_5_moe_text", "qwen3_5_moe"))
+    assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) is (
+        family in ("qwen2_moe", "qwen3_5_moe_text", "qwen3_5_moe"))
     assert ("model.layers.0.mlp.experts.0.up_proj.weight" in names) is (family in ("qwen3_moe", "qwen2_moe"))
     assert ({name for name in names if name.startswith("model.layers.2.")} == GLM4_MOE_MTP_KEYS) is (
         family == "glm4_moe" and mtp)
@@ -180,15 +182,17 @@ def test_tensor_names(checkpoints: dict, family: str, mtp: bool, tied: bool) -> 
     assert ("model.layers.0.self_attn.kv_b_proj.weight" in names) is (family == "deepseek_v3")
 
 
-def test_the_multimodal_qwen3_5_checkpoint_is_the_text_one_with_a_vision_tower(checkpoints: dict) -> None:
-    """Qwen3_5ForConditionalGeneration loads every tensor but the MTP head (which transformers skips), and on text
-    its logits are those of the text checkpoint of the same seed."""
-    from transformers import Qwen3_5ForConditionalGeneration
+@pytest.mark.parametrize("family", LANGUAGE_MODEL_TYPES)
+def test_the_multimodal_qwen3_5_checkpoint_is_the_text_one_with_a_vision_tower(checkpoints: dict, family: str) -> None:
+    """Its HF class (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration) loads every tensor but the
+    MTP head (which transformers skips), and on text its logits are those of the text checkpoint of the same seed."""
+    import transformers
 
-    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(checkpoints["qwen3_5", True, False],
-                                                                  output_loading_info=True)
+    model_class = getattr(transformers, MODEL_FAMILIES[family].architecture)
+    model, info = model_class.from_pretrained(checkpoints[family, True, False], output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"]
-    text = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_5_text", True, False])
+    text = AutoModelForCausalLM.from_pretrained(
+        checkpoints[MODEL_FAMILIES[family].language_model.model_type, True, False])
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, text(IDS).logits)
 
