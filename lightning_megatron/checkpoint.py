@@ -396,7 +396,8 @@ def _rng_states() -> dict[str, Any]:
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
-    numpy_state = states["numpy"]
+    """Put back what `_rng_states` took; `states` is left as it was (it may be set again, as a retried load does)."""
+    numpy_state = {**states["numpy"], "state": {**states["numpy"]["state"]}}
     numpy_state["state"]["key"] = numpy_state["state"]["key"].numpy().astype(np.uint32)
     random.setstate(states["python"])
     np.random.set_state(numpy_state)

@@ -285,3 +285,19 @@ def test_fit_export_restore_and_predict_never_reach_the_network(tmp_path, monkey
         assert result["guard_works"]
         assert result["attempts"] == []
     assert results[0]["continuations"] == 4
+
+
+def test_the_rng_file_loads_weights_only_and_puts_the_draws_back_each_time_it_is_set(model_parallel, tmp_path):
+    """What a rank's `rng/rank{r}.pt` holds reads with `weights_only` and, set (twice, as a retried load sets the
+    same loaded states again), makes Python, NumPy and torch draw what they drew after it was taken."""
+    import random
+
+    import numpy as np
+
+    torch.save(megatron_checkpoint._rng_states(), tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    states = torch.load(tmp_path / "rng.pt", weights_only=True)
+    for _ in range(2):
+        megatron_checkpoint._set_rng_states(states)
+        got = (random.random(), np.random.rand(), torch.rand(3))
+        assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
