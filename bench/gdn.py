@@ -47,14 +47,14 @@ GIB = 1024**3
 
 def fla_unavailable() -> str | None:
     """Why fla's kernels cannot run here (None: they can)."""
-    from lightning_megatron._compat.gated_delta_net import fla_missing
+    from lightning_megatron._compat.gated_delta_net import fla_missing, fla_unusable
 
     if fla_missing():
         return ("fla is not importable: install the fla-core wheel (and einops) with pip, e.g. from the wheels "
                 "bench/run_h200.sh installs when carried")
     if not torch.cuda.is_available():
         return "no CUDA device: fla's kernels are Triton"
-    return None
+    return fla_unusable()
 
 
 def build_layer(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:

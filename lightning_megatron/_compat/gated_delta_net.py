@@ -32,6 +32,36 @@ def fla_missing() -> bool:
     return importlib.util.find_spec("fla") is None
 
 
+def fla_refuses_gated_backward(triton_version: str, compute_capability: tuple[int, int], tilelang: bool) -> bool:
+    """Whether fla's gated delta rule raises in its backward on this machine: with Triton from 3.4.0 up to 3.7.1 on
+    Hopper (compute capability 9.x) and no tilelang, its `chunk_bwd_dqkwg` computes wrong gradients, so fla refuses
+    it (fla-core 0.6.0 `fla/ops/common/chunk_o.py:727-732`, flash-linear-attention #640; seen on the H200 with torch
+    2.11's Triton)."""
+    from packaging.version import Version
+
+    return (not tilelang and compute_capability[0] == 9
+            and Version("3.4.0") <= Version(triton_version) < Version("3.7.1"))
+
+
+def fla_unusable() -> str | None:
+    """Why the gated DeltaNet cannot train with `fla`'s kernels here (then the PyTorch path runs), or None."""
+    if fla_missing():
+        return "fla is not installed (pip install lightning-megatron[gdn] on a GPU machine)"
+    if not torch.cuda.is_available():
+        return None
+    import triton
+
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    if fla_refuses_gated_backward(triton.__version__, torch.cuda.get_device_capability(), tilelang):
+        return (f"fla refuses the gated delta rule's backward with Triton {triton.__version__} on this Hopper GPU "
+                "(wrong gradients below Triton 3.7.1); upgrade Triton to 3.7.1 or install tilelang for fla's kernels")
+    return None
+
+
+def _fla_unusable() -> bool:
+    return fla_unusable() is not None
+
+
 # megatron-core: the hybrid layer specs -----------------------------------------------------------------------------
 
 
@@ -226,8 +256,9 @@ ADJUSTMENTS = (
         "megatron_core.gated_delta_net_torch_kernels",
         "megatron/core/ssm/gated_delta_net/common.py:43-54,141-145 takes causal_conv1d, l2norm and "
         "chunk_gated_delta_rule from fla and refuses to build a GatedDeltaNet without it; gdn.py:59-62,214,"
-        "common.py:411 call them",
-        fla_missing,
+        "common.py:411 call them; fla-core 0.6.0 fla/ops/common/chunk_o.py:727-732 refuses the backward on Hopper "
+        "with Triton 3.4.0-3.7.1 (`fla_unusable`)",
+        _fla_unusable,
         _install_torch_gated_delta_net_kernels,
     ),
 )

@@ -148,8 +148,20 @@ def test_torch_kernels_put_the_pytorch_path_in_place_for_a_block_only():
     assert layer.gated_delta_rule is built_with and kernels() == before
 
 
+@pytest.mark.parametrize(("triton", "capability", "tilelang", "refused"), [
+    ("3.6.0", (9, 0), False, True), ("3.4.0", (9, 0), False, True), ("3.7.1", (9, 0), False, False),
+    ("3.3.1", (9, 0), False, False), ("3.6.0", (8, 0), False, False), ("3.6.0", (10, 0), False, False),
+    ("3.6.0", (9, 0), True, False)])
+def test_fla_is_left_out_where_it_refuses_the_gated_backward(triton, capability, tilelang, refused):
+    """fla-core 0.6.0's own condition (`fla/ops/common/chunk_o.py:727`): there the PyTorch path trains instead of
+    a fit that would fail at its first backward (what the H200's torch 2.11 with Triton 3.6 did)."""
+    assert gated_delta_net.fla_refuses_gated_backward(triton, capability, tilelang) is refused
+    assert ADJUSTMENTS["megatron_core.gated_delta_net_torch_kernels"].needed is gated_delta_net._fla_unusable
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(gated_delta_net.fla_missing(), reason="needs fla (the gdn extra)")
+@pytest.mark.skipif(gated_delta_net.fla_unusable() is not None,
+                    reason="needs fla's kernels, usable here (the gdn extra; on Hopper Triton >= 3.7.1 or tilelang)")
 def test_fla_kernels_agree_with_the_torch_path_on_a_gated_deltanet_layer(model_parallel, checkpoint):
     """One GatedDeltaNet layer of the tiny Qwen3.5 on the GPU in bf16: with `fla`'s Triton kernels (what megatron-core
     uses where `fla-core` is installed, the kernels adjustment off) and with the PyTorch path, on the same input; to
