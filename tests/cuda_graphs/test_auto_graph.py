@@ -381,7 +381,11 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
 # activations, gradients and reductions independently, a few u apart per value over the tiny model's two layers.
 # 2e-2 (about 5u) bounds losses and grad norms relatively, and each gradient tensor elementwise at 5u of its
 # largest entry (elements near zero have no meaningful relative error). A lost or doubled step's gradient moves
-# the grad norm by 100%, far outside it.
+# the grad norm by 100%, far outside it. Each gradient is compared elementwise at the first step only, where both
+# runs hold the same weights: Adam turns any rounding difference of a gradient into an update of about lr (1e-4)
+# per weight, so from the second step on the two runs' weights differ by up to a few lr each, and a gradient that
+# sums many cancelling terms (a q/k layernorm weight's, on the H200 on 2026-12-05) can then move by more than 5u of
+# its largest entry without anything being wrong; losses and grad norms stay compared at every step.
 BF16_RTOL = 2e-2
 
 
@@ -393,8 +397,11 @@ def _assert_trains_like_eager(got: dict[str, Any], eager: dict[str, Any], name: 
         for key in ("lm_loss", "mtp_loss", "grad_norm"):
             if key in expected:
                 assert metrics[key] == pytest.approx(expected[key], rel=BF16_RTOL), (name, step, key)
+    assert len(got["grads"]) == len(eager["grads"]) > 0, name
     for step, (grads, expected) in enumerate(zip(got["grads"], eager["grads"], strict=True)):
         assert grads.keys() == expected.keys(), name
+        if step > 0:  # other weights from here on (see BF16_RTOL)
+            continue
         for parameter, grad in expected.items():
             torch.testing.assert_close(grads[parameter], grad, rtol=BF16_RTOL,
                                        atol=BF16_RTOL * float(grad.abs().max()), msg=f"{name} {step} {parameter}")
@@ -403,9 +410,10 @@ def _assert_trains_like_eager(got: dict[str, Any], eager: dict[str, Any], name: 
 @pytest.mark.gpu
 def test_auto_trains_dense_packed_and_mtp_joint_like_eager_and_survives_a_failed_capture(checkpoint, tmp_path):
     """bf16 tiny Qwen3(+MTP), 4 optimizer steps of 2 microbatches at PP=1: auto graphs dense full rows, packed
-    rows and joint MTP training (warm-up, one capture, two replays) and equals eager to bf16 (losses, grad norms,
-    every gradient of every step), saying so in one line. A capture failing by a Python error or by a host read
-    falls back: one warning with the cause, no capture kept, the rest eager, the same steps and values as eager."""
+    rows and joint MTP training (warm-up, one capture, two replays) and equals eager to bf16 (losses and grad norms
+    of every step, every gradient of the first: see BF16_RTOL), saying so in one line. A capture failing by a Python
+    error or by a host read falls back: one warning with the cause, no capture kept, the rest eager, the same steps
+    and values as eager."""
     results = run_in_fresh_process(_gpu_fits, tmp_path, str(tmp_path), str(checkpoint))
     failures = {name: result["error"] for name, result in results.items() if "error" in result}
     assert not failures, failures
