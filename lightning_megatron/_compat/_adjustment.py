@@ -46,14 +46,15 @@ class Adjustment:
     needed: Callable[[], bool]
     install: Callable[[Patches], None]
     _patches: Patches | None = field(default=None, repr=False)
+    _suspensions: int = field(default=0, repr=False)  # the `suspended()` blocks running: `apply()` waits for them
 
     @property
     def active(self) -> bool:
         return self._patches is not None
 
     def apply(self) -> bool:
-        """Apply once, and only when needed; returns whether it is active."""
-        if self._patches is None and self.needed():
+        """Apply once, only when needed and not suspended; returns whether it is active."""
+        if self._patches is None and not self._suspensions and self.needed():
             patches = Patches()
             self.install(patches)
             self._patches = patches
@@ -75,18 +76,20 @@ class Adjustment:
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """Run a block as if this adjustment had never been applied (used by the tests that show it is needed);
-        then apply it again at its place in the order (its `needed` sees what it saw the first time)."""
-        if not self.active:
-            yield
-            return
-        place = _APPLIED.index(self)
+        """Run a block as if this adjustment had never been applied (used by the tests that show it is needed), even
+        where the block applies adjustments itself (a fit's `MegatronStrategy.setup_environment` runs
+        `prepare_megatron_core()` before it builds the model: without the hold, a fit meant to run upstream's code
+        would build with the adjustment again); then, if it was active, apply it again at its place in the order."""
+        place = _APPLIED.index(self) if self.active else None
         self.revert()
+        self._suspensions += 1
         try:
             yield
         finally:
-            with _lifted(place):
-                self.apply()
+            self._suspensions -= 1
+            if place is not None:
+                with _lifted(place):
+                    self.apply()
 
 
 @contextlib.contextmanager

@@ -265,7 +265,8 @@ OPT_IN = "LIGHTNING_MEGATRON_FAST_RMS_NORM"
 """Set to 1 to apply it. Off by default: on the H200 (2026-12-05, torch 2.11) `bench/norms.py` measured the compiled
 norms at 0.27x torch's time per microbatch at Qwen3-0.6B's shapes and 0.56x at 4B / 8B, and the bf16 equality tests
 passed, but `test_on_the_gpu_tiny_fits_train_as_with_torchs_norms` failed (its output was not recovered: the
-machine was taken back); it goes on by default once that test passes."""
+machine was taken back; a later H200 run showed its "torch" fits had built `FastRMSNorm` too: `suspended()` did not
+yet hold against the strategy's own `prepare_megatron_core()`); it goes on by default once that test passes."""
 
 
 def _torch_rms_norm_is_slow_here() -> bool:

@@ -30,3 +30,17 @@ def test_suspending_or_reverting_an_earlier_adjustment_keeps_the_later_ones():
     assert target.call() == ["upstream", "second"]
     second.revert()
     assert target.call() == ["upstream"] and not first.active and not second.active
+
+
+def test_a_suspended_adjustment_stays_off_when_the_block_applies_adjustments():
+    """A fit inside `suspended()` runs `prepare_megatron_core()` (the strategy's setup), whose `apply()` must not put
+    the adjustment back before the block ends; one never applied stays off after the block too."""
+    target = SimpleNamespace(call=lambda: ["upstream"])
+    first, second = _wrapping("first", target), _wrapping("second", target)
+    assert first.apply()
+    with first.suspended():
+        assert not first.apply() and not first.active and target.call() == ["upstream"]
+        with second.suspended():
+            assert not second.apply() and target.call() == ["upstream"]
+    assert first.active and not second.active and target.call() == ["upstream", "first"]
+    first.revert()

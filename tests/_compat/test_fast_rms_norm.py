@@ -99,6 +99,34 @@ def test_the_swapped_norm_keeps_torchs_parameters_state_dict_and_marks(model_par
         assert not STATE.active and type(WrappedTorchNorm(config, 8, eps=EPS)) is type(upstream)
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fast_rms_norm") / "qwen3_mtp", "qwen3", mtp=True)
+
+
+def _built_norms(checkpoint: Path) -> list[str]:
+    """The norm classes of a tiny Qwen3 built as a fit builds it: `MegatronStrategy.setup_environment` runs
+    `prepare_megatron_core()`, then the megatron-bridge backend builds the model."""
+    from lightning_megatron._compat import prepare_megatron_core
+    from lightning_megatron.bridges import ModelOptions, create_bridge
+
+    prepare_megatron_core()
+    chunks = create_bridge("megatron-bridge", checkpoint).build(ModelOptions())
+    return sorted({type(module).__name__ for chunk in chunks for module in chunk.modules()
+                   if isinstance(module, torch.nn.RMSNorm)})
+
+
+def test_a_model_built_while_suspended_has_torchs_norms(model_parallel, checkpoint, monkeypatch) -> None:
+    """The GPU fits' "torch" run: its condition holds (forced here, as on a GPU), so the `prepare_megatron_core()`
+    of the strategy's setup inside `suspended()` would apply the adjustment again unless the suspension holds it."""
+    monkeypatch.setattr(ADJUSTMENT, "needed", lambda: True)
+    with _applied():
+        with ADJUSTMENT.suspended():
+            assert _built_norms(checkpoint) == ["RMSNorm"] and not ADJUSTMENT.active and not STATE.active
+        assert ADJUSTMENT.active and STATE.active
+        assert _built_norms(checkpoint) == ["FastRMSNorm"]
+
+
 def _key_heads(sequence: int, batch: int, groups: int, head_dim: int, generator: torch.Generator,
                dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
     """The key heads as Megatron-Core's attention hands them to `k_layernorm`: [s, b, groups, head_dim] split out
@@ -357,11 +385,6 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
     results["compiled_signatures"] = [len(kernel.ran) for kernel in (COMPILED.forward, COMPILED.input_grad,
                                                                      COMPILED.weight_grad)]
     torch.save(results, out)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("fast_rms_norm") / "qwen3_mtp", "qwen3", mtp=True)
 
 
 @pytest.mark.gpu
