@@ -14,7 +14,8 @@ a bf16 model on one GPU then holds 2 (weights) + 4 (fp32 main grads) + 12 x (1 -
 instead of 18, and the host 16 x fraction (fp32 master, grads, Adam's two moments). It needs a CUDA device (CUDA
 streams, pinned memory), bf16 parameters, the distributed optimizer and decoupled weight decay (AdamW:
 `__init__.py:508-510`);
-`optimizer_config.py:430-446` asks for Transformer Engine's FusedAdam only when nothing is offloaded.
+`optimizer_config.py:430-446` asks for Transformer Engine's FusedAdam only when nothing is offloaded. Its param
+groups hold the optimizer classes it steps with, which checkpoints leave out (`without_optimizer_classes`).
 """
 
 from __future__ import annotations
@@ -85,15 +86,75 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         return self.megatron_optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.megatron_optimizer.load_state_dict(state_dict)
+        """Loads a state dict, also one `sharded_state_dict` wrote: the optimizer classes it leaves out are this
+        optimizer's own (`with_optimizer_classes`)."""
+        self.megatron_optimizer.load_state_dict(with_optimizer_classes(self.megatron_optimizer, state_dict))
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, *, is_loading: bool = False,
                            metadata: dict | None = None) -> dict:
-        return self.megatron_optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                                          metadata=metadata)
+        """Megatron's sharded state dict, less the optimizer classes in its param groups
+        (`without_optimizer_classes`), so that a checkpoint holds only what `safe_load` admits."""
+        sharded = self.megatron_optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                             metadata=metadata)
+        return without_optimizer_classes(self.megatron_optimizer, sharded)
 
     def __repr__(self) -> str:
         return f"MegatronOptimizerAdapter({type(self.megatron_optimizer).__name__})"
+
+
+def without_optimizer_classes(megatron_optimizer: Any, state: Any) -> Any:
+    """`state` (Megatron's state dict or sharded state dict of `megatron_optimizer`), its param groups without the
+    classes the optimizer's torch optimizer holds among its defaults; changed in place, and returned.
+
+    The offload's `HybridDeviceOptimizer` records the classes it steps with (`cpu_optimizer_cls`,
+    `gpu_optimizer_cls`: torch's AdamW, or Transformer Engine's FusedAdam) among its defaults
+    (hybrid_optimizer.py:57-69), torch copies every default into every param group (`add_param_group`), and the
+    distributed optimizer saves the param groups in the checkpoint's common state (distrib_optimizer.py:866,
+    1532). A class in a pickle is a global `safe_load` refuses: admitting it would also let any file call it
+    (torch's weights-only unpickler calls the globals it admits), so the classes are kept out of the checkpoint
+    instead, and `with_optimizer_classes` takes them from the live optimizer when it loads, which was built with
+    the same ones.
+    """
+    for groups, classes in _param_groups_and_classes(megatron_optimizer, state):
+        for group in groups:
+            for key in classes:
+                group.pop(key, None)
+    return state
+
+
+def with_optimizer_classes(megatron_optimizer: Any, state: Any) -> Any:
+    """`state` with the classes `without_optimizer_classes` left out, from `megatron_optimizer`'s own defaults, so
+    that the param groups it loads equal those it saved; changed in place, and returned."""
+    for groups, classes in _param_groups_and_classes(megatron_optimizer, state):
+        for group in groups:
+            group.update(classes)
+    return state
+
+
+def _param_groups_and_classes(megatron_optimizer: Any, state: Any) -> list[tuple[list[dict], dict[str, type]]]:
+    """For each Megatron optimizer in `megatron_optimizer` (itself, or a `ChainedOptimizer`'s, whose state is a
+    list or a dict by index): the param groups its part of `state` holds, and the class-valued defaults of its
+    torch optimizer; only the optimizers that have such defaults."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.optimizer import ChainedOptimizer
+
+    chained = isinstance(megatron_optimizer, ChainedOptimizer)
+    optimizers = megatron_optimizer.chained_optimizers if chained else [megatron_optimizer]
+    if len(optimizers) == 1:
+        parts = [state]
+    else:
+        parts = [part for _, part in sorted(state.items())] if isinstance(state, dict) else list(state)
+    found = []
+    for optimizer, part in zip(optimizers, parts, strict=True):
+        inner = optimizer.optimizer  # every MegatronOptimizer wraps a torch optimizer (or None)
+        defaults = inner.defaults if isinstance(inner, torch.optim.Optimizer) else {}
+        classes = {key: value for key, value in defaults.items() if isinstance(value, type)}
+        common = part.get("optimizer") if classes else None
+        if isinstance(common, ShardedObject):  # a format that is not fully reshardable wraps it
+            common = common.data
+        if common is not None:
+            found.append((common["param_groups"], classes))
+    return found
 
 
 def megatron_optimizer(config: Any, chunks: list[torch.nn.Module], *, bf16: bool, use_distributed_optimizer: bool,

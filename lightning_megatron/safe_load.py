@@ -5,7 +5,8 @@ from someone else could run code on the machine that loads it. Every pickled fil
 goes through this module, which admits only the types our own saves contain. The allowlists, in one place:
 
 - `torch.load` files (`lightning.pt`, `rng/rank*.pt`, and the objects inside Megatron's `*.distcp` shards:
-  per-layer `_extra_state`, the `common_state` holding the optimizer's param groups): `weights_only=True`, i.e.
+  per-layer `_extra_state`, the `common_state` holding the optimizer's param groups, saved without the optimizer
+  classes the offloaded optimizer keeps there, see `optimizer.without_optimizer_classes`): `weights_only=True`, i.e.
   torch's own allowlist (tensors, storages, dtypes, `torch.Size`, `OrderedDict`, and plain containers of
   str/int/float/bool/None), plus `TORCH_LOAD_ALLOWLIST` below, which is empty: our saves need nothing more. The
   RNG states are written as tensors and plain Python values for that reason (NumPy's state would need NumPy's

@@ -5,8 +5,10 @@ checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import io
 import os
 import typing
 from pathlib import Path
@@ -18,7 +20,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron.module import SFTModule
-from lightning_megatron.optimizer import check_optimizer_offload_device, offloaded
+from lightning_megatron.optimizer import (
+    check_optimizer_offload_device,
+    megatron_optimizer,
+    offloaded,
+    with_optimizer_classes,
+    without_optimizer_classes,
+)
+from lightning_megatron.safe_load import UnsafeFileError, load_torch_file
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
@@ -110,6 +119,62 @@ def test_an_offloaded_fit_on_the_cpu_is_refused_before_the_model_is_built(proces
     with pytest.raises(ValueError, match="optimizer_offload_fraction: 0.5 needs a CUDA device"):
         trainer.fit(SFTModule(), DataLoader(RandomTokenDataset(4, SEQ, VOCAB), batch_size=1))
     assert strategy.model_chunks == []
+
+
+def _offloaded_optimizer() -> Any:
+    """Megatron's optimizer with all of it offloaded, for a tiny bf16 GPT: on the CPU it is built (not stepped)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from tests._megatron import tiny_gpt
+
+    model = tiny_gpt(mtp_layers=0, bf16=True).bfloat16()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    return megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR), [ddp], bf16=True,
+                              use_distributed_optimizer=True, clip_grad=1.0, offload_fraction=1.0).megatron_optimizer
+
+
+def _saved_and_loaded(state: Any) -> Any:
+    """`state` written with torch.save, as a checkpoint's common state is, and read back as loading reads it."""
+    stream = io.BytesIO()
+    torch.save(state, stream)
+    stream.seek(0)
+    return load_torch_file(stream, "common_state")
+
+
+def test_the_offloaded_optimizer_keeps_its_classes_out_of_checkpoints_and_takes_them_back(model_parallel):
+    """The hybrid optimizer's param groups hold the classes it steps with, which Megatron saves in a checkpoint's
+    common state and safe loading refuses (the resume of the GPU test failed so); left out, the state loads and the
+    live optimizer gives them back, so the param groups loaded equal those saved."""
+    optimizer = _offloaded_optimizer()
+    common = optimizer.state_dict()  # what DistributedOptimizer.sharded_state_dict saves besides the tensors
+    for group in common["optimizer"]["param_groups"]:
+        assert {key: value for key, value in group.items() if isinstance(value, type)} == {
+            "cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": torch.optim.AdamW}
+    with pytest.raises(UnsafeFileError, match=r"common_state: refused to load: it holds torch\.optim\.adamw\.AdamW"):
+        _saved_and_loaded(common)
+    saved = without_optimizer_classes(optimizer, copy.deepcopy(common))
+    assert with_optimizer_classes(optimizer, _saved_and_loaded(saved)) == common
+
+
+def test_the_classes_are_left_out_of_every_form_megatron_saves_the_state_in(model_parallel):
+    """A format that is not fully reshardable wraps the state in a `ShardedObject` (distrib_optimizer.py:1536); a
+    `ChainedOptimizer` of several keeps one state each, a list from `state_dict`, by index when sharded."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.optimizer import ChainedOptimizer
+
+    single = _offloaded_optimizer()
+    common = single.state_dict()
+    wrapped = {key: ShardedObject(f"optimizer.distributed.dp_group_idx_0.{key}", value, (1,), (0,))
+               for key, value in copy.deepcopy(common).items()}
+    unwrapped = {key: value.data for key, value in without_optimizer_classes(single, wrapped).items()}
+    assert with_optimizer_classes(single, _saved_and_loaded(unwrapped)) == common
+    chained = ChainedOptimizer([*single.chained_optimizers, *_offloaded_optimizer().chained_optimizers])
+    states = chained.state_dict()
+    assert isinstance(states, list) and len(states) == 2
+    for expected in (states, dict(enumerate(states))):  # as state_dict gives them, as sharded_state_dict does
+        loaded = _saved_and_loaded(without_optimizer_classes(chained, copy.deepcopy(expected)))
+        assert with_optimizer_classes(chained, loaded) == expected
 
 
 class _Record(pl.Callback):
