@@ -432,7 +432,7 @@ def test_expert_parallel_with_tensor_and_pipeline_parallelism(checkpoints, tmp_p
 def test_a_family_whose_experts_a_bridge_does_not_map_fails_before_the_build(model_parallel, checkpoints):
     with pytest.raises(BridgeError, match=r"bridge_type: megatron-bridge does not map the experts of 'qwen2_moe' "
                                           r"checkpoints \(it maps qwen3_moe, glm4_moe, deepseek_v3, "
-                                          r"qwen3_5_moe_text\); "
+                                          r"qwen3_5_moe_text, qwen3_5_moe\); "
                                           r"set bridge_type: mbridge"):
         create_bridge("megatron-bridge", checkpoints["qwen2_moe"]).validate(ModelOptions())
 
