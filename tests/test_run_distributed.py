@@ -16,7 +16,8 @@ from tests._distributed import run_distributed, start_method, variables_changed_
 # what this module saw when a rank imported it (the test process imported it at collection, without the variable)
 SEEN_AT_IMPORT = os.environ.get("TOKENIZERS_PARALLELISM")
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every rank is spawned")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every rank is spawned")]
 
 
 def _what_the_rank_sees(rank: int, world_size: int) -> dict[str, object]:
