@@ -38,7 +38,7 @@ from lightning_megatron.mtp.self_distill import (
     use_mtp_depth_scales,
 )
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
-from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, depth_divergence
+from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, check_mtp_loss_options, depth_divergence
 from lightning_megatron.options import ModelOptions
 
 
@@ -154,14 +154,13 @@ class SFTModule(MegatronLightningModule):
                             ("mtp_sampling_temperature", mtp_sampling_temperature)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: {value} must be finite and > 0 (1.0: the target's own distribution)")
-        if mtp_loss_type in ("tv", "tv_kl") and mtp_distill_temperature != 1.0:
-            raise ValueError(f"mtp_distill_temperature: {mtp_distill_temperature} is self_distill's teacher "
-                             f"temperature; mtp_loss_type: {mtp_loss_type} compares both heads at "
-                             "mtp_sampling_temperature: set that one instead")
         self._depth_weights = normalized_depth_weights(mtp_depths, mtp_depth_weights)
         if mtp_depths > 1 and not self.enable_mtp_training:
             raise ValueError(f"mtp_depths: {mtp_depths} trains the MTP head at {mtp_depths} depths; it needs "
                              "enable_mtp: true with MTP training (enable_mtp_training unset or true)")
+        check_mtp_loss_options(mtp_loss_type, training=self.enable_mtp_training,
+                               distill_temperature=mtp_distill_temperature, distill_weighting=mtp_distill_weighting,
+                               tv_kl_decay=mtp_tv_kl_decay, depth_weights=mtp_depth_weights)
         self._divergence = (None if mtp_loss_type == "labels" else depth_divergence(
             mtp_loss_type, mtp_distill_temperature, mtp_sampling_temperature, mtp_tv_kl_decay))
         self.save_hyperparameters()

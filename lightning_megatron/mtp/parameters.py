@@ -97,6 +97,8 @@ def normalized_depth_weights(mtp_depths: int, weights: Sequence[float] | None) -
     if not all(math.isfinite(weight) and weight >= 0 for weight in weights) or sum(weights) <= 0:
         raise ValueError(f"mtp_depth_weights: {weights} must be finite, >= 0 and not all 0 (only their ratios "
                          "matter: mtp_loss_scaling_factor is the MTP loss's overall weight)")
+    largest = max(weights)  # first, so that huge weights do not sum to infinity
+    weights = [weight / largest for weight in weights]
     return tuple(weight / sum(weights) for weight in weights)
 
 

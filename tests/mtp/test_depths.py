@@ -56,6 +56,8 @@ def _options(loss_type: str, weights: list[float] | None) -> dict[str, Any]:
     options: dict[str, Any] = {"mtp_depths": DEPTHS, "mtp_depth_weights": weights, "mtp_loss_type": loss_type}
     if loss_type == "tv":  # both heads at the sampling temperature; the teacher-only one stays 1
         options |= {"mtp_distill_temperature": 1.0, "mtp_sampling_temperature": TEMPERATURE}
+    if loss_type == "labels":  # no teacher
+        options |= {"mtp_distill_temperature": 1.0}
     return options
 
 
@@ -305,6 +307,12 @@ def test_restore_mtp_and_k_token_drafts_read_the_export(k_depth_export, tmp_path
 def test_bad_depth_options_name_the_field_and_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SFTModule(**({"enable_mtp": True} | kwargs))
+
+
+def test_huge_depth_weights_keep_their_ratios():
+    """Only the ratios count: weights whose sum overflows still share the MTP loss as they say."""
+    assert SFTModule(enable_mtp=True, mtp_depths=2, mtp_depth_weights=[1e308, 3e307])._depth_weights == \
+        pytest.approx((1 / 1.3, 0.3 / 1.3), rel=1e-12)
 
 
 def test_a_checkpoint_of_two_mtp_layers_is_still_refused_naming_mtp_depths(process_group, tmp_path):
