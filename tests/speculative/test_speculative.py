@@ -352,6 +352,13 @@ def test_cli_temperature_zero_is_greedy_verification(checkpoints, tmp_path, caps
     with pytest.raises(SystemExit):
         main([str(checkpoints["qwen3"]), str(prompts), "--out", str(tmp_path / "refused"), "--temperature", "-1"])
     assert "--temperature -1.0 must be >= 0 (0: greedy verification)" in capsys.readouterr().err
+    for flag, value, message in (("--draft-tokens", "0", "argument --draft-tokens: 0 must be at least 1"),
+                                  ("--max-new-tokens", "-2", "argument --max-new-tokens: -2 must be at least 1"),
+                                  ("--max-new-tokens", "x", "'x' is not a whole number"),
+                                  ("--top-p", "0", "--top-p 0.0 must be in (0, 1]")):
+        with pytest.raises(SystemExit):  # at parsing, before any model is loaded
+            main([str(tmp_path / "absent"), str(prompts), "--out", str(tmp_path / "refused"), flag, value])
+        assert message in capsys.readouterr().err
 
 
 def test_bad_inputs_name_the_problem(checkpoints, tmp_path):
