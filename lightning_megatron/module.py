@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_megatron.contract import MegatronLightningModule
 from lightning_megatron.generate import eos_token_ids, greedy_continuations
@@ -167,6 +168,7 @@ class SFTModule(MegatronLightningModule):
         self.val_mtp_acceptance = PooledAcceptance()
         self.val_mtp_sampled_acceptance = MTPSampledAcceptance()
         self._depth_loss_handles: list[Any] = []
+        self._warned_untrained_depths = False
         self.generation_eos_token_ids: set[int] = set()  # where predict stops; read in setup("predict")
 
     def model_options(self) -> ModelOptions:
@@ -195,6 +197,7 @@ class SFTModule(MegatronLightningModule):
                     parameter.requires_grad_(False)
         if self.enable_mtp_training and stage in ("fit", "validate"):
             clear_mtp_tracker()
+            self._warned_untrained_depths = False
             if self._divergence is not None:
                 self._depth_loss_handles = use_mtp_depth_loss(list(self.model), divergence=self._divergence,
                                                               distill_weighting=self.hparams.mtp_distill_weighting)
@@ -223,10 +226,17 @@ class SFTModule(MegatronLightningModule):
             self.log("lm_loss", loss, prog_bar=True)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
-            mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device, self._depth_weights)
+            mtp_metrics, untrained = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device,
+                                                                self._depth_weights)
             for name, value in mtp_metrics.items():
                 self.log(name, value, prog_bar=name == "mtp_loss")
             loss = mtp_metrics["mtp_loss"] if loss is None else loss
+            if untrained and self.enable_mtp_training and not self._warned_untrained_depths:
+                self._warned_untrained_depths = True
+                rank_zero_warn(f"mtp_depths: {self.hparams.mtp_depths}: depth(s) {untrained} had no trained token "
+                               f"in step {self.global_step}'s rows (depth k trains token t + k + 1 of the same "
+                               "sequence); their mtp_loss_depth_<k> read 0. Lower mtp_depths, or train on longer "
+                               "sequences (said once per fit)")
         return loss
 
     def _log_moe_aux_loss(self, num_microbatches: int) -> None:

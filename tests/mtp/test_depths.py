@@ -39,6 +39,7 @@ from lightning_megatron.speculative import greedy_decode, load_mtp_head, load_ta
 from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 from tests.mtp.test_mtp import _expect_rejection
 from tests.mtp.test_restore import _split, _strip_mtp
@@ -307,6 +308,15 @@ def test_restore_mtp_and_k_token_drafts_read_the_export(k_depth_export, tmp_path
 def test_bad_depth_options_name_the_field_and_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SFTModule(**({"enable_mtp": True} | kwargs))
+
+
+def test_depths_the_rows_are_too_short_for_are_named(process_group, checkpoints, tmp_path):
+    """Rows of 4 tokens (the first a prompt) leave depth 3 one trained token and depth 4 none: the fit runs and says
+    which depth trains nothing, whose logged loss reads 0."""
+    with pytest.warns(UserWarning, match=r"mtp_depths: 4: depth\(s\) \[4\] had no trained token .*Lower mtp_depths"):
+        fit = _fit(tmp_path, checkpoints["qwen3"], RandomTokenDataset(2, 4, 384),
+                   module_kwargs=_options("labels", None) | {"mtp_depths": 4})
+    assert fit.metrics["mtp_loss_depth_4"] == 0 < fit.metrics["mtp_loss_depth_3"]
 
 
 def test_huge_depth_weights_keep_their_ratios():
