@@ -372,3 +372,13 @@ def test_bad_inputs_name_the_problem(checkpoints, tmp_path):
     target = load_target(checkpoints["qwen3_no_mtp"])
     with pytest.raises(ValueError, match="has no MTP head.*mtp.fc.weight.*model.mtp_layers.0.input_proj.weight"):
         load_mtp_head(checkpoints["qwen3_no_mtp"], target)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mimo"])
+def test_a_quiet_report_prints_nothing_while_loading(checkpoints, capfd, family):
+    """Without progress, loading the target, its head and the tokenizer writes nothing: not transformers' "layers
+    not sharded" nor its per-tensor bar, nor MiMo's "a model of type `mimo`" (none of it asks anything of the user)."""
+    capfd.readouterr()
+    measure_checkpoint(checkpoints[family], [PROMPTS[0]], max_new_tokens=2, draft_tokens=(1,))
+    captured = capfd.readouterr()
+    assert (captured.out, captured.err) == ("", "")
