@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     chosen = list(dict.fromkeys(args.variants or DEFAULT_VARIANTS[size]))
     if args.trunk_cache and "self_distill" not in chosen:
         parser.error("--trunk-cache compares with (a): add self_distill to --variants")
+    if args.distill_temperature != 1.0 and not any(VARIANTS[name].loss_type == "self_distill" for name in chosen):
+        parser.error(f"--distill-temperature {args.distill_temperature} is (a)'s and (a+)'s teacher temperature, and "
+                     f"neither runs: add self_distill or {LONG_VARIANT} to --variants, or leave it out")
+    if args.distill_weighting != "uniform" and not any(VARIANTS[name].distills for name in chosen):
+        parser.error(f"--distill-weighting {args.distill_weighting} weighs the distillation and TV variants' "
+                     "positions, and none runs: add one to --variants, or leave it out")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     timings: dict[str, float] = {}

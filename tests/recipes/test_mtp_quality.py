@@ -75,6 +75,9 @@ def test_the_targets_compare_each_self_distilled_head_that_ran_with_the_heads_th
     (["--mtp-only-steps", "-1"], "--mtp-only-steps: -1 must be at least 1"),
     (["--joint-steps", "0"], "--joint-steps: 0 must be at least 1"),
     (["--distill-temperature", "0"], "--distill-temperature: 0.0 must be finite and > 0"),
+    (["--distill-temperature", "0.5", "--variants", "tv", "labels_continuations"],
+     "--distill-temperature 0.5 is (a)'s and (a+)'s teacher temperature, and neither runs"),
+    (["--distill-weighting", "greedy", "--variants", "labels_corpus"], "--distill-weighting greedy weighs"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, message) -> None:
     from lightning_megatron.recipes.mtp_quality import main
