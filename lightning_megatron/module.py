@@ -258,9 +258,21 @@ class SFTModule(MegatronLightningModule):
         # already reduced over the ranks by the strategy: sync_dist averages equal values (one scalar per epoch)
         self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True, sync_dist=True)
         if self.enable_mtp:
+            self._count_nothing_off_the_last_stage()
             self.log("val_mtp_acceptance", self.val_mtp_acceptance, on_step=False, on_epoch=True, prog_bar=True)
             self.log("val_mtp_sampled_acceptance", self.val_mtp_sampled_acceptance, on_step=False, on_epoch=True)
         return metrics["lm_loss"]
+
+    def _count_nothing_off_the_last_stage(self) -> None:
+        """A pipeline stage without the MTP head adds an empty update to the pooled acceptance sums: the sums are
+        unchanged, and torchmetrics, which warns on global rank 0 (a first stage) when `compute` follows no update,
+        has nothing to say that a user could act on."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            nothing = torch.zeros(0, device=self.megatron_strategy.root_device)
+            self.val_mtp_acceptance.update(nothing, nothing)
+            self.val_mtp_sampled_acceptance.update(nothing, nothing)
 
     def _loss_func_counting_acceptance(self, capture: DraftCapture, microbatch: Microbatch,
                                        output: torch.Tensor) -> LossOutput:
