@@ -56,6 +56,17 @@ def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> L
     return loss_sum, num_tokens, {"lm_loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
 
 
+def _spans(numbers: list[int]) -> str:
+    """Ascending integers as runs: [1, 3, 4, 5] -> "1, 3-5"."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+
+
 def warmup_cosine(warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
     """LR multiplier: linear warm-up to 1, then cosine decay to `min_lr_ratio` at `total_steps` (constant if None)."""
 
@@ -231,13 +242,18 @@ class SFTModule(MegatronLightningModule):
             for name, value in mtp_metrics.items():
                 self.log(name, value, prog_bar=name == "mtp_loss")
             loss = mtp_metrics["mtp_loss"] if loss is None else loss
-            if untrained and self.enable_mtp_training and not self._warned_untrained_depths:
-                self._warned_untrained_depths = True
-                rank_zero_warn(f"mtp_depths: {self.hparams.mtp_depths}: depth(s) {untrained} had no trained token "
-                               f"in step {self.global_step}'s rows (depth k trains token t + k + 1 of the same "
-                               "sequence); their mtp_loss_depth_<k> read 0. Lower mtp_depths, or train on longer "
-                               "sequences (said once per fit)")
+            if untrained and self.enable_mtp_training:
+                self._warn_untrained_depths(untrained)
         return loss
+
+    def _warn_untrained_depths(self, untrained: list[int]) -> None:
+        """Once per fit: depths the step's rows held no trained token for (their logged losses read 0)."""
+        if self._warned_untrained_depths:
+            return
+        self._warned_untrained_depths = True
+        rank_zero_warn(f"mtp_depths: {self.hparams.mtp_depths}: depth(s) {_spans(untrained)} had no trained token in "
+                       f"step {self.global_step}'s rows (depth k trains token t + k + 1 of the same sequence); their "
+                       "logged losses read 0. Lower mtp_depths, or train on longer sequences (said once per fit)")
 
     def _log_moe_aux_loss(self, num_microbatches: int) -> None:
         """`moe_aux_loss`: the routers' load-balancing loss (before its coefficient), apart from `lm_loss`."""

@@ -311,12 +311,12 @@ def test_bad_depth_options_name_the_field_and_the_fix(kwargs, message):
 
 
 def test_depths_the_rows_are_too_short_for_are_named(process_group, checkpoints, tmp_path):
-    """Rows of 4 tokens (the first a prompt) leave depth 3 one trained token and depth 4 none: the fit runs and says
-    which depth trains nothing, whose logged loss reads 0."""
-    with pytest.warns(UserWarning, match=r"mtp_depths: 4: depth\(s\) \[4\] had no trained token .*Lower mtp_depths"):
+    """Rows of 4 tokens (the first a prompt) leave depth 3 one trained token and depths 4 and 5 none: the fit runs
+    and says which depths train nothing, whose logged losses read 0."""
+    with pytest.warns(UserWarning, match=r"mtp_depths: 5: depth\(s\) 4-5 had no trained token .*Lower mtp_depths"):
         fit = _fit(tmp_path, checkpoints["qwen3"], RandomTokenDataset(2, 4, 384),
-                   module_kwargs=_options("labels", None) | {"mtp_depths": 4})
-    assert fit.metrics["mtp_loss_depth_4"] == 0 < fit.metrics["mtp_loss_depth_3"]
+                   module_kwargs=_options("labels", None) | {"mtp_depths": 5})
+    assert fit.metrics["mtp_loss_depth_5"] == fit.metrics["mtp_loss_depth_4"] == 0 < fit.metrics["mtp_loss_depth_3"]
 
 
 def test_huge_depth_weights_keep_their_ratios():
