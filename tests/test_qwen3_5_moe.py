@@ -132,8 +132,8 @@ def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(
 @pytest.mark.slow
 def test_tensor_expert_and_context_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
     """Also a joint fit at CP=2 on unpacked rows against EP=2 (CP=1) on the same global batches: megatron-core's head
-    all-to-all around the gated DeltaNet, SDPA over the gathered keys in the attention layers, the experts' tokens
-    from both halves of every row (packed rows under CP are refused before any data is read, above)."""
+    all-to-all around the gated DeltaNet, SDPA over the gathered keys in the attention layers, the experts on each
+    rank's chunks (packed rows under CP are refused before any data is read, above)."""
     results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]), SAMPLES,
                               ("ep2", "pp2", "cp2"), False)
     assert all("cp2" in result["joint"] for result in results)
