@@ -43,7 +43,12 @@ DEEPSEEK = MoEShape(routed_scaling_factor=2.5, n_group=2, topk_group=1)
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek_v3")
     return {"mtp": make_tiny_checkpoint(root / "mtp", "deepseek_v3", mtp=True, moe=DEEPSEEK),
-            "plain": make_tiny_checkpoint(root / "plain", "deepseek_v3", moe=DEEPSEEK)}
+            "plain": make_tiny_checkpoint(root / "plain", "deepseek_v3", moe=DEEPSEEK),
+            # Moonlight's layout: the query projected by q_proj alone (q_lora_rank: null), two shared experts, one
+            # expert group, plain RoPE
+            "moonlight": make_tiny_checkpoint(root / "moonlight", "deepseek_v3", mtp=True, moe=MoEShape(
+                routed_scaling_factor=2.446), config={"q_lora_rank": None, "n_shared_experts": 2, "rope_parameters": {
+                    "rope_type": "default", "rope_theta": 5e4}})}
 
 
 # one process ----------------------------------------------------------------------------------------------------
@@ -52,6 +57,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
     assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
+
+
+def test_a_query_without_lora_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+    assert_logits_mtp_head_and_round_trip(checkpoints["moonlight"], tmp_path, True)
 
 
 def test_mla_yarn_and_the_router_are_the_checkpoints(model_parallel, checkpoints):

@@ -48,7 +48,11 @@ GLM = MoEShape(routed_scaling_factor=2.5)
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("glm4_moe")
     return {"mtp": make_tiny_checkpoint(root / "mtp", "glm4_moe", mtp=True, moe=GLM),
-            "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM)}
+            "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM),
+            # GLM-4.6's q/k norms; heads wider than hidden / heads (GLM-4.5-Air: 96 x 128 over 4096); RoPE on every
+            # channel, given in rope_parameters only (transformers 5 keeps the attribute at its default, 0.5)
+            "variant": make_tiny_checkpoint(root / "variant", "glm4_moe", mtp=True, moe=GLM, head_dim=32,
+                                            config={"use_qk_norm": True, "partial_rotary_factor": 1.0})}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -86,6 +90,10 @@ def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dic
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
     assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
+
+
+def test_qk_norms_wide_heads_and_full_rotary_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+    assert_logits_mtp_head_and_round_trip(checkpoints["variant"], tmp_path, True)
 
 
 def assert_logits_mtp_head_and_round_trip(path: Path, tmp_path: Path, mtp: bool) -> None:

@@ -16,7 +16,7 @@ from lightning_megatron.bridges.language_model import language_model_auto_bridge
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.distributed import cpu_group
-from lightning_megatron.families import MTP_MODEL_TYPES, language_model, mtp_names
+from lightning_megatron.families import MTP_MODEL_TYPES, language_model, mtp_names, text_model_config
 from lightning_megatron.hf_io import LoadReport, read_json
 from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
@@ -85,6 +85,7 @@ class MegatronBridge(Bridge):
                 provider.mtp_num_layers, provider.mtp_use_repeated_layer = options.mtp_depths, True
         else:
             provider.mtp_num_layers = None
+        provider.rotary_percent = _rotary_percent(text_model_config(self.hf_config), provider)
         for key, value in options.config_overrides.items():
             setattr(provider, key, value)
         # The MTP block spec is built from this layer spec, so the MTP layer gets the same attention.
@@ -149,6 +150,17 @@ class MegatronBridge(Bridge):
         if self._tasks is None or self._tasks[0] != key:
             self._tasks = (key, [task for task in self.auto_bridge.get_conversion_tasks(chunks) if task is not None])
         return self._tasks[1]
+
+
+def _rotary_percent(hf_config: dict[str, Any], provider: Any) -> float:
+    """The share of each head that transformers' modeling rotates: the `partial_rotary_factor` of config.json's
+    `rope_parameters` (`hf_config`: the text model's). megatron-bridge reads the config attribute
+    (megatron/bridge/models/conversion/model_bridge.py:458), which transformers 5 leaves at the class default where
+    config.json gives the factor only in `rope_parameters` (`Glm4MoeConfig`: 0.5 beside a factor of 1.0 there)."""
+    rope_parameters = hf_config.get("rope_parameters")
+    if provider.multi_latent_attention or not isinstance(rope_parameters, dict):
+        return provider.rotary_percent
+    return float(rope_parameters.get("partial_rotary_factor", provider.rotary_percent))
 
 
 def _hf_names(task: Any) -> set[str]:
