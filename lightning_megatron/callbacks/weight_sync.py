@@ -39,14 +39,15 @@ import json
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, override
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_megatron.bridges import Bridge
-from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
+from lightning_megatron.callbacks.lora import LoRACallback
+from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, megatron_strategy
 from lightning_megatron.distributed import agree_on_failure, leader_value
 from lightning_megatron.lora import export_lora_adapter
 from lightning_megatron.mtp.probe import DraftProbe
@@ -94,24 +95,37 @@ class WeightSync(pl.Callback):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps: {every_n_steps!r} must be a positive integer")
+        _check_positive_integer("every_n_steps", every_n_steps, "optimizer steps between two syncs")
+        _check_positive_integer("keep_last", keep_last, "versions kept on the disk, the one `latest` names included")
         if mode == "disk" and root is None:
             raise ValueError("root: mode 'disk' writes versioned HF folders under root; set root to a folder")
+        if mode != "disk" and root is not None:
+            raise ValueError(f"root: mode {mode!r} sends the weights to the engine and writes nothing under root; "
+                             "leave root unset, or use mode='disk'")
         if mode != "disk" and engine_url is None:
             raise ValueError(f"engine_url: mode {mode!r} sends to a running engine; set engine_url "
                              "(e.g. http://127.0.0.1:30000)")
-        if keep_last < 1:
-            raise ValueError(f"keep_last: {keep_last} must be at least 1 (the version `latest` names)")
-        if bucket_mb <= 0 or timeout_s <= 0:
+        if engine_url is not None and not (isinstance(engine_url, str)
+                                           and engine_url.startswith(("http://", "https://"))):
+            raise ValueError(f"engine_url: {engine_url!r} is not an HTTP address; write it as http://HOST:PORT")
+        if not (bucket_mb > 0 and timeout_s > 0):
             raise ValueError(f"bucket_mb ({bucket_mb}) and timeout_s ({timeout_s}) must be positive")
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
+        if backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"backend: {backend!r} is not one of 'auto', 'nccl', 'gloo'")
+        _check_positive_integer("engine_world_size", engine_world_size, "the engine's processes in the update group")
+        for name, value in (("delta", delta), ("sync_on_train_end", sync_on_train_end)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: {value!r} must be true or false")
         if lora_form not in ("merged", "adapter"):
             raise ValueError(f"lora_form: {lora_form!r} is not one of 'merged', 'adapter'")
         if lora_form == "adapter" and mode != "disk":
             raise ValueError("lora_form: 'adapter' writes PEFT folders for engines that load LoRA adapters from disk; "
                              "use mode='disk', or lora_form='merged' to send the merged weights")
+        if probe is not None and not isinstance(probe, DraftProbe):
+            raise ValueError(f"probe: {probe!r} is not a DraftProbe; give DraftProbe(batches=..., temperature=...) "
+                             "or leave probe unset")
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.engine_url = engine_url
@@ -132,34 +146,55 @@ class WeightSync(pl.Callback):
         self._trained: set[int] = set()  # ids of the parameters that required grad at a step since the last sync
 
     @property
+    @override
     def state_key(self) -> str:
         """Where the weights go (a disk root, an engine), so that a resumed run finds its own version."""
         return self._generate_state_key(mode=self.mode,
                                         target=str(self.root) if self.mode == "disk" else self.engine_url)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.version = state_dict.get("version")
 
+    def validate_megatron_setup(self, strategy: MegatronStrategyContract, module: MegatronLightningModule) -> None:
+        """Called by MegatronStrategy before the model is built: a probe needs a draft head, the adapter form a LoRA
+        run (refused now, not at the first sync after training steps)."""
+        if self.probe is not None and not module.model_options().mtp:
+            raise ValueError(f"probe: DraftProbe measures the draft (MTP) head, but {type(module).__name__} has none "
+                             "(enable_mtp: false); set SFTModule(enable_mtp=True) on a checkpoint with an MTP head, "
+                             "or leave probe unset")
+        if self.lora_form == "adapter" and not any(isinstance(callback, LoRACallback)
+                                                   for callback in module.trainer.callbacks):
+            raise ValueError("lora_form: 'adapter' writes the LoRA adapters, but this run trains none (no "
+                             "LoRACallback among the callbacks); add LoRACallback(...), or use lora_form='merged'")
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         megatron_strategy(trainer, "WeightSync")
+        if self.probe is not None:
+            self.probe.check_data(trainer)  # no probe set: refused now, not at the first sync
         if self.mode == "disk" and trainer.is_global_zero:
             assert self.root is not None
             self.root.mkdir(parents=True, exist_ok=True)
             disk.remove_partials(self.root)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._note_trained(trainer)
         if trainer.global_step % self.every_n_steps == 0 and trainer.global_step != self.version:
             self.sync(trainer)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sync_on_train_end and trainer.global_step != self.version:
             self.sync(trainer)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._sender is not None:
             self._sender.close()
@@ -189,8 +224,10 @@ class WeightSync(pl.Callback):
         self._trained = set()
         self.reports.append(report)
         delta = "" if report.base_version is None else f", delta onto version {report.base_version}"
-        rank_zero_info(f"WeightSync: version {version} ({self.mode}{delta}, {report.bytes / 1e9:.3f} GB, "
-                       f"{len(report.requests)} request(s)) in {report.seconds:.2f} s")
+        size = f"{report.bytes / 1e9:.3f} GB" if report.bytes >= 1e9 else f"{report.bytes / 1e6:.3f} MB"
+        requests = "" if self.mode == "disk" else f", {len(report.requests)} request(s)"  # disk: files, no requests
+        rank_zero_info(f"WeightSync: version {version} ({self.mode}{delta}, {size}{requests}) in "
+                       f"{report.seconds:.2f} s")
         return report
 
     def _measure(self, trainer: pl.Trainer, version: int) -> dict[str, Any]:
@@ -240,7 +277,8 @@ class WeightSync(pl.Callback):
         base = None
         if self._delta_is_worth_it(bridge, changing):
             assert changing is not None
-            base = leader_value(disk.delta_base(self.root, self.version, changing) if is_global_zero else None)
+            base = leader_value(disk.delta_base(self.root, self.version, changing, bridge.hf_tensor_specs())
+                                if is_global_zero else None)
         report = SyncReport(version, base_version=None if base is None else self.version, metadata=metadata)
         extra_files = {disk.VERSION_FILE: json.dumps(version_record(version, report.base_version, report.metadata),
                                                      indent=2) + "\n"}
@@ -314,3 +352,8 @@ class WeightSync(pl.Callback):
             return self._sender.engine_version()
         except WeightSyncError:  # an engine that cannot say: a full sync (which reports what is wrong)
             return None
+
+
+def _check_positive_integer(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: {value!r} must be an integer >= 1 ({meaning})")

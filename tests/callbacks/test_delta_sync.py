@@ -116,6 +116,49 @@ def test_a_glm_mtp_only_delta_sends_its_mtp_layer_but_not_the_copies_of_the_froz
     assert _sent(sync.reports[1]) == layer
 
 
+def test_pruning_keeps_this_runs_versions_and_drops_the_newer_ones_an_earlier_run_left(tmp_path):
+    """A run resumed from an earlier step (or a new run into the same root) publishes versions below those an
+    earlier run wrote: those are stale (`latest` never names them again) and must not outlast this run's own."""
+    from lightning_megatron.serving.disk import prune, publish_latest, version_folder, versions
+
+    for version in (1, 2, 3, 4, 5):  # the earlier run's
+        version_folder(tmp_path, version).mkdir()
+    publish_latest(tmp_path, version_folder(tmp_path, 2))  # this run, resumed at step 1, has just written version 2
+    prune(tmp_path, keep_last=2)
+    assert sorted(versions(tmp_path)) == [1, 2] and read_latest(tmp_path) == version_folder(tmp_path, 2)
+    prune(tmp_path, keep_last=1)
+    assert sorted(versions(tmp_path)) == [2]
+
+
+def test_a_disk_delta_is_written_only_onto_a_base_whose_files_hold_the_tensors_as_the_model_has_them(tmp_path):
+    """A base whose tensors differ in dtype or shape from the model's now, or whose file is truncated or gone, would be
+    linked into the new version as it is: a full version is written instead."""
+    from safetensors.torch import save_file
+
+    from lightning_megatron.hf_io import TensorSpec
+    from lightning_megatron.serving.disk import INDEX_FILE, delta_base, publish_latest, version_folder
+
+    folder = version_folder(tmp_path, 3)
+    folder.mkdir()
+    save_file({"trunk.weight": torch.zeros(4, 2)}, folder / "trunk.safetensors")
+    save_file({"mtp.weight": torch.zeros(2)}, folder / "mtp.safetensors")
+    (folder / INDEX_FILE).write_text(json.dumps({"weight_map": {"trunk.weight": "trunk.safetensors",
+                                                                "mtp.weight": "mtp.safetensors"}}))
+    publish_latest(tmp_path, folder)
+    specs = {"trunk.weight": TensorSpec("trunk.weight", (4, 2), torch.float32),
+             "mtp.weight": TensorSpec("mtp.weight", (2,), torch.float32)}
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) == folder
+    assert delta_base(tmp_path, 2, {"mtp.weight"}, specs) is None  # not the version latest names
+    for name, changed in (("trunk.weight", TensorSpec("trunk.weight", (4, 2), torch.bfloat16)),
+                          ("trunk.weight", TensorSpec("trunk.weight", (2, 4), torch.float32))):
+        assert delta_base(tmp_path, 3, {"mtp.weight"}, {**specs, name: changed}) is None
+    trunk = folder / "trunk.safetensors"
+    trunk.write_bytes(trunk.read_bytes()[:-4])  # truncated
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
+    trunk.unlink()
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
+
+
 class RestartEngine(pl.Callback):
     """Replace the engine by a fresh one (same port, the checkpoint's weights, no version) after `after_version`."""
 
@@ -215,12 +258,40 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     assert all(report.bytes < merged.reports[0].bytes / 10 for report in adapter.reports)
 
 
-def test_the_adapter_form_is_refused_outside_disk_mode_naming_the_fix():
-    with pytest.raises(ValueError, match="lora_form: 'adapter' writes PEFT folders .* use mode='disk', or "
-                                         "lora_form='merged'"):
-        WeightSync("colocated", engine_url="http://127.0.0.1:1", lora_form="adapter")
-    with pytest.raises(ValueError, match="lora_form: 'peft' is not one of 'merged', 'adapter'"):
-        WeightSync("disk", root="versions", lora_form="peft")
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", lora_form="adapter"),
+     r"lora_form: 'adapter' writes PEFT folders .* use mode='disk', or lora_form='merged'"),
+    (dict(lora_form="peft"), r"lora_form: 'peft' is not one of 'merged', 'adapter'"),
+    (dict(mode="colocated", engine_url="127.0.0.1:30000"), r"engine_url: '127.0.0.1:30000' is not an HTTP address"),
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", root="versions"), r"root: mode 'colocated' .* writes "
+                                                                                 r"nothing under root"),
+    (dict(keep_last=1.5), r"keep_last: 1.5 must be an integer >= 1"),
+    (dict(every_n_steps=True), r"every_n_steps: True must be an integer >= 1"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", backend="mpi"), r"backend: 'mpi' is not one of"),
+    (dict(delta="no"), r"delta: 'no' must be true or false"),
+    (dict(probe={"batches": 2}), r"probe: \{'batches': 2\} is not a DraftProbe"),
+])
+def test_bad_options_are_refused_naming_the_field_and_the_fix(options, message):
+    options = {"mode": "disk", **options}
+    with pytest.raises(ValueError, match=message):
+        WeightSync(**({"root": "versions"} if options["mode"] == "disk" else {}), **options)
+
+
+@pytest.mark.parametrize(("module_kwargs", "options", "message"), [
+    ({"enable_mtp": False}, dict(probe="probe"), r"probe: DraftProbe measures the draft \(MTP\) head, but SFTModule "
+                                                 r"has none \(enable_mtp: false\)"),
+    ({}, dict(lora_form="adapter"), r"lora_form: 'adapter' writes the LoRA adapters, but this run trains none"),
+])
+def test_a_probe_without_a_draft_head_and_adapters_without_lora_are_refused_before_the_model_is_built(
+        process_group, checkpoint, tmp_path, module_kwargs, options, message):
+    from lightning_megatron import DraftProbe
+
+    if options.get("probe"):
+        options = {**options, "probe": DraftProbe(batches=1)}
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"), **options)
+    with pytest.raises(ValueError, match=message):
+        fit_with_syncs(tmp_path, checkpoint, [sync], None, steps=1, module_kwargs=module_kwargs, **MTP_BRIDGE)
+    assert not (tmp_path / "versions").exists()
 
 
 class ProbeAgain(pl.Callback):
