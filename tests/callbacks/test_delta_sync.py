@@ -224,22 +224,32 @@ def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes
 def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(process_group, tmp_path_factory,
                                                                          tmp_path):
     """Merged (colocated): after the first sync only the wrapped linears go, merged, and the engine equals the merged
-    export; adapter form (disk): each version is the PEFT folder `export_lora_adapter` writes, and nothing else."""
+    export; adapter form (disk): each version is the PEFT folder `export_lora_adapter` writes, and nothing else,
+    which the engine told to load it serves by name over its base weights as the merged model."""
     from safetensors.torch import load_file
 
     from lightning_megatron.lora import export_lora_adapter
 
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("lora_sync") / "qwen3", "qwen3")
-    process, url = spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30)
+    engines = [spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30) for _ in range(2)]
+    (_, url), (_, adapter_url) = engines  # the second keeps the base weights and is told to load each adapter
     merged = _sync("colocated", url, tmp_path)
-    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter")
+    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter",
+                         engine_url=adapter_url)
     try:
         result = fit_with_syncs(tmp_path, checkpoint, [merged, adapter], url, module_kwargs={"enable_mtp": False},
                                 extra_callbacks=(LoRACallback(target_modules=["linear_qkv"], rank=4, alpha=8),),
                                 **MTP_BRIDGE)
+        request = {"input_ids": [5, 17, 42, 99, 3], "sampling_params": {"max_new_tokens": 8}}
+        with_adapter, with_merged = (post_json(f"{engine}/generate", {**request, **extra}, 60)["output_ids"]
+                                     for engine, extra in ((adapter_url, {"lora_path": "v00000003"}), (url, {})))
+        with pytest.raises(WeightSyncError, match="does not load as a PEFT adapter of this model"):
+            post_json(f"{adapter_url}/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)}, 60)
     finally:
-        process.kill()
-        process.wait()
+        for process, _ in engines:
+            process.kill()
+            process.wait()
+    assert with_adapter == with_merged  # the adapter the engine loaded, over its base weights, is the merged model
     assert_every_sync_matched(result["compared"], [1, 2, 3])  # the engine equals the merged export of each step
     specs = checkpoint_tensor_specs(checkpoint)
     adapted = sorted(name for name in specs if any(f"self_attn.{p}_proj.weight" in name for p in "qkv"))
