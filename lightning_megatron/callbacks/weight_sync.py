@@ -14,8 +14,10 @@ Delta syncs (`delta=True`, the default): a sync sends only the HF tensors comput
 grad at some step since the last sync (MTP-only training: the MTP head; LoRA: the linears its adapters wrap, merged)
 and, where the routers update it, the experts' bias; every other parameter is frozen, so its tensor is what the
 engine already holds. A delta goes out only when the engine holds the last version sent (colocated and collective:
-its `/model_info`; disk: `latest` names it) and changes at most half of the model's bytes; otherwise the sync is
-full. The engine ends bit-equal to a full sync of the same step. A backend that cannot export a subset (mbridge)
+its `/model_info`; disk: `latest` names it), the model held that version when this fit started (it resumed at that
+very step, or continues the fit that sent it: steps trained in another process are not known) and it changes at
+most half of the model's bytes; otherwise the sync is full. A fit that counts its steps afresh starts its versions
+afresh. The engine ends bit-equal to a full sync of the same step. A backend that cannot export a subset (mbridge)
 always syncs in full. A parameter changed outside the optimizer while frozen is not seen: call `sync(trainer,
 full=True)` after such a change.
 
@@ -144,6 +146,7 @@ class WeightSync(pl.Callback):
         self.reports: list[SyncReport] = []
         self._sender: BucketSender | None = None
         self._trained: set[int] = set()  # ids of the parameters that required grad at a step since the last sync
+        self._holds_version = False  # whether the model's weights are `version`'s plus only the steps noted since
 
     @property
     @override
@@ -181,6 +184,14 @@ class WeightSync(pl.Callback):
             assert self.root is not None
             self.root.mkdir(parents=True, exist_ok=True)
             disk.remove_partials(self.root)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.version is not None and trainer.global_step < self.version:
+            self.version = None  # a fit that counts its steps afresh (not resumed from this run): versions afresh too
+        # the weights are `version`'s only when training starts at that very step (resumed from a checkpoint taken
+        # at the sync, or a fit continuing the last one); steps trained since in another fit or process are unknown
+        self._holds_version = trainer.global_step == self.version
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -222,6 +233,7 @@ class WeightSync(pl.Callback):
                                               trainer.is_global_zero, strategy.root_device)
         self.version = version
         self._trained = set()
+        self._holds_version = True
         self.reports.append(report)
         delta = "" if report.base_version is None else f", delta onto version {report.base_version}"
         size = f"{report.bytes / 1e9:.3f} GB" if report.bytes >= 1e9 else f"{report.bytes / 1e6:.3f} MB"
@@ -262,9 +274,10 @@ class WeightSync(pl.Callback):
         return bridge.changed_hf_names(chunks, changed) & set(bridge.hf_tensor_specs())
 
     def _delta_is_worth_it(self, bridge: Bridge, changing: set[str] | None) -> bool:
-        """A delta needs a version to apply onto and must leave at least half of the model's bytes unsent."""
-        if not changing or self.version is None:  # nothing trained: a full sync still moves the engine's version
-            return False
+        """A delta needs the version it applies onto (held by the model but for the steps noted since) and must leave
+        at least half of the model's bytes unsent."""
+        if not changing or self.version is None or not self._holds_version:
+            return False  # nothing trained (a full sync still moves the engine's version), or no version to apply onto
         specs = bridge.hf_tensor_specs()
         return 2 * sum(specs[name].nbytes for name in changing) <= sum(spec.nbytes for spec in specs.values())
 

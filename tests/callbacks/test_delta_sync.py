@@ -191,6 +191,24 @@ def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, check
     assert_every_sync_matched(result["compared"], [1, 2, 3])
 
 
+@pytest.mark.parametrize("resumed", [True, False], ids=["resumed_past_the_sync", "fresh_fit"])
+def test_a_fit_that_does_not_start_at_the_synced_step_syncs_in_full_first(process_group, checkpoint, tmp_path,
+                                                                         resumed):
+    """The RL loop's rounds reuse one WeightSync: a joint round syncs version 2 and trains step 3 unsynced; the next
+    round, MTP-only, resumes from step 3 (or starts afresh from the checkpoint's weights): the trunk differs from
+    version 2 beyond what the new fit trains, so its first sync is full and the disk holds the model's weights."""
+    sync = WeightSync("disk", every_n_steps=2, root=str(tmp_path / "versions"), sync_on_train_end=False)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    fit_with_syncs(tmp_path / "joint", checkpoint, [sync], None, steps=3, extra_callbacks=(saver,), **MTP_BRIDGE)
+    assert sync.version == 2
+    result = fit_with_syncs(tmp_path / "mtp_only", checkpoint, [sync], None, steps=4 if resumed else 2,
+                            ckpt_path=str(tmp_path / "ckpts" / "last.ckpt") if resumed else None,
+                            extra_callbacks=(MTPOnlyCallback(),), **MTP_BRIDGE)
+    assert sync.reports[-1].version == (4 if resumed else 2) and sync.reports[-1].base_version is None
+    export = result["trainer"].strategy.export_hf(tmp_path / "export")
+    assert _unequal_folders(read_latest(tmp_path / "versions"), export) == []
+
+
 def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes(model_parallel, checkpoint):
     import transformers
 
