@@ -173,14 +173,16 @@ class RestartEngine(pl.Callback):
             self.process, _ = spawn_receiver(self.checkpoint, port=self.port, log=self.log_file, timeout_s=30)
 
 
-def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, checkpoint, tmp_path):
+@pytest.mark.parametrize("mode", ["colocated", "collective"])
+def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, checkpoint, tmp_path, mode):
+    """Collective: the restarted engine's end of the update group is gone too; the sync builds a new one."""
     from tests._distributed import free_port
 
     port = free_port()
     process, url = spawn_receiver(checkpoint, port=port, log=tmp_path / "receiver.log", timeout_s=30)
     restart = RestartEngine(checkpoint, port, after_version=2, log=tmp_path / "receiver.log")
     restart.process = process
-    sync = _sync("colocated", url, tmp_path)
+    sync = _sync(mode, url, tmp_path)
     try:
         result = fit_with_syncs(tmp_path, checkpoint, [sync], url, extra_callbacks=(MTPOnlyCallback(), restart),
                                 **MTP_BRIDGE)
