@@ -45,6 +45,7 @@ from typing import Any, Literal, override
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_megatron.bridges import Bridge
@@ -165,7 +166,9 @@ class WeightSync(pl.Callback):
 
     def validate_megatron_setup(self, strategy: MegatronStrategyContract, module: MegatronLightningModule) -> None:
         """Called by MegatronStrategy before the model is built: a probe needs a draft head, the adapter form a LoRA
-        run (refused now, not at the first sync after training steps)."""
+        run (refused now, not at the first sync after training steps); only a fit syncs."""
+        if module.trainer.state.fn != TrainerFn.FITTING:
+            return
         if self.probe is not None and not module.model_options().mtp:
             raise ValueError(f"probe: DraftProbe measures the draft (MTP) head, but {type(module).__name__} has none "
                              "(enable_mtp: false); set SFTModule(enable_mtp=True) on a checkpoint with an MTP head, "
