@@ -51,6 +51,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_megatron.bridges import Bridge
 from lightning_megatron.callbacks.lora import LoRACallback
 from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, megatron_strategy
+from lightning_megatron.data.settings import hand_data_settings
 from lightning_megatron.distributed import agree_on_failure, leader_value
 from lightning_megatron.lora import export_lora_adapter
 from lightning_megatron.mtp.probe import DraftProbe
@@ -173,6 +174,8 @@ class WeightSync(pl.Callback):
             raise ValueError(f"probe: DraftProbe measures the draft (MTP) head, but {type(module).__name__} has none "
                              "(enable_mtp: false); set SFTModule(enable_mtp=True) on a checkpoint with an MTP head, "
                              "or leave probe unset")
+        if self.probe is not None:  # a probe set of its own reads rows as the trainer's data module does
+            hand_data_settings(self.probe.datamodule, strategy.data_settings(module))
         if self.lora_form == "adapter" and not any(isinstance(callback, LoRACallback)
                                                    for callback in module.trainer.callbacks):
             raise ValueError("lora_form: 'adapter' writes the LoRA adapters, but this run trains none (no "

@@ -389,6 +389,20 @@ def test_each_version_carries_the_draft_acceptance_the_probe_measured_on_its_wei
     assert first != last  # the head trained between the versions, and the record follows it
 
 
+def test_a_probe_set_of_its_own_gets_the_runs_data_settings(process_group, checkpoint, tmp_path):
+    """`DraftProbe(datamodule=SFTDataModule(val_path=...))` as a config names it: the tokenizer's checkpoint and the
+    microbatch rows come from the strategy, as for the trainer's own data module."""
+    from lightning_megatron import DraftProbe, SFTDataModule
+
+    rows = SFTDataModule(val_path=str(Path(__file__).resolve().parents[2] / "configs/data/tiny_sft_val.jsonl"),
+                         seq_length=128)
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"), probe=DraftProbe(batches=1,
+                                                                                               datamodule=rows))
+    fit_with_syncs(tmp_path, checkpoint, [sync], None, steps=1, **MTP_BRIDGE)
+    recorded = served_version(tmp_path / "versions")["draft_acceptance"]
+    assert recorded["batches"] == 1 and recorded["positions"] > 0
+
+
 def _distributed_delta_syncs(rank: int, world_size: int, workdir: str, checkpoint: str,
                              urls: dict[str, str]) -> dict[str, Any]:
     """MTP-only fits at TP=2, then PP=2, each syncing every step in the three modes; at the end every engine and the
