@@ -116,8 +116,9 @@ def test_two_epochs_from_the_cache_equal_two_epochs_without_it(process_group, ch
 def test_a_draft_probe_in_the_middle_of_a_cached_step_measures_its_own_rows_and_leaves_the_step_alone(
         process_group, checkpoint, tmp_path):
     """A weight sync whose callback runs before MTPOnlyCallback's probes the head while a cached step is planned:
-    its forwards (no autograd) are not the step's, so they read no cached trunk state and count no step forward;
-    every version records what the same probe measures on the same weights once the step is over."""
+    its forwards (no autograd) are not the step's, so they read no cached trunk state and count no step forward (the
+    cache checks the step's forward count at its end); every version records what the same probe measures on the
+    same weights once the step is over."""
     from lightning_megatron import DraftProbe, WeightSync
     from lightning_megatron.serving import served_version
     from tests.mtp.test_probe import TEMPERATURE, ProbeNamedRowsAtTheEnd, Rows
@@ -128,11 +129,9 @@ def test_a_draft_probe_in_the_middle_of_a_cached_step_measures_its_own_rows_and_
     after = ProbeNamedRowsAtTheEnd(rows)
     cached = _fit(tmp_path / "cached", checkpoint, cache=tmp_path / "cache", callbacks_before=(sync,),
                   callbacks=(after,))
-    plain = _fit(tmp_path / "plain", checkpoint, cache=None)
-    assert cached["cache"]["read"] > 0 and sync.version == cached["steps"]
+    assert cached["cache"]["read"] > 0 and sync.version == cached["steps"] > 2
     recorded = served_version(tmp_path / "versions")["draft_acceptance"]
     assert {**recorded, "seconds": 0} == {**after.result.as_json(), "seconds": 0}
-    _assert_equal_runs(cached, plain)
 
 
 def test_serving_weighted_self_distillation_from_the_cache_equals_it_without_the_cache(process_group, checkpoint,
