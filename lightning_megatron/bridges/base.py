@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     family,
     is_hf_mtp_tensor,
     language_model,
+    quantization_refusal,
     text_model_config,
     with_text_model_fields,
 )
@@ -131,6 +132,9 @@ class Bridge(ABC):
 
     def validate(self, options: ModelOptions) -> None:
         """Reject what this bridge or checkpoint cannot do, before any model is built."""
+        refusal = quantization_refusal(self.hf_config, f"hf_checkpoint: {self.hf_path}")
+        if refusal is not None:
+            raise BridgeError(refusal)
         if options.attention_backend not in ATTENTION_BACKENDS:
             raise BridgeError(f"attention_backend: {options.attention_backend!r} is not one of "
                               f"{', '.join(map(repr, ATTENTION_BACKENDS))}")

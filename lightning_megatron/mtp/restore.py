@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     checkpoint_mtp_layers,
     checkpoint_name,
     family,
+    quantization_refusal,
     text_model_config,
     with_text_model_fields,
 )
@@ -155,7 +156,11 @@ def _check_output(output: Path, *, finetuned: Path, source: Path | None) -> None
 def _read_config(path: Path, label: str) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise MTPRestoreError(f"{label}: {path} has no config.json; point it at an HF checkpoint folder")
-    return read_json(path / "config.json")
+    config = read_json(path / "config.json")
+    refusal = quantization_refusal(config, f"{label}: {path}")  # its MTP weights are stored scaled, not as trained
+    if refusal is not None:
+        raise MTPRestoreError(refusal)
+    return config
 
 
 def _mtp_family(config: dict[str, Any], path: Path, label: str) -> tuple[str, MTPNames]:

@@ -32,6 +32,7 @@ from lightning_megatron.testing import qwen3_5
 from lightning_megatron.testing.deepseek import MLA_CONFIG_KEYS, deepseek_v3_config_fields, mla_attention_shapes
 from lightning_megatron.testing.experts import MoEShape, check_moe_shape, moe_config_fields, with_experts
 from lightning_megatron.testing.mimo import write_mimo_remote_code
+from lightning_megatron.testing.published import published_config
 from lightning_megatron.testing.tokenizer import (
     VISION_SPECIAL_TOKENS,
     VISION_TOKEN_ROLES,
@@ -91,6 +92,7 @@ _QWEN3_5_VARIATIONS = ("layer_types", "linear_num_key_heads", "linear_num_value_
                        "mtp_num_hidden_layers")
 _ROUTER_VARIATIONS = ("n_shared_experts", "norm_topk_prob")
 CONFIG_VARIATIONS: dict[str, tuple[str, ...]] = {
+    "qwen3": ("rope_parameters",),
     "qwen3_5_text": _QWEN3_5_VARIATIONS,
     "qwen3_5_moe_text": _QWEN3_5_VARIATIONS,
     "glm4_moe": ("use_qk_norm", "attention_bias", "partial_rotary_factor", "num_nextn_predict_layers",
@@ -98,8 +100,9 @@ CONFIG_VARIATIONS: dict[str, tuple[str, ...]] = {
     "deepseek_v3": (*MLA_CONFIG_KEYS, "rope_parameters", "num_nextn_predict_layers", *_ROUTER_VARIATIONS),
 }
 """The config.json fields `make_tiny_checkpoint(config=...)` takes per (text) family: the ones its published
-checkpoints differ in (Qwen3.5-0.8B's 16 DeltaNet key heads of 128; GLM-4.6's q/k norms; Moonlight's query without
-a low-rank projection, `q_lora_rank: None`, and no rope scaling; a second MTP layer), with the tensors they imply."""
+checkpoints differ in (the YaRN Qwen3's model cards add for long contexts; Qwen3.5-0.8B's 16 DeltaNet key heads of
+128; GLM-4.6's q/k norms; Moonlight's query without a low-rank projection, `q_lora_rank: None`, and no rope scaling;
+a second MTP layer), with the tensors they imply."""
 
 
 def make_tiny_checkpoint(
@@ -121,6 +124,7 @@ def make_tiny_checkpoint(
     tokenizer: Tokenizer | None = None,
     moe: MoEShape | None = None,
     config: dict[str, Any] | None = None,
+    published: bool = False,
 ) -> Path:
     """Write a tiny, deterministic HF checkpoint of ``family`` into ``path`` and return ``path``.
 
@@ -153,6 +157,10 @@ def make_tiny_checkpoint(
     (:data:`CONFIG_VARIATIONS`, e.g. Qwen3.5-0.8B's ``linear_num_key_heads``, Moonlight's ``q_lora_rank: None``,
     GLM-4.6's ``use_qk_norm: True``, two MTP layers); the tensors follow them. A multimodal family takes its text
     model's fields.
+
+    ``published``: config.json in the layout the family's checkpoints were published in (transformers 4's
+    `rope_theta`, `rope_scaling`, `torch_dtype`, ...: :func:`testing.published.published_config`), the same values
+    and the same tensors as without it.
     """
     if (family, mtp) not in FAMILIES:
         raise ValueError(f"unsupported (family, mtp)=({family!r}, {mtp}); supported: {FAMILIES}")
@@ -196,7 +204,7 @@ def make_tiny_checkpoint(
             tensors.update({name: random_tensor(name, tensor_shape, seed).to(dtype)
                             for name, tensor_shape in qwen3_5.vision_tower_shapes(config).items()})
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        write_json(folder / "config.json", config)
+        write_json(folder / "config.json", published_config(config) if published else config)
         write_json(
             folder / "generation_config.json",
             {
