@@ -24,6 +24,7 @@ from lightning_megatron.options import ModelOptions
 
 if TYPE_CHECKING:  # the bridges import Megatron-Core: a command's --help must not (tests/_compat/test_quiet.py)
     from lightning_megatron.bridges import Bridge
+    from lightning_megatron.data.settings import DataSettings
 
 __all__ = ["MeasuresDraftAcceptance", "MegatronLightningModule", "MegatronStrategyContract", "PreWrapHook",
            "ValidatesMegatronSetup", "megatron_strategy"]
@@ -41,6 +42,10 @@ class MegatronStrategyContract(Protocol):
     context_parallel_size: int
     sequence_parallel: bool
     model_chunks: list[torch.nn.Module]  # the wrapped chunks, from `setup` on
+
+    def data_settings(self, module: MegatronLightningModule) -> DataSettings:
+        """What the run decides for the data (tokenizer checkpoint, microbatch rows, parallel sizes, MTP head)."""
+        ...
 
     @property
     def root_device(self) -> torch.device: ...

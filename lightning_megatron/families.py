@@ -313,6 +313,41 @@ def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {**hf_config["text_config"], "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False))}
 
 
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE of a checkpoint's text model in transformers 5's `rope_parameters` form (`rope_type`, `rope_theta`,
+    `partial_rotary_factor`, the scaling fields), whichever form its config.json has: `rope_parameters`, or
+    transformers 4's top-level `rope_theta`, `partial_rotary_factor` and `rope_scaling` (`type` or `rope_type`; null
+    for plain RoPE) that most published checkpoints keep. Read as transformers reads it
+    (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`): `rope_scaling` first, the dict's values before the
+    top-level ones."""
+    config = text_model_config(hf_config)
+    declared = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope = {key: value for key, value in declared.items() if key != "type"}
+    rope["rope_type"] = declared.get("rope_type") or declared.get("type") or "default"
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if rope.get(key) is None and config.get(key) is not None:
+            rope[key] = config[key]
+    return rope
+
+
+def quantization_refusal(hf_config: dict[str, Any], where: str) -> str | None:
+    """Why a checkpoint whose config.json declares `quantization_config` is refused (None where it declares none).
+
+    Quantized weights (DeepSeek-V3's published fp8: float8_e4m3fn weights beside `weight_scale_inv` tensors of one
+    scale per 128x128 block; GLM-4.5-Air-FP8, Qwen3-8B-FP8) are not plain tensors: training, exports and MTP restores
+    read and write full-precision weights, and a config.json left declaring `quantization_config` beside bf16 weights
+    makes transformers and inference engines quantize or misread them. `where`: the option or file to name.
+    """
+    quantization = hf_config.get("quantization_config") or text_model_config(hf_config).get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    return (f"{where}: config.json declares quantization_config (quant_method: {method!r}), quantized weights this "
+            "package does not train or export; convert the checkpoint to bf16 first (DeepSeek-V3's fp8: "
+            "inference/fp8_cast_bf16.py of deepseek-ai/DeepSeek-V3, which writes w = fp8 * weight_scale_inv per "
+            "128x128 block and drops the scales) and delete quantization_config from the converted config.json")
+
+
 def checkpoint_name(hf_config: dict[str, Any], text_name: str) -> str:
     """Where a checkpoint of this config stores the text-family tensor `text_name` (`model.embed_tokens.weight`):
     under that name, or under its multimodal name (`LanguageModel.checkpoint_name`)."""

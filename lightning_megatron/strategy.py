@@ -270,10 +270,15 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         for callback in module.trainer.callbacks:
             if isinstance(callback, ValidatesMegatronSetup):
                 callback.validate_megatron_setup(self, module)
-        hand_data_settings(module.trainer.datamodule, DataSettings(  # before Lightning calls the data's setup
-            self.hf_checkpoint, self.micro_batch_size, ParallelSizes.current(), mtp_head=options.mtp))
+        hand_data_settings(module.trainer.datamodule, self.data_settings(module))  # before the data's setup
         chunks = bridge.build(options)  # validates the options first
         module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in chunks)
+
+    def data_settings(self, module: MegatronLightningModule) -> DataSettings:
+        """What the run decides for the data (`data.settings`), from the parallel state on: handed to the trainer's
+        data module before its setup, and to any other data module the run reads (a weight sync's draft probe)."""
+        return DataSettings(self.hf_checkpoint, self.micro_batch_size, ParallelSizes.current(),
+                            mtp_head=module.model_options().mtp)
 
     # ------------------------------------------------------------------ setup: pre-wrap hooks, DDP, optimizer
 

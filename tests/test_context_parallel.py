@@ -113,8 +113,8 @@ def _tensors(hf_checkpoint: Path) -> dict[str, torch.Tensor]:
     return {name: tensor for file in safetensors_files(hf_checkpoint) for name, tensor in load_file(file).items()}
 
 
-def _compare_fits(reference: dict, ours: dict, keys: tuple[str, ...]) -> None:
-    assert len(ours["metrics"]) == len(reference["metrics"]) == STEPS
+def _compare_fits(reference: dict, ours: dict, keys: tuple[str, ...], steps: int = STEPS) -> None:
+    assert len(ours["metrics"]) == len(reference["metrics"]) == steps
     for step, (theirs, mine) in enumerate(zip(reference["metrics"], ours["metrics"])):
         for key in keys:
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), (step, key)
@@ -124,13 +124,14 @@ def _compare_fits(reference: dict, ours: dict, keys: tuple[str, ...]) -> None:
             torch.testing.assert_close(ours["export"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def _joint_fits(workdir: Path, hf_checkpoint: str, alignment: int, **strategy_kwargs: Any) -> dict:
-    """Joint (MTP) fits at CP 1 and 2, padded and packed: `{("joint", packed, cp): result}`."""
+def _joint_fits(workdir: Path, hf_checkpoint: str, alignment: int, steps: int = STEPS, **strategy_kwargs: Any
+                ) -> dict:
+    """Joint (MTP) fits of `steps` steps at CP 1 and 2, padded and packed: `{("joint", packed, cp): result}`."""
     results = {}
     for packed in (False, True):
-        dataset = SequencesDataset(packed, alignment=alignment, rows=2 * STEPS)
+        dataset = SequencesDataset(packed, alignment=alignment, rows=2 * steps)
         for cp in (1, 2):
-            results["joint", packed, cp] = _fit(workdir / f"joint{packed}{cp}", hf_checkpoint, dataset,
+            results["joint", packed, cp] = _fit(workdir / f"joint{packed}{cp}", hf_checkpoint, dataset, steps=steps,
                                                 context_parallel_size=cp, **strategy_kwargs)
     return results
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3 (`deepseek_v3`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one
-process, TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows; MTP-only (audited) and joint
-training; the speculative evaluator; group-limited routing as HF routes or refused; mbridge refused before any build.
+process, TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows and tree rows; MTP-only (audited)
+and joint training, at CP=2 against CP=1 too; the speculative evaluator; group-limited routing as HF routes or
+refused; mbridge refused before any build.
 
 The tiny checkpoint has DeepSeek-V3's layout: multi-head latent attention (q-LoRA, key heads of 24 = 16 + 8 rotated
 channels, value heads of 12) with YaRN RoPE (mscale 1, mscale_all_dim 1 as DeepSeek-V3), layer 0 dense, layer 1
@@ -31,6 +32,7 @@ from tests.test_glm4_moe import (
     assert_packed_equals_one_sequence_per_row,
     assert_parallel_results,
     assert_restoring_the_mtp_head_round_trips,
+    assert_tree_rows_equal_each_sequence_alone,
 )
 from tests.test_moe import _input_ids, fit_shortened_config
 
@@ -41,7 +43,12 @@ DEEPSEEK = MoEShape(routed_scaling_factor=2.5, n_group=2, topk_group=1)
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek_v3")
     return {"mtp": make_tiny_checkpoint(root / "mtp", "deepseek_v3", mtp=True, moe=DEEPSEEK),
-            "plain": make_tiny_checkpoint(root / "plain", "deepseek_v3", moe=DEEPSEEK)}
+            "plain": make_tiny_checkpoint(root / "plain", "deepseek_v3", moe=DEEPSEEK),
+            # Moonlight's layout: the query projected by q_proj alone (q_lora_rank: null), two shared experts, one
+            # expert group, plain RoPE
+            "moonlight": make_tiny_checkpoint(root / "moonlight", "deepseek_v3", mtp=True, moe=MoEShape(
+                routed_scaling_factor=2.446), config={"q_lora_rank": None, "n_shared_experts": 2, "rope_parameters": {
+                    "rope_type": "default", "rope_theta": 5e4}})}
 
 
 # one process ----------------------------------------------------------------------------------------------------
@@ -50,6 +57,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
     assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
+
+
+def test_a_query_without_lora_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+    assert_logits_mtp_head_and_round_trip(checkpoints["moonlight"], tmp_path, True)
 
 
 def test_mla_yarn_and_the_router_are_the_checkpoints(model_parallel, checkpoints):
@@ -137,11 +148,7 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
 
 def test_tree_rows_equal_each_sequence_alone(model_parallel, checkpoints):
     """Tree-packed rows: every MLA layer's own YaRN table gathered at each token's depth (`tree_rotary`)."""
-    from tests.test_tree_rotary import _max_path_difference, branched_examples
-
-    chunk = create_bridge("megatron-bridge", checkpoints["plain"]).build(ModelOptions())[0].eval()
-    with torch.no_grad():
-        assert _max_path_difference(chunk, branched_examples()) <= 1e-5
+    assert_tree_rows_equal_each_sequence_alone(checkpoints["plain"])
 
 
 def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(checkpoints):
@@ -164,32 +171,18 @@ def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(
             assert speculative_decode(target, head, prompt, 12, (), num_draft_tokens=drafts).tokens == greedy.tokens
 
 
-# two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
+# two processes: TP=2, EP=2, MTP-only and joint training, context parallelism --------------------------------------
 
 
 @pytest.mark.slow
-def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
-    # MTP-only on 4 sequences, each step's global batch: the MTP loss falls on the sequences it trains on (new random
-    # sequences every step leave a change of this size within their own spread)
-    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]), 4)
+def test_tensor_expert_and_context_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
+    """MTP-only on 4 sequences, each step's global batch: the MTP loss falls on the sequences it trains on (new random
+    sequences every step leave a change of this size within their own spread). Joint fits at CP=2 against CP=1 (DP=2)
+    on the same global batches, packed and padded: losses every step and the exports (1e-5); MLA's YaRN rotary
+    embedding cut for CP, its keys and values gathered by the SDPA core attention."""
+    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]), 4, ("ep2", "pp2"),
+                              True)
     assert_parallel_results(results, checkpoints["mtp"])
-
-
-def _context_parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict:
-    from tests.test_context_parallel import _joint_fits
-
-    return _joint_fits(Path(tmp) / f"rank{rank}", hf_checkpoint, alignment=4)
-
-
-@pytest.mark.slow
-def test_context_parallel_2_equals_cp1_packed_and_padded(checkpoints, tmp_path):
-    """Joint SFT + MTP fits at CP=2 against CP=1 (DP=2) on the same global batches: losses every step and the exports
-    (1e-5); MLA's YaRN rotary embedding cut for CP, its keys and values gathered by the SDPA core attention."""
-    from tests.test_context_parallel import _compare_fits
-
-    results = run_distributed(_context_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]))[0]
-    for packed in (False, True):
-        _compare_fits(results["joint", packed, 1], results["joint", packed, 2], ("lm_loss", "mtp_loss"))
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """GLM-4.5 (`glm4_moe`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one process,
-TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows; MTP-only (audited) and joint training at
-EP=2 and PP=2; mbridge refused before any build.
+TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows and tree rows; MTP-only (audited) and joint
+training at EP=2 and PP=2, and at CP=2 against CP=1 on packed and padded rows; mbridge refused before any build.
 
 The tiny checkpoint has GLM-4.5's layout: layer 0 dense, layer 1 MoE (sigmoid routing with an expert bias, one
 shared expert, routed_scaling_factor 2.5 as in GLM-4.5), q/k/v biases, partial RoPE, and its MTP layer stored as
@@ -48,7 +48,11 @@ GLM = MoEShape(routed_scaling_factor=2.5)
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("glm4_moe")
     return {"mtp": make_tiny_checkpoint(root / "mtp", "glm4_moe", mtp=True, moe=GLM),
-            "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM)}
+            "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM),
+            # GLM-4.6's q/k norms; heads wider than hidden / heads (GLM-4.5-Air: 96 x 128 over 4096); RoPE on every
+            # channel, given in rope_parameters only (transformers 5 keeps the attribute at its default, 0.5)
+            "variant": make_tiny_checkpoint(root / "variant", "glm4_moe", mtp=True, moe=GLM, head_dim=32,
+                                            config={"use_qk_norm": True, "partial_rotary_factor": 1.0})}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -86,6 +90,10 @@ def _build_check_and_export(hf_checkpoint: Path, export: Path, mtp: bool) -> dic
 @pytest.mark.parametrize("mtp", [False, True])
 def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, mtp):
     assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
+
+
+def test_qk_norms_wide_heads_and_full_rotary_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+    assert_logits_mtp_head_and_round_trip(checkpoints["variant"], tmp_path, True)
 
 
 def assert_logits_mtp_head_and_round_trip(path: Path, tmp_path: Path, mtp: bool) -> None:
@@ -216,16 +224,37 @@ def assert_packed_equals_one_sequence_per_row(hf_checkpoint: Path, grad_rtol: fl
         torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=tolerance, msg=name)
 
 
-# two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
+def test_tree_rows_equal_each_sequence_alone(model_parallel, checkpoints):
+    """Tree-packed rows through the model without its MTP layer: the partial RoPE's table (the first half of each
+    head's channels rotated) gathered at each token's depth (`tree_rotary`), the experts routing every token."""
+    assert_tree_rows_equal_each_sequence_alone(checkpoints["plain"])
 
 
-def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, mtp_only_samples: int = SAMPLES
-                   ) -> dict[str, Any]:
-    """TP=2 and EP=2 builds, an MTP-only fit at EP=2 (on `mtp_only_samples` sequences) and joint fits at EP=2 and
-    PP=2."""
+def assert_tree_rows_equal_each_sequence_alone(hf_checkpoint: Path) -> None:
+    """Each sequence's logits along its path in the tree rows equal the sequence run alone (1e-5)."""
+    from tests.test_tree_rotary import _max_path_difference, branched_examples
+
+    chunk = create_bridge("megatron-bridge", hf_checkpoint).build(ModelOptions())[0].eval()
+    with torch.no_grad():
+        assert _max_path_difference(chunk, branched_examples()) <= 1e-5
+
+
+# two processes: TP=2, EP=2, MTP-only and joint training, context parallelism --------------------------------------
+
+JOINT_LAYOUTS = {"ep2": dict(expert_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2),
+                 "cp2": dict(context_parallel_size=2)}
+CONTEXT_PARALLEL_STEPS = 2  # the second step's losses and the export follow every gradient of the first
+
+
+def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, mtp_only_samples: int = SAMPLES,
+                   joint: tuple[str, ...] = ("ep2", "pp2"), context_parallel_rows: bool = False) -> dict[str, Any]:
+    """TP=2 and EP=2 builds, an MTP-only fit at EP=2 (on `mtp_only_samples` sequences), joint fits in the `joint`
+    layouts of `JOINT_LAYOUTS` and, with `context_parallel_rows`, joint fits at CP=2 and CP=1 on packed and on padded
+    rows (`tests/test_context_parallel.py`)."""
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
+    from tests.test_context_parallel import _joint_fits
 
     root, checkpoint = Path(tmp), Path(hf_checkpoint)
     prepare_megatron_core()
@@ -243,10 +272,11 @@ def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, mtp
     result["mtp_only"] = [step["mtp_loss"] for step in mtp_only.steps]
     torch.distributed.barrier()  # rank 0 writes the audit at the end of its fit
     result["audit"] = json.loads((root / "mtp_only" / "mtp_only_audit.json").read_text())
-    for name, parallel in (("ep2", dict(expert_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2))):
-        joint = _fit(root / f"joint_{name}", checkpoint, 2, world_size, bridge_type="megatron-bridge",
-                     module=_comparable_joint_module(), **parallel)
-        result["joint", name] = joint.steps
+    result["joint"] = {name: _fit(root / f"joint_{name}", checkpoint, 2, world_size, bridge_type="megatron-bridge",
+                                  module=_comparable_joint_module(), **JOINT_LAYOUTS[name]).steps for name in joint}
+    if context_parallel_rows:
+        result["context_parallel"] = _joint_fits(root / f"context_parallel{rank}", hf_checkpoint, alignment=4,
+                                                 steps=CONTEXT_PARALLEL_STEPS)
     return result
 
 
@@ -257,14 +287,19 @@ def _comparable_joint_module() -> SFTModule:
 
 
 @pytest.mark.slow
-def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
-    assert_parallel_results(run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"])),
-                            checkpoints["mtp"])
+def test_tensor_expert_and_context_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
+    """Also joint fits at CP=2 against CP=1 (DP=2) on the same global batches, packed and padded: the losses every
+    step and the exports (1e-5); the partial RoPE cut for CP, keys and values gathered by the SDPA core attention."""
+    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]), SAMPLES,
+                              ("ep2", "pp2"), True)
+    assert_parallel_results(results, checkpoints["mtp"])
 
 
 def assert_parallel_results(results: list[dict[str, Any]], hf_checkpoint: Path) -> None:
-    """`_parallel_case`'s ranks: TP=2 and EP=2 logits and exports, the MTP-only audit and falling MTP loss, joint
-    fits at PP=2 equal to EP=2's (1e-5)."""
+    """`_parallel_case`'s ranks: TP=2 and EP=2 logits and exports, the MTP-only audit and falling MTP loss, the other
+    joint fits equal to EP=2's (1e-5), and CP=2 fits equal to CP=1's where they ran."""
+    from tests.test_context_parallel import _compare_fits
+
     for result in results:
         for name in ("tp2", "ep2"):
             assert result[name]["logits"] <= 1e-5
@@ -272,11 +307,18 @@ def assert_parallel_results(results: list[dict[str, Any]], hf_checkpoint: Path) 
             assert result[name]["exported"] == set(_tensors(hf_checkpoint))
         assert result["audit"]["frozen_bit_identical"]
         assert result["mtp_only"][-1] < result["mtp_only"][0]
-        ep2, pp2 = result["joint", "ep2"], result["joint", "pp2"]
-        assert len(ep2) == len(pp2) == 2
-        for expert_parallel, pipeline_parallel in zip(ep2, pp2):  # PP=2: the MoE layer and the MTP layer on stage 1
-            for metric in ("lm_loss", "mtp_loss"):
-                assert pipeline_parallel[metric] == pytest.approx(expert_parallel[metric], abs=1e-5)
+        joint = result["joint"]
+        assert len(joint) >= 2 and all(len(steps) == 2 for steps in joint.values())
+        # PP=2: the MoE layer and the MTP layer on stage 1; CP=2: DP=1, every row cut over the two ranks
+        for name, steps in joint.items():
+            for expert_parallel, layout in zip(joint["ep2"], steps):
+                for metric in ("lm_loss", "mtp_loss"):
+                    assert layout[metric] == pytest.approx(expert_parallel[metric], abs=1e-5), (name, metric)
+        if "context_parallel" in result:
+            fits = result["context_parallel"]
+            for packed in (False, True):
+                _compare_fits(fits["joint", packed, 1], fits["joint", packed, 2], ("lm_loss", "mtp_loss"),
+                              CONTEXT_PARALLEL_STEPS)
 
 
 @pytest.mark.slow

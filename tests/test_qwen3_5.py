@@ -44,7 +44,12 @@ from tests.test_moe import (
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3_5")
     return {"mtp": make_tiny_checkpoint(root / "mtp", "qwen3_5_text", mtp=True),
-            "plain": make_tiny_checkpoint(root / "plain", "qwen3_5_text")}
+            "plain": make_tiny_checkpoint(root / "plain", "qwen3_5_text"),
+            # Qwen3.5-0.8B's: tied embeddings, heads wider than hidden / heads, as many DeltaNet key as value heads,
+            # narrower than the attention heads
+            "small": make_tiny_checkpoint(root / "small", "qwen3_5_text", mtp=True, tied=True, head_dim=32, config={
+                "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                "linear_value_head_dim": 8})}
 
 
 def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
@@ -55,7 +60,8 @@ def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
     chunk.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
     _logits_difference(chunk, hf_checkpoint)  # the forward that fills `captured`
     with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(chunk.output_layer(captured["hidden"][SEQ:])[0])
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        logits = gather_from_tensor_model_parallel_region(chunk.output_layer(captured["hidden"][SEQ:], weight)[0])
     reference = hf_mtp_reference_logits(hf_checkpoint, _input_ids())
     return float((logits.transpose(0, 1)[:, :-1] - reference).abs().max())
 
@@ -73,6 +79,28 @@ def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, m
     if mtp:
         chunk = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True))[0]
         assert _mtp_head_difference(chunk, path) <= 1e-5
+
+
+def test_tied_embeddings_and_other_deltanet_heads_logits_mtp_head_and_round_trip(model_parallel, checkpoints,
+                                                                                 tmp_path):
+    path = checkpoints["small"]
+    result = _build_check_and_export(path, tmp_path / "export", True)
+    assert result["logits"] <= 1e-5 and result["export_unequal"] == [] and result["exported"] == set(_tensors(path))
+    chunk = create_bridge("megatron-bridge", path).build(ModelOptions(mtp=True))[0]
+    assert _mtp_head_difference(chunk, path) <= 1e-5
+
+
+def test_a_decoder_ending_in_deltanet_refuses_an_mtp_layer_and_restores_it_from_full_attention(checkpoints,
+                                                                                             tmp_path):
+    """Megatron-Core builds the MTP layer as the last decoder layer; Qwen3.5's is full attention: refused before any
+    build, naming layer_types. restore-MTP copies the last full-attention layer (layer 1 of 3)."""
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen3_5_text", num_layers=3)
+    restored = restore_mtp_head(plain, tmp_path / "restored", init="copy-last-layer")
+    written = _tensors(restored)
+    assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
+    with pytest.raises(BridgeError, match=r"layer_types ends with 'linear_attention'.* set mtp: false"):
+        create_bridge("megatron-bridge", restored).validate(ModelOptions(mtp=True))
+    create_bridge("megatron-bridge", restored).validate(ModelOptions(mtp=False))
 
 
 def test_the_layers_are_gated_deltanet_and_gated_attention(model_parallel, checkpoints):

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE (`qwen3_5_moe_text`) end to end on the CPU through megatron-bridge: HF logits and the MTP head's at one
 process, TP=2 and EP=2; bit-identical exports and restored MTP heads; packed rows; MTP-only (audited) and joint
-training at EP=2 and PP=2; the speculative evaluator with its MoE head = greedy decoding; mbridge refused before any
-build.
+training at EP=2, PP=2 and CP=2 (unpacked rows); the speculative evaluator with its MoE head = greedy decoding; tree
+rows and packed rows under CP refused before any data is read; mbridge refused before any build.
 
 The tiny checkpoint has Qwen3.5-35B-A3B's layout: layer 0 gated DeltaNet, layer 1 gated full attention, each with
 4 routed experts (softmax top 2, renormalised) stored packed (`mlp.experts.gate_up_proj`, `down_proj`) beside a
@@ -31,7 +31,7 @@ from tests.test_glm4_moe import (
     assert_parallel_results,
     assert_restoring_the_mtp_head_round_trips,
 )
-from tests.test_moe import fit_shortened_config
+from tests.test_moe import SAMPLES, fit_shortened_config
 from tests.test_qwen3_5 import (
     _mtp_head_difference,
     assert_the_fresh_head_norms_scale_by_one,
@@ -126,13 +126,18 @@ def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(
     assert_the_speculative_decoder_is_greedy_decoding(checkpoints["mtp"])
 
 
-# two processes: TP=2, EP=2, MTP-only and joint training ----------------------------------------------------------
+# two processes: TP=2, EP=2, MTP-only and joint training, context parallelism --------------------------------------
 
 
 @pytest.mark.slow
-def test_tensor_and_expert_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
-    assert_parallel_results(run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"])),
-                            checkpoints["mtp"])
+def test_tensor_expert_and_context_parallel_mtp_only_and_joint_training(checkpoints, tmp_path):
+    """Also a joint fit at CP=2 on unpacked rows against EP=2 (CP=1) on the same global batches: megatron-core's head
+    all-to-all around the gated DeltaNet, SDPA over the gathered keys in the attention layers, the experts on each
+    rank's chunks (packed rows under CP are refused before any data is read, above)."""
+    results = run_distributed(_parallel_case, tmp_path, str(tmp_path), str(checkpoints["mtp"]), SAMPLES,
+                              ("ep2", "pp2", "cp2"), False)
+    assert all("cp2" in result["joint"] for result in results)
+    assert_parallel_results(results, checkpoints["mtp"])
 
 
 @pytest.mark.slow

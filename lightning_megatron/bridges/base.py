@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     family,
     is_hf_mtp_tensor,
     language_model,
+    quantization_refusal,
     text_model_config,
     with_text_model_fields,
 )
@@ -131,6 +132,9 @@ class Bridge(ABC):
 
     def validate(self, options: ModelOptions) -> None:
         """Reject what this bridge or checkpoint cannot do, before any model is built."""
+        refusal = quantization_refusal(self.hf_config, f"hf_checkpoint: {self.hf_path}")
+        if refusal is not None:
+            raise BridgeError(refusal)
         if options.attention_backend not in ATTENTION_BACKENDS:
             raise BridgeError(f"attention_backend: {options.attention_backend!r} is not one of "
                               f"{', '.join(map(repr, ATTENTION_BACKENDS))}")
@@ -169,7 +173,7 @@ class Bridge(ABC):
             check_vl_options(self.hf_config, attention_backend=options.attention_backend,
                              context_parallel_size=ParallelSizes.current().context)
         self._validate_moe(options)
-        self._validate_linear_attention()
+        self._validate_linear_attention(options)
         self._validate_vocabulary()
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
@@ -202,13 +206,24 @@ class Bridge(ABC):
                 f"({vocab_size}, {self.hf_path / 'config.json'}): the embedding and output rows are split evenly "
                 f"and the bridges do not pad them; {fix}")
 
-    def _validate_linear_attention(self) -> None:
-        """Linear-attention layers (Qwen3.5's gated DeltaNet) need a backend that maps them."""
+    def _validate_linear_attention(self, options: ModelOptions) -> None:
+        """Linear-attention layers (Qwen3.5's gated DeltaNet) need a backend that maps them, and an MTP layer (full
+        attention) needs a decoder that ends with a full-attention layer: Megatron-Core builds the MTP layer with the
+        last decoder layer's spec (megatron/core/models/gpt/gpt_layer_specs.py:769)."""
         model_type = self.hf_config.get("model_type")
-        if model_type in LINEAR_ATTENTION_MODEL_TYPES and model_type not in self.linear_attention_model_types:
+        if model_type not in LINEAR_ATTENTION_MODEL_TYPES:
+            return
+        if model_type not in self.linear_attention_model_types:
             capable = capable_backends(lambda backend: model_type in backend.linear_attention_model_types)
             raise BridgeError(f"bridge_type: {self.name} does not map the gated DeltaNet (linear-attention) layers of "
                               f"{model_type!r} checkpoints; set bridge_type: {capable}")
+        layer_types = text_model_config(self.hf_config).get("layer_types") or ["full_attention"]
+        if options.mtp and layer_types[-1] != "full_attention":
+            raise BridgeError(
+                f"{self.hf_path}: layer_types ends with {layer_types[-1]!r}, and Megatron-Core builds the MTP layer as "
+                f"the last decoder layer, while {model_type!r}'s MTP layer is full attention (Qwen3.5's published "
+                "checkpoints end every 4 layers with one, full_attention_interval: 4); set mtp: false, or use a "
+                "checkpoint whose last decoder layer is full_attention")
 
     def _validate_moe(self, options: ModelOptions) -> None:
         from megatron.core import parallel_state

@@ -10,10 +10,13 @@ import torch
 
 from lightning_megatron._compat import import_mbridge
 from lightning_megatron.attention import with_core_attention
-from lightning_megatron.bridges.base import Bridge, register_backend
+from lightning_megatron.bridges.base import Bridge, BridgeError, register_backend
 from lightning_megatron.bridges.sliced_load import load_mbridge
+from lightning_megatron.families import rope_parameters
 from lightning_megatron.hf_io import LoadReport
 from lightning_megatron.options import ModelOptions
+
+_PLAIN_ROPE_TYPES = ("default", "mrope")  # RoPE without scaling (Qwen2.5-VL's config names its sections `mrope`)
 
 
 @register_backend
@@ -27,6 +30,16 @@ class MBridge(Bridge):
     def __init__(self, hf_path: str | Path, *, trust_remote_code: bool = False) -> None:
         super().__init__(hf_path, trust_remote_code=trust_remote_code)
         self._auto_bridge: Any = None
+
+    def validate(self, options: ModelOptions) -> None:
+        super().validate(options)
+        rope_type = rope_parameters(self.hf_config)["rope_type"]
+        if rope_type not in _PLAIN_ROPE_TYPES:
+            raise BridgeError(
+                f"{self.hf_path / 'config.json'}: bridge_type: mbridge builds plain RoPE and would not scale it as the "
+                f"checkpoint's rope_scaling (rope_type: {rope_type!r}) asks: its models read only a `factor` "
+                "(mbridge/models/llama.py:80, a linear interpolation), so the model would differ from the checkpoint; "
+                "set bridge_type: megatron-bridge")
 
     def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]:
         # mbridge reads the parallel state (virtual pipeline included) when its bridge is created: create it per build.

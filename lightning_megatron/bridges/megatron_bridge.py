@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from lightning_megatron._compat import import_megatron_bridge
 from lightning_megatron.attention import with_core_attention
-from lightning_megatron.bridges.base import Bridge, apply_parallel_state, register_backend
+from lightning_megatron.bridges.base import Bridge, BridgeError, apply_parallel_state, register_backend
 from lightning_megatron.bridges.language_model import language_model_auto_bridge, use_text_config
 from lightning_megatron.bridges.sliced_load import load_megatron_bridge
 from lightning_megatron.bridges.vl import prepare_vl_provider
 from lightning_megatron.distributed import cpu_group
-from lightning_megatron.families import MTP_MODEL_TYPES, language_model, mtp_names
+from lightning_megatron.families import MTP_MODEL_TYPES, language_model, mtp_names, rope_parameters
 from lightning_megatron.hf_io import LoadReport, read_json
 from lightning_megatron.moe import router_settings
 from lightning_megatron.mtp.parameters import check_mtp_training_versions
@@ -85,6 +85,9 @@ class MegatronBridge(Bridge):
                 provider.mtp_num_layers, provider.mtp_use_repeated_layer = options.mtp_depths, True
         else:
             provider.mtp_num_layers = None
+        rope = rope_parameters(self.hf_config)
+        provider.rotary_percent = _rotary_percent(rope, provider)
+        _fill_yarn_defaults(rope, provider)
         for key, value in options.config_overrides.items():
             setattr(provider, key, value)
         # The MTP block spec is built from this layer spec, so the MTP layer gets the same attention.
@@ -149,6 +152,38 @@ class MegatronBridge(Bridge):
         if self._tasks is None or self._tasks[0] != key:
             self._tasks = (key, [task for task in self.auto_bridge.get_conversion_tasks(chunks) if task is not None])
         return self._tasks[1]
+
+
+def _rotary_percent(rope: dict[str, Any], provider: Any) -> float:
+    """The share of each head that transformers' modeling rotates: the `partial_rotary_factor` of the checkpoint's
+    RoPE (`families.rope_parameters`: in `rope_parameters`, or at the top of a published config.json). megatron-bridge
+    reads the config attribute (megatron/bridge/models/conversion/model_bridge.py:458), which transformers 5 leaves at
+    the class default where config.json gives the factor only in `rope_parameters` (`Glm4MoeConfig`: 0.5 beside a
+    factor of 1.0 there)."""
+    if provider.multi_latent_attention:
+        return provider.rotary_percent
+    return float(rope.get("partial_rotary_factor", provider.rotary_percent))
+
+
+def _fill_yarn_defaults(rope: dict[str, Any], provider: Any) -> None:
+    """YaRN as transformers computes it where config.json leaves fields out (Qwen3's model cards add only `rope_type`,
+    `factor` and `original_max_position_embeddings`). megatron-bridge copies the fields config.json gives and leaves
+    the others None (megatron/bridge/models/conversion/model_bridge.py:595-602), which Megatron-Core's YaRN cannot
+    compute with (a TypeError in the first forward); transformers' defaults are beta_fast 32, beta_slow 1, a truncated
+    correction range, and an attention factor of 0.1 ln(factor) + 1 unless both `mscale` and `mscale_all_dim` are
+    given (modeling_rope_utils.py `_compute_yarn_parameters`), which is Megatron's mscale 1 over mscale_all_dim 0.
+    Multi-latent attention (DeepSeek-V3) takes its YaRN fields elsewhere (`mscale`, `rotary_scaling_factor`)."""
+    if provider.multi_latent_attention or provider.position_embedding_type != "yarn":
+        return
+    if rope.get("attention_factor") is not None:
+        raise BridgeError(f"rope_scaling: attention_factor {rope['attention_factor']} has no Megatron-Core YaRN "
+                          "equivalent here; remove it (transformers then derives it from factor, mscale and "
+                          "mscale_all_dim) or use a checkpoint without it")
+    provider.yarn_beta_fast = rope.get("beta_fast") or 32.0
+    provider.yarn_beta_slow = rope.get("beta_slow") or 1.0
+    if not (rope.get("mscale") and rope.get("mscale_all_dim")):
+        provider.yarn_mscale, provider.yarn_mscale_all_dim = 1.0, 0.0
+    provider.yarn_correction_range_round_to_int = rope.get("truncate", True)
 
 
 def _hf_names(task: Any) -> set[str]:

@@ -14,8 +14,10 @@ Delta syncs (`delta=True`, the default): a sync sends only the HF tensors comput
 grad at some step since the last sync (MTP-only training: the MTP head; LoRA: the linears its adapters wrap, merged)
 and, where the routers update it, the experts' bias; every other parameter is frozen, so its tensor is what the
 engine already holds. A delta goes out only when the engine holds the last version sent (colocated and collective:
-its `/model_info`; disk: `latest` names it) and changes at most half of the model's bytes; otherwise the sync is
-full. The engine ends bit-equal to a full sync of the same step. A backend that cannot export a subset (mbridge)
+its `/model_info`; disk: `latest` names it), the model held that version when this fit started (it resumed at that
+very step, or continues the fit that sent it: steps trained in another process are not known) and it changes at
+most half of the model's bytes; otherwise the sync is full. A fit that counts its steps afresh starts its versions
+afresh. The engine ends bit-equal to a full sync of the same step. A backend that cannot export a subset (mbridge)
 always syncs in full. A parameter changed outside the optimizer while frozen is not seen: call `sync(trainer,
 full=True)` after such a change.
 
@@ -39,14 +41,17 @@ import json
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, override
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_megatron.bridges import Bridge
-from lightning_megatron.contract import MegatronStrategyContract, megatron_strategy
+from lightning_megatron.callbacks.lora import LoRACallback
+from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, megatron_strategy
+from lightning_megatron.data.settings import hand_data_settings
 from lightning_megatron.distributed import agree_on_failure, leader_value
 from lightning_megatron.lora import export_lora_adapter
 from lightning_megatron.mtp.probe import DraftProbe
@@ -94,24 +99,37 @@ class WeightSync(pl.Callback):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps: {every_n_steps!r} must be a positive integer")
+        _check_positive_integer("every_n_steps", every_n_steps, "optimizer steps between two syncs")
+        _check_positive_integer("keep_last", keep_last, "versions kept on the disk, the one `latest` names included")
         if mode == "disk" and root is None:
             raise ValueError("root: mode 'disk' writes versioned HF folders under root; set root to a folder")
+        if mode != "disk" and root is not None:
+            raise ValueError(f"root: mode {mode!r} sends the weights to the engine and writes nothing under root; "
+                             "leave root unset, or use mode='disk'")
         if mode != "disk" and engine_url is None:
             raise ValueError(f"engine_url: mode {mode!r} sends to a running engine; set engine_url "
                              "(e.g. http://127.0.0.1:30000)")
-        if keep_last < 1:
-            raise ValueError(f"keep_last: {keep_last} must be at least 1 (the version `latest` names)")
-        if bucket_mb <= 0 or timeout_s <= 0:
+        if engine_url is not None and not (isinstance(engine_url, str)
+                                           and engine_url.startswith(("http://", "https://"))):
+            raise ValueError(f"engine_url: {engine_url!r} is not an HTTP address; write it as http://HOST:PORT")
+        if not (bucket_mb > 0 and timeout_s > 0):
             raise ValueError(f"bucket_mb ({bucket_mb}) and timeout_s ({timeout_s}) must be positive")
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
+        if backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"backend: {backend!r} is not one of 'auto', 'nccl', 'gloo'")
+        _check_positive_integer("engine_world_size", engine_world_size, "the engine's processes in the update group")
+        for name, value in (("delta", delta), ("sync_on_train_end", sync_on_train_end)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: {value!r} must be true or false")
         if lora_form not in ("merged", "adapter"):
             raise ValueError(f"lora_form: {lora_form!r} is not one of 'merged', 'adapter'")
         if lora_form == "adapter" and mode != "disk":
             raise ValueError("lora_form: 'adapter' writes PEFT folders for engines that load LoRA adapters from disk; "
                              "use mode='disk', or lora_form='merged' to send the merged weights")
+        if probe is not None and not isinstance(probe, DraftProbe):
+            raise ValueError(f"probe: {probe!r} is not a DraftProbe; give DraftProbe(batches=..., temperature=...) "
+                             "or leave probe unset")
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.engine_url = engine_url
@@ -130,36 +148,70 @@ class WeightSync(pl.Callback):
         self.reports: list[SyncReport] = []
         self._sender: BucketSender | None = None
         self._trained: set[int] = set()  # ids of the parameters that required grad at a step since the last sync
+        self._holds_version = False  # whether the model's weights are `version`'s plus only the steps noted since
 
     @property
+    @override
     def state_key(self) -> str:
         """Where the weights go (a disk root, an engine), so that a resumed run finds its own version."""
         return self._generate_state_key(mode=self.mode,
                                         target=str(self.root) if self.mode == "disk" else self.engine_url)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.version = state_dict.get("version")
 
+    def validate_megatron_setup(self, strategy: MegatronStrategyContract, module: MegatronLightningModule) -> None:
+        """Called by MegatronStrategy before the model is built: a probe needs a draft head, the adapter form a LoRA
+        run (refused now, not at the first sync after training steps); only a fit syncs."""
+        if module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self.probe is not None and not module.model_options().mtp:
+            raise ValueError(f"probe: DraftProbe measures the draft (MTP) head, but {type(module).__name__} has none "
+                             "(enable_mtp: false); set SFTModule(enable_mtp=True) on a checkpoint with an MTP head, "
+                             "or leave probe unset")
+        if self.probe is not None:  # a probe set of its own reads rows as the trainer's data module does
+            hand_data_settings(self.probe.datamodule, strategy.data_settings(module))
+        if self.lora_form == "adapter" and not any(isinstance(callback, LoRACallback)
+                                                   for callback in module.trainer.callbacks):
+            raise ValueError("lora_form: 'adapter' writes the LoRA adapters, but this run trains none (no "
+                             "LoRACallback among the callbacks); add LoRACallback(...), or use lora_form='merged'")
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         megatron_strategy(trainer, "WeightSync")
+        if self.probe is not None:
+            self.probe.check_data(trainer)  # no probe set: refused now, not at the first sync
         if self.mode == "disk" and trainer.is_global_zero:
             assert self.root is not None
             self.root.mkdir(parents=True, exist_ok=True)
             disk.remove_partials(self.root)
 
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.version is not None and trainer.global_step < self.version:
+            self.version = None  # a fit that counts its steps afresh (not resumed from this run): versions afresh too
+        # the weights are `version`'s only when training starts at that very step (resumed from a checkpoint taken
+        # at the sync, or a fit continuing the last one); steps trained since in another fit or process are unknown
+        self._holds_version = trainer.global_step == self.version
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._note_trained(trainer)
         if trainer.global_step % self.every_n_steps == 0 and trainer.global_step != self.version:
             self.sync(trainer)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sync_on_train_end and trainer.global_step != self.version:
             self.sync(trainer)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._sender is not None:
             self._sender.close()
@@ -187,10 +239,13 @@ class WeightSync(pl.Callback):
                                               trainer.is_global_zero, strategy.root_device)
         self.version = version
         self._trained = set()
+        self._holds_version = True
         self.reports.append(report)
         delta = "" if report.base_version is None else f", delta onto version {report.base_version}"
-        rank_zero_info(f"WeightSync: version {version} ({self.mode}{delta}, {report.bytes / 1e9:.3f} GB, "
-                       f"{len(report.requests)} request(s)) in {report.seconds:.2f} s")
+        size = f"{report.bytes / 1e9:.3f} GB" if report.bytes >= 1e9 else f"{report.bytes / 1e6:.3f} MB"
+        requests = "" if self.mode == "disk" else f", {len(report.requests)} request(s)"  # disk: files, no requests
+        rank_zero_info(f"WeightSync: version {version} ({self.mode}{delta}, {size}{requests}) in "
+                       f"{report.seconds:.2f} s")
         return report
 
     def _measure(self, trainer: pl.Trainer, version: int) -> dict[str, Any]:
@@ -225,9 +280,10 @@ class WeightSync(pl.Callback):
         return bridge.changed_hf_names(chunks, changed) & set(bridge.hf_tensor_specs())
 
     def _delta_is_worth_it(self, bridge: Bridge, changing: set[str] | None) -> bool:
-        """A delta needs a version to apply onto and must leave at least half of the model's bytes unsent."""
-        if not changing or self.version is None:  # nothing trained: a full sync still moves the engine's version
-            return False
+        """A delta needs the version it applies onto (held by the model but for the steps noted since) and must leave
+        at least half of the model's bytes unsent."""
+        if not changing or self.version is None or not self._holds_version:
+            return False  # nothing trained (a full sync still moves the engine's version), or no version to apply onto
         specs = bridge.hf_tensor_specs()
         return 2 * sum(specs[name].nbytes for name in changing) <= sum(spec.nbytes for spec in specs.values())
 
@@ -240,7 +296,8 @@ class WeightSync(pl.Callback):
         base = None
         if self._delta_is_worth_it(bridge, changing):
             assert changing is not None
-            base = leader_value(disk.delta_base(self.root, self.version, changing) if is_global_zero else None)
+            base = leader_value(disk.delta_base(self.root, self.version, changing, bridge.hf_tensor_specs())
+                                if is_global_zero else None)
         report = SyncReport(version, base_version=None if base is None else self.version, metadata=metadata)
         extra_files = {disk.VERSION_FILE: json.dumps(version_record(version, report.base_version, report.metadata),
                                                      indent=2) + "\n"}
@@ -314,3 +371,8 @@ class WeightSync(pl.Callback):
             return self._sender.engine_version()
         except WeightSyncError:  # an engine that cannot say: a full sync (which reports what is wrong)
             return None
+
+
+def _check_positive_integer(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: {value!r} must be an integer >= 1 ({meaning})")

@@ -113,9 +113,13 @@ class DraftProbe:
                  datamodule: pl.LightningDataModule | None = None) -> None:
         if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
             raise ValueError(f"batches: {batches!r} must be an integer > 0 (the global batches each probe reads)")
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature: {temperature} must be finite and > 0 (the rollouts' sampling "
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature: {temperature!r} must be finite and > 0 (the rollouts' sampling "
                              "temperature; greedy acceptance is measured as well)")
+        if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
+            raise ValueError(f"datamodule: {type(datamodule).__name__} is not a LightningDataModule; give one whose "
+                             "val_dataloader() makes the probe set (e.g. SFTDataModule(val_path=...))")
         self.batches, self.temperature, self.datamodule = batches, float(temperature), datamodule
         self._datamodule_ready = False
 
@@ -133,20 +137,30 @@ class DraftProbe:
                              "global_batch_size / data-parallel size rows per rank")
         return replace(result, seconds=time.perf_counter() - start)
 
+    def check_data(self, trainer: pl.Trainer) -> None:
+        """Raise now (a weight sync calls it when fit starts) if there is nothing to probe, not at the first
+        measurement after training steps; every rank calls it."""
+        self._probe_loader(trainer)
+
     def _probe_batches(self, trainer: pl.Trainer) -> Iterator[list[Microbatch]]:
+        loader, global_batches = self._probe_loader(trainer)
+        batches = iter(cast(Iterable[list[Microbatch]], loader)) if global_batches else _global_batches(trainer, loader)
+        return islice(batches, self.batches)
+
+    def _probe_loader(self, trainer: pl.Trainer) -> tuple[object, bool]:
+        """The loader the probe reads, and whether it yields global batches already (Lightning's validation loader:
+        the strategy's global batches, sharded over data-parallel ranks by Lightning)."""
         if self.datamodule is not None:
-            return islice(_global_batches(trainer, self._own_loader(trainer)), self.batches)
+            return self._own_loader(trainer), False
         loader = _first(trainer.val_dataloaders)
-        if loader is not None:  # the strategy's global batches, sharded over data-parallel ranks by Lightning
-            return islice(iter(cast(Iterable[list[Microbatch]], loader)), self.batches)
-        datamodule = trainer.datamodule
-        loader = _first(datamodule.val_dataloader()) if datamodule is not None and is_overridden(
-            "val_dataloader", datamodule) else None
+        if loader is not None:
+            return loader, True
+        loader = _validation_data(trainer)
         if loader is None:
             raise ValueError("DraftProbe: the trainer has no validation data to probe (no val dataloader, and no "
                              "data module that makes one): give it validation data (e.g. SFTDataModule(val_path="
                              "...)) or name a probe set, DraftProbe(datamodule=...)")
-        return islice(_global_batches(trainer, loader), self.batches)
+        return loader, False
 
     def _own_loader(self, trainer: pl.Trainer) -> object:
         datamodule = self.datamodule
@@ -172,6 +186,21 @@ def _first(loaders: Any) -> object | None:
     if isinstance(loaders, Sequence):
         return loaders[0] if loaders else None
     return loaders
+
+
+def _validation_data(trainer: pl.Trainer) -> object | None:
+    """The validation data the run was given (loaders passed to `fit` or `validate`, a data module's, the module's
+    own `val_dataloader`) before Lightning has set it up: it does so only when validation first runs, and a weight
+    sync may come earlier (`num_sanity_val_steps: 0`, `limit_val_batches: 0`, a sync every few steps)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+
+    for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop):
+        source = loop._data_source
+        if source.instance is not None and source.is_defined():
+            loader = _first(_request_dataloader(source))
+            if loader is not None:
+                return loader
+    return None
 
 
 def _global_batches(trainer: pl.Trainer, loader: object) -> Iterator[list[Microbatch]]:

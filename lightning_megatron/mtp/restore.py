@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     checkpoint_mtp_layers,
     checkpoint_name,
     family,
+    quantization_refusal,
     text_model_config,
     with_text_model_fields,
 )
@@ -155,7 +156,11 @@ def _check_output(output: Path, *, finetuned: Path, source: Path | None) -> None
 def _read_config(path: Path, label: str) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise MTPRestoreError(f"{label}: {path} has no config.json; point it at an HF checkpoint folder")
-    return read_json(path / "config.json")
+    config = read_json(path / "config.json")
+    refusal = quantization_refusal(config, f"{label}: {path}")  # its MTP weights are stored scaled, not as trained
+    if refusal is not None:
+        raise MTPRestoreError(refusal)
+    return config
 
 
 def _mtp_family(config: dict[str, Any], path: Path, label: str) -> tuple[str, MTPNames]:
@@ -205,11 +210,16 @@ def _mtp_shapes(
 ) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Every MTP tensor the fine-tuned checkpoint needs: its shape, and the decoder tensor it mirrors (if any).
 
-    An MTP transformer layer is a decoder layer, so its tensors are read off the fine-tuned last decoder layer.
+    An MTP transformer layer is a decoder layer, so its tensors are read off the fine-tuned last decoder layer (the
+    last full-attention one where the others are linear attention: Qwen3.5's MTP layer is full attention).
     """
     text_config = text_model_config(config)
     hidden, num_layers = text_config["hidden_size"], text_config["num_hidden_layers"]
-    last = checkpoint_name(config, f"model.layers.{num_layers - 1}.")
+    layer_types = text_config.get("layer_types") or []
+    template = num_layers - 1
+    if "linear_attention" in layer_types and "full_attention" in layer_types:
+        template = len(layer_types) - 1 - layer_types[::-1].index("full_attention")
+    last = checkpoint_name(config, f"model.layers.{template}.")
     decoder_layer = {name.removeprefix(last): name for name in shapes if name.startswith(last)}
     if not decoder_layer:
         raise MTPRestoreError(

@@ -279,11 +279,13 @@ class TrunkCache:
 
     def wrap(self, forward_step: Callable[[torch.nn.Module, Microbatch], torch.Tensor]
              ) -> Callable[[torch.nn.Module, Microbatch], torch.Tensor]:
-        """`forward_step` reading and writing the cache while a training step is planned (else unchanged)."""
+        """`forward_step` reading and writing the cache while a training step is planned (else unchanged). A forward
+        without autograd is not the step's, even while one is planned (the draft probe of a weight sync whose
+        callback runs before MTPOnlyCallback's `on_train_batch_end`)."""
 
         def cached_forward_step(model: torch.nn.Module, microbatch: Microbatch) -> torch.Tensor:
-            if not self._plan:
-                return forward_step(model, microbatch)  # validation, test
+            if not self._plan or not torch.is_grad_enabled():
+                return forward_step(model, microbatch)  # validation, test, a probe
             index = self._cursor.get(id(model), 0)
             self._cursor[id(model)] = index + 1
             keys, hit = self._plan[index]

@@ -65,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the loss of the best_loss_frozen head (the package's best sampled-acceptance loss)")
     args = parser.parse_args(argv)
     size, out = args.size, args.out.resolve()
-    rounds = args.rounds or ROUNDS[size]
-    steps = {name: getattr(args, f"{name}_steps") or STEPS[size][name] for name in STEPS[size]}
-    if rounds < 1 or min(steps.values()) < 1:
-        parser.error("--rounds and every --*-steps must be at least 1")
+    given = {"--rounds": args.rounds, **{f"--{name.replace('_', '-')}-steps": getattr(args, f"{name}_steps")
+                                         for name in STEPS[size]}}
+    for flag, value in given.items():
+        if value is not None and value < 1:
+            parser.error(f"{flag}: {value} must be at least 1 (leave it out for the size's default)")
+    rounds = ROUNDS[size] if args.rounds is None else args.rounds
+    steps = {name: STEPS[size][name] if getattr(args, f"{name}_steps") is None else getattr(args, f"{name}_steps")
+             for name in STEPS[size]}
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):

@@ -8,7 +8,8 @@ Layout under a root folder:
                  that folder is in place
 
 Only the trainer deletes old versions (`keep_last`), never the one `latest` names, so an engine reading
-`latest` always finds a complete checkpoint; one reading an older version can re-read `latest` on failure.
+`latest` always finds a complete checkpoint; one reading an older version can re-read `latest` on failure. Versions
+above `latest` (left by an earlier run that went further, before a resume or a new run into the same root) go too.
 
 A version folder also holds `weight_version.json` (`VERSION_FILE`: the version, the version it is a delta of,
 and whatever the trainer measured, e.g. the draft head's acceptance), written inside the folder before it is
@@ -33,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
-from lightning_megatron.hf_io import write_shard_files
+from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, write_shard_files
 from lightning_megatron.serving.protocol import get_json, post_json
 
 Engine = Literal["sglang", "vllm"]
@@ -69,10 +70,18 @@ def publish_latest(root: Path, folder: Path) -> None:
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` versions (never the one `latest` names); returns what went."""
+    """Delete all but the newest `keep_last` versions up to the one `latest` names (never that one), and every
+    version above it; returns what went.
+
+    A version above `latest` was written by an earlier run that went further than this one (a run resumed from an
+    earlier step, or a new run into the same root): `latest` never names it again, and kept it would outlast this
+    run's own versions and pose as the newest weights."""
     latest = read_latest(root)
-    ordered = [folder for _, folder in sorted(versions(root).items())]
-    doomed = [folder for folder in ordered[:max(0, len(ordered) - keep_last)] if folder != latest]
+    found = sorted(versions(root).items())
+    current = next((version for version, folder in found if folder == latest), None)
+    stale = [folder for version, folder in found if current is not None and version > current]
+    ordered = [folder for version, folder in found if current is None or version <= current]
+    doomed = [folder for folder in ordered[:max(0, len(ordered) - keep_last)] if folder != latest] + stale
     for folder in doomed:
         remove_folder(folder, ignore_errors=True)
     return doomed
@@ -136,10 +145,14 @@ def weight_map(folder: Path) -> dict[str, str]:
         return {name: "model.safetensors" for name in reader.keys()}
 
 
-def delta_base(root: Path, version: int | None, changed: Collection[str]) -> Path | None:
+def delta_base(root: Path, version: int | None, changed: Collection[str],
+               specs: Mapping[str, TensorSpec]) -> Path | None:
     """The folder a delta onto `version` can share files with, or None when a full version must be written: the
-    version is gone or is not the one `latest` names (an engine would not hold it), or one of its files mixes
-    tensors that changed with tensors that did not (its layout was made for another set of changing tensors)."""
+    version is gone or is not the one `latest` names (an engine would not hold it), one of its files mixes tensors
+    that changed with tensors that did not (its layout was made for another set of changing tensors), or its
+    tensors are not `specs` (the model's names, shapes and dtypes now) as their files' headers read, or a file is
+    missing or unreadable: a delta would link them into the new version as they are (other tensors of the folder,
+    e.g. a multimodal checkpoint's vision tower, go along unchecked)."""
     if version is None or read_latest(root) != version_folder(root, version):
         return None
     folder = version_folder(root, version)
@@ -149,7 +162,15 @@ def delta_base(root: Path, version: int | None, changed: Collection[str]) -> Pat
     if not set(changed) <= set(files_of):
         return None
     touched = {files_of[name] for name in changed}
-    return None if any(files_of[name] in touched for name in set(files_of) - set(changed)) else folder
+    if any(files_of[name] in touched for name in set(files_of) - set(changed)):
+        return None
+    if not all((folder / file).is_file() for file in set(files_of.values())):
+        return None
+    try:
+        held = checkpoint_tensor_specs(folder)
+    except Exception:  # safetensors' own error type, OSError, an unknown dtype: written in full instead
+        return None
+    return folder if all(held.get(name) == spec for name, spec in specs.items()) else None
 
 
 def write_delta_version(base: Path, folder: Path, tensors: Mapping[str, torch.Tensor],

@@ -21,6 +21,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -161,6 +162,8 @@ class SharedBuffer:
         else:
             folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
             self.path = folder / f"lightning-megatron-weights-{os.getpid()}-{uuid.uuid4().hex}"
+            # unlinked when closed, collected, or at exit: a sync on demand after fit (no teardown) leaves no file
+            self._unlink = weakref.finalize(self, self.path.unlink, missing_ok=True)
             self.tensor = torch.from_file(str(self.path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
 
     def handle(self, nbytes: int) -> Any:
@@ -171,7 +174,7 @@ class SharedBuffer:
 
     def close(self) -> None:
         if self.path is not None:
-            self.path.unlink(missing_ok=True)
+            self._unlink()
 
 
 def open_handle(handle: Any) -> torch.Tensor:

@@ -3,8 +3,9 @@
 `WeightReceiver` serves, on 127.0.0.1, the subset of SGLang's HTTP API a trainer uses to push weights:
 `/init_weights_update_group`, `/destroy_weights_update_group`, `/update_weights_from_distributed`,
 `/update_weights_from_tensor`, `/update_weights_from_disk`, `/model_info` (with `weight_version`),
-`/get_weights_by_name`, `/generate` (greedy), `/health`, plus `/validate_weights` (names, dtypes, shapes checked
-before any byte moves). The whole trainer -> engine loop is tested with it, without an inference engine installed;
+`/get_weights_by_name`, `/generate` (greedy), `/health`, `/load_lora_adapter` and `/unload_lora_adapter` (also under
+vLLM's `/v1/...`: a PEFT folder served by name to the generation requests that name it in `lora_path`, over the
+weights held; needs `peft`), plus `/validate_weights` (names, dtypes, shapes checked before any byte moves). The whole trainer -> engine loop is tested with it, without an inference engine installed;
 it is also a small, honest engine for a notebook.
 
 A delta (requests carrying `base_weight_version`, this package's extension: only the tensors that changed since
@@ -24,6 +25,7 @@ refused before anything is copied.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -74,6 +76,7 @@ class WeightReceiver:
         device = next(model.parameters()).device
         self.draft_tensors = self._load_draft_tensors(device)
         self.groups: dict[str, tuple[Any, int]] = {}
+        self.lora_adapters: dict[str, Path] = {}  # PEFT folders by name (`/load_lora_adapter`)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, port), _handler(self))
         self._thread: threading.Thread | None = None
@@ -217,14 +220,45 @@ class WeightReceiver:
                 "values": (flat if limit is None else flat[:limit]).tolist()}
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Greedy continuation of `input_ids` (SGLang's `sampling_params.max_new_tokens`)."""
+        """Greedy continuation of `input_ids` (SGLang's `sampling_params.max_new_tokens`), with the LoRA adapter
+        named in `lora_path` if any."""
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([request["input_ids"]], device=device)
         new_tokens = int(request.get("sampling_params", {}).get("max_new_tokens", 16))
+        adapter = request.get("lora_path")
+        if adapter is not None and adapter not in self.lora_adapters:
+            raise WeightSyncError(f"lora_path: no LoRA adapter {adapter!r} is loaded (loaded: "
+                                  f"{sorted(self.lora_adapters)}); load it with /load_lora_adapter first")
+        model = self.model if adapter is None else self._adapted(self.lora_adapters[adapter])
         with torch.no_grad():
-            output = self.model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                         do_sample=False, attention_mask=torch.ones_like(input_ids))
+            output = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                    do_sample=False, attention_mask=torch.ones_like(input_ids))
         return {"output_ids": output[0, input_ids.shape[1]:].tolist(), "weight_version": self.weight_version}
+
+    def load_lora_adapter(self, request: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's `/load_lora_adapter` (vLLM's `/v1/load_lora_adapter`): the PEFT folder `lora_path`, served as
+        `lora_name` over the weights held (merged into a copy at each generation); one that does not load onto this
+        model is refused and nothing changes."""
+        name, path = request["lora_name"], Path(request["lora_path"])
+        self._adapted(path)
+        self.lora_adapters[name] = path
+        return {"success": True, "message": f"loaded LoRA adapter {name!r} from {path}"}
+
+    def unload_lora_adapter(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.lora_adapters.pop(request["lora_name"], None)
+        return {"success": True, "message": f"unloaded LoRA adapter {request['lora_name']!r}"}
+
+    def _adapted(self, folder: Path) -> torch.nn.Module:
+        """A copy of the model with the PEFT adapter in `folder` merged in."""
+        try:
+            import peft
+        except ImportError as error:
+            raise WeightSyncError("serving LoRA adapters needs peft (pip install peft)") from error
+        try:
+            return peft.PeftModel.from_pretrained(copy.deepcopy(self.model), str(folder)).merge_and_unload().eval()
+        except Exception as error:  # a missing or broken folder, an adapter of another model: peft's own errors
+            raise WeightSyncError(f"lora_path: {folder} does not load as a PEFT adapter of this model "
+                                  f"({type(error).__name__}: {error}); nothing was loaded") from error
 
     def health(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"success": True}
@@ -288,7 +322,9 @@ class WeightReceiver:
                   "update_weights_from_tensor": self.update_weights_from_tensor,
                   "update_weights_from_disk": self.update_weights_from_disk,
                   "model_info": self.model_info, "get_model_info": self.model_info,
-                  "get_weights_by_name": self.get_weights_by_name, "generate": self.generate, "health": self.health}
+                  "get_weights_by_name": self.get_weights_by_name, "generate": self.generate, "health": self.health,
+                  "load_lora_adapter": self.load_lora_adapter, "v1/load_lora_adapter": self.load_lora_adapter,
+                  "unload_lora_adapter": self.unload_lora_adapter, "v1/unload_lora_adapter": self.unload_lora_adapter}
         if route not in routes:
             raise KeyError(route)
         if route in ("health", "model_info", "get_model_info"):

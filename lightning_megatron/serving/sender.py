@@ -71,6 +71,7 @@ class BucketSender(ABC):
         self._staging_size = bucket_bytes
         self._fields: dict[str, Any] = {}
         self._record: dict[str, Any] = {}
+        self._sent_version: str | None = None  # the last version this sender completed
 
     def engine_version(self) -> str | None:
         """The weight version the engine holds now (None: none yet, e.g. a restarted engine)."""
@@ -131,6 +132,7 @@ class BucketSender(ABC):
         if failure is not None:
             self._reset()
         agree_on_failure(failure, error_type=WeightSyncError)
+        self._sent_version = str(version)
         report.seconds = time.perf_counter() - started
         return report
 
@@ -226,7 +228,8 @@ class ColocatedSender(BucketSender):
 class CollectiveSender(BucketSender):
     """A separate process group with the engine (NCCL on GPU, gloo on CPU): per bucket, SGLang's
     `update_weights_from_distributed` request with `load_format="flattened_bucket"` is posted while the bucket is
-    broadcast from this process (rank 0 of the group), both bounded by `timeout_s`."""
+    broadcast from this process (rank 0 of the group), both bounded by `timeout_s`. An engine that no longer holds
+    the version last sent (restarted: its end of the group is gone) gets a new group before the next sync."""
 
     def __init__(self, url: str, *, bucket_bytes: int, timeout_s: float, device: torch.device,
                  backend: str = "auto", master_address: str = "127.0.0.1", master_port: int = 0,
@@ -253,6 +256,8 @@ class CollectiveSender(BucketSender):
         return self._staging[:used]
 
     def _prepare(self, specs: list[TensorSpec]) -> None:
+        if self._group is not None and self.engine_version() != self._sent_version:
+            self._reset()  # the engine restarted since (its end of the group is gone, its version too): a new group
         if self._group is None:
             port = self.master_port or _free_port(self.master_address)
             request = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,

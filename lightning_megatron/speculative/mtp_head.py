@@ -29,6 +29,7 @@ from lightning_megatron.families import (
     MTPNames,
     distinct_mtp_names,
     mtp_prefixes,
+    quantization_refusal,
 )
 from lightning_megatron.hf_io import hf_module_state
 
@@ -230,7 +231,11 @@ def _read_config(hf_path: Path) -> dict:
             f"checkpoint: {hf_path} is not a Hugging Face checkpoint folder (no config.json). A Megatron distributed "
             "checkpoint from training must first be exported to HF format (the strategy's export_hf)."
         )
-    return json.loads((hf_path / "config.json").read_text())
+    config = json.loads((hf_path / "config.json").read_text())
+    refusal = quantization_refusal(config, f"checkpoint: {hf_path}")  # its MTP tensors would be read without scales
+    if refusal is not None:
+        raise ValueError(refusal)
+    return config
 
 
 def _tensor_names(file: Path) -> list[str]:

@@ -22,10 +22,17 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from lightning_megatron.atomic import write_atomically
-from lightning_megatron.families import MODEL_FAMILIES, MOE_MODEL_TYPES, mtp_names
+from lightning_megatron.families import (
+    MODEL_FAMILIES,
+    MTP_CONFIG_KEYS,
+    checkpoint_mtp_layers,
+    mtp_names,
+)
 from lightning_megatron.testing import qwen3_5
-from lightning_megatron.testing.deepseek import deepseek_v3_config_fields, mla_attention_shapes
+from lightning_megatron.testing.deepseek import MLA_CONFIG_KEYS, deepseek_v3_config_fields, mla_attention_shapes
+from lightning_megatron.testing.experts import MoEShape, check_moe_shape, moe_config_fields, with_experts
 from lightning_megatron.testing.mimo import write_mimo_remote_code
+from lightning_megatron.testing.published import published_config
 from lightning_megatron.testing.tokenizer import (
     VISION_SPECIAL_TOKENS,
     VISION_TOKEN_ROLES,
@@ -80,6 +87,23 @@ Qwen3.5's."""
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-6
 
+_QWEN3_5_VARIATIONS = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                       "linear_value_head_dim", "linear_conv_kernel_dim", "partial_rotary_factor",
+                       "mtp_num_hidden_layers")
+_ROUTER_VARIATIONS = ("n_shared_experts", "norm_topk_prob")
+CONFIG_VARIATIONS: dict[str, tuple[str, ...]] = {
+    "qwen3": ("rope_parameters",),
+    "qwen3_5_text": _QWEN3_5_VARIATIONS,
+    "qwen3_5_moe_text": _QWEN3_5_VARIATIONS,
+    "glm4_moe": ("use_qk_norm", "attention_bias", "partial_rotary_factor", "num_nextn_predict_layers",
+                 *_ROUTER_VARIATIONS),
+    "deepseek_v3": (*MLA_CONFIG_KEYS, "rope_parameters", "num_nextn_predict_layers", *_ROUTER_VARIATIONS),
+}
+"""The config.json fields `make_tiny_checkpoint(config=...)` takes per (text) family: the ones its published
+checkpoints differ in (the YaRN Qwen3's model cards add for long contexts; Qwen3.5-0.8B's 16 DeltaNet key heads of
+128; GLM-4.6's q/k norms; Moonlight's query without a low-rank projection, `q_lora_rank: None`, and no rope scaling;
+a second MTP layer), with the tensors they imply."""
+
 
 def make_tiny_checkpoint(
     path: str | Path,
@@ -99,6 +123,8 @@ def make_tiny_checkpoint(
     max_position_embeddings: int = 512,
     tokenizer: Tokenizer | None = None,
     moe: MoEShape | None = None,
+    config: dict[str, Any] | None = None,
+    published: bool = False,
 ) -> Path:
     """Write a tiny, deterministic HF checkpoint of ``family`` into ``path`` and return ``path``.
 
@@ -126,6 +152,15 @@ def make_tiny_checkpoint(
     checkpoint and processes writing the same one do not write into each other's files.
 
     ``moe``: the experts of the MoE families (default :class:`MoEShape()`); refused for the dense ones.
+
+    ``config``: config.json fields the family's real checkpoints vary in and the tiny one's defaults lack
+    (:data:`CONFIG_VARIATIONS`, e.g. Qwen3.5-0.8B's ``linear_num_key_heads``, Moonlight's ``q_lora_rank: None``,
+    GLM-4.6's ``use_qk_norm: True``, two MTP layers); the tensors follow them. A multimodal family takes its text
+    model's fields.
+
+    ``published``: config.json in the layout the family's checkpoints were published in (transformers 4's
+    `rope_theta`, `rope_scaling`, `torch_dtype`, ...: :func:`testing.published.published_config`), the same values
+    and the same tensors as without it.
     """
     if (family, mtp) not in FAMILIES:
         raise ValueError(f"unsupported (family, mtp)=({family!r}, {mtp}); supported: {FAMILIES}")
@@ -142,7 +177,8 @@ def make_tiny_checkpoint(
     _check_shape(family, shape, explicit_head_dim=head_dim is not None)
     multimodal = MODEL_FAMILIES[family].language_model
     text_family: Family = family if multimodal is None else multimodal.model_type  # type: ignore[assignment]
-    moe = _check_moe_shape(text_family, moe)
+    moe = check_moe_shape(text_family, moe)
+    config_variation = _check_config_variation(text_family, mtp, config or {})
     if tokenizer is None:
         tokenizer = build_tokenizer(vocab_size, VISION_SPECIAL_TOKENS if multimodal else ())
     elif tokenizer.get_vocab_size() > vocab_size:
@@ -154,12 +190,12 @@ def make_tiny_checkpoint(
     ids = {role: tokenizer.token_to_id(token) for role, token in roles.items()}
 
     def write(folder: Path) -> None:
-        config = _model_config(text_family, mtp, tied, dtype, shape, ids, moe)
-        shapes = _with_experts(text_family, tensor_shapes(text_family, mtp, tied, shape), moe, shape)
+        config = _model_config(text_family, mtp, tied, dtype, shape, ids, moe, config_variation)
+        shapes = with_experts(text_family, tensor_shapes(text_family, mtp, tied, shape, config), moe, shape, config)
         tensors = {name: random_tensor(name, tensor_shape, seed, zero_centred=qwen3_5.zero_centred(text_family, name))
                    .to(dtype) for name, tensor_shape in shapes.items()}
-        if mtp:  # the MTP layer's copies of the embedding and LM head (GLM-4.5) hold the main model's values
-            for main, copy in mtp_names(family).copy_names(0, config).items():
+        for layer in range(checkpoint_mtp_layers(config) if mtp else 0):  # the MTP layers' copies of the embedding
+            for main, copy in mtp_names(family).copy_names(layer, config).items():  # and LM head (GLM-4.5)
                 tensors[copy] = tensors[main if main in tensors else "model.embed_tokens.weight"].clone()
         if multimodal is not None:  # the text model's tensors under the multimodal names, and a vision tower
             vision_ids = {role: tokenizer.token_to_id(token) for role, token in VISION_TOKEN_ROLES.items()}
@@ -168,7 +204,7 @@ def make_tiny_checkpoint(
             tensors.update({name: random_tensor(name, tensor_shape, seed).to(dtype)
                             for name, tensor_shape in qwen3_5.vision_tower_shapes(config).items()})
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        write_json(folder / "config.json", config)
+        write_json(folder / "config.json", published_config(config) if published else config)
         write_json(
             folder / "generation_config.json",
             {
@@ -233,6 +269,7 @@ def _model_config(
     shape: CheckpointShape,
     special_ids: dict[str, int],
     moe: MoEShape | None = None,
+    variation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """config.json contents, produced by the transformers config class so it reads like a real checkpoint's."""
     from transformers import (
@@ -283,7 +320,12 @@ def _model_config(
                   "deepseek_v3": DeepseekV3Config, qwen3_5.MODEL_TYPE: Qwen3_5TextConfig,
                   qwen3_5.MOE_MODEL_TYPE: Qwen3_5MoeTextConfig}[family]
     if moe is not None:
-        fields.update(_moe_config_fields(family, moe, shape))
+        fields.update(moe_config_fields(family, moe, shape))
+    for key, value in (variation or {}).items():
+        if key == "partial_rotary_factor":
+            fields["rope_parameters"] = {**fields["rope_parameters"], key: value}
+        else:
+            fields[key] = value
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
     if family == "mimo":
         config["model_type"] = "mimo"
@@ -295,9 +337,14 @@ def _model_config(
     return config
 
 
-def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape, config: dict[str, Any] | None = None
+                  ) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint with its shape, in HF naming (without the experts of the MoE families):
-    what a writer of another checkpoint of the same layout draws (`bench.common.make_large_checkpoint`)."""
+    what a writer of another checkpoint of the same layout draws (`bench.common.make_large_checkpoint`). `config`:
+    the checkpoint's config.json (its variations of the family's layout, its MTP layer count); None: the tiny
+    checkpoint's defaults for `shape`."""
+    if config is None:
+        config = _model_config(family, mtp, tied, torch.float32, shape, {"bos": 0, "eos": 0})
     hidden_size, vocab_size = shape.hidden_size, shape.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (vocab_size, hidden_size),
@@ -306,23 +353,24 @@ def tensor_shapes(family: Family, mtp: bool, tied: bool, shape: CheckpointShape)
     if not tied:
         shapes["lm_head.weight"] = (vocab_size, hidden_size)
     for i in range(shape.num_layers):
-        shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape, layer=i))
-    if mtp:  # one MTP layer, named as the family table says
-        names, config = mtp_names(family), {"num_hidden_layers": shape.num_layers}
-        for role, name in names.head(0, config).items():
+        shapes.update(_decoder_layer_shapes(f"model.layers.{i}.", family, shape, config, layer=i))
+    names = mtp_names(family) if mtp else None
+    for i in range(checkpoint_mtp_layers(config) if mtp else 0):  # the MTP layers, named as the family table says
+        for role, name in names.head(i, config).items():
             shapes[name] = (hidden_size, 2 * hidden_size) if role == "projection" else (hidden_size,)
-        shapes.update({copy: (vocab_size, hidden_size) for copy in names.copy_names(0, config).values()})
-        shapes.update(_decoder_layer_shapes(names.layer_prefix(0, config), family, shape))
+        shapes.update({copy: (vocab_size, hidden_size) for copy in names.copy_names(i, config).values()})
+        shapes.update(_decoder_layer_shapes(names.layer_prefix(i, config), family, shape, config))
     return shapes
 
 
-def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, layer: int | None = None
-                          ) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's tensors (`layer` None: the MTP layer): Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v
-    biases; Qwen3.5's layers are gated DeltaNet or gated full attention, its MTP layer full attention."""
+def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, config: dict[str, Any],
+                          layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors (`layer` None: an MTP layer): Qwen3 adds q/k norms, Qwen2 and MiMo add q/k/v
+    biases (GLM-4.5 as its config's `use_qk_norm` and `attention_bias` say); Qwen3.5's layers are gated DeltaNet or
+    gated full attention (`layer_types`), its MTP layer full attention."""
     if family in qwen3_5.MODEL_TYPES:
-        full_attention = layer is None or qwen3_5.is_full_attention(layer)
-        return qwen3_5.decoder_layer_shapes(prefix, shape, full_attention=full_attention)
+        full_attention = layer is None or config["layer_types"][layer] == "full_attention"
+        return qwen3_5.decoder_layer_shapes(prefix, shape, config, full_attention=full_attention)
     hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q_size, kv_size = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -338,11 +386,11 @@ def _decoder_layer_shapes(prefix: str, family: Family, shape: CheckpointShape, l
     }
     if family == "deepseek_v3":  # multi-head latent attention in place of q/k/v projections
         shapes = {name: size for name, size in shapes.items() if ".self_attn." not in name}
-        shapes.update(mla_attention_shapes(prefix, hidden_size, head_dim, shape.num_attention_heads))
-    if family in ("qwen3", "qwen3_moe"):
+        shapes.update(mla_attention_shapes(prefix, config))
+    if family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and config["use_qk_norm"]):
         shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
         shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
-    if family in ("qwen2", "mimo", "qwen2_moe", "glm4_moe"):
+    if family in ("qwen2", "mimo", "qwen2_moe") or (family == "glm4_moe" and config["attention_bias"]):
         shapes[f"{prefix}self_attn.q_proj.bias"] = (q_size,)
         shapes[f"{prefix}self_attn.k_proj.bias"] = (kv_size,)
         shapes[f"{prefix}self_attn.v_proj.bias"] = (kv_size,)
@@ -371,108 +419,11 @@ def write_json(file: Path, content: dict[str, Any]) -> None:
     file.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
-@dataclass(frozen=True)
-class MoEShape:
-    """The routed experts of an MoE checkpoint: ``num_experts`` experts of FFN size ``intermediate_size`` (default
-    ``hidden_size // 2``), each token going to ``top_k``; ``norm_topk_prob`` renormalises the chosen experts'
-    probabilities; Qwen2-MoE adds a sigmoid-gated shared expert of size ``shared_expert_intermediate_size``
-    (default ``hidden_size``). GLM-4.5 keeps its first ``first_dense_layers`` layers dense, adds one ungated shared
-    expert of the experts' size and scales the routing weights by ``routed_scaling_factor``."""
-
-    num_experts: int = 4
-    top_k: int = 2
-    intermediate_size: int | None = None
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 1e-3
-    shared_expert_intermediate_size: int | None = None
-    first_dense_layers: int = 1
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1  # DeepSeek-V3's group-limited routing: experts in n_group groups, tokens routed within the
-    topk_group: int = 1  # topk_group groups whose two best experts score highest
-    packed_mtp_experts: bool = False  # Qwen3.5-MoE's MTP layer stores its experts packed, as its decoder layers do
-    # (Qwen3.6's checkpoints); Qwen3.5's store them one by one
-
-
-def _check_moe_shape(family: Family, moe: MoEShape | None) -> MoEShape | None:
-    if not MODEL_FAMILIES[family].moe:
-        if moe is not None:
-            raise ValueError(f"moe= applies to the MoE families {MOE_MODEL_TYPES}, not {family!r}")
-        return None
-    moe = moe or MoEShape()
-    if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
-        raise ValueError(f"MoEShape: top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
-    if family == qwen3_5.MOE_MODEL_TYPE and not moe.norm_topk_prob:
-        raise ValueError(f"MoEShape: norm_topk_prob=False is not {family!r}'s router, which always renormalises the "
-                         "top k; use norm_topk_prob=True")
-    if moe.packed_mtp_experts and family != qwen3_5.MOE_MODEL_TYPE:
-        raise ValueError(f"MoEShape: packed_mtp_experts=True is Qwen3.5-MoE's (Qwen3.6's) layout, not {family!r}'s")
-    return moe
-
-
-def _moe_config_fields(family: Family, moe: MoEShape, shape: CheckpointShape) -> dict[str, Any]:
-    expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
-    fields: dict[str, Any] = dict(
-        num_experts=moe.num_experts,
-        num_experts_per_tok=moe.top_k,
-        norm_topk_prob=moe.norm_topk_prob,
-        router_aux_loss_coef=moe.router_aux_loss_coef,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    fields["moe_intermediate_size"] = expert_size
-    if family in ("qwen2_moe", qwen3_5.MOE_MODEL_TYPE):
-        fields["shared_expert_intermediate_size"] = shared_size
-    if family == qwen3_5.MOE_MODEL_TYPE:  # its router always renormalises the top k; every layer is MoE
-        for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
-            del fields[key]
-    if family in ("glm4_moe", "deepseek_v3"):  # their router: no auxiliary-loss coefficient, no decoder_sparse_step
-        for key in ("num_experts", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers"):
-            del fields[key]
-        fields.update(n_routed_experts=moe.num_experts, n_shared_experts=1, first_k_dense_replace=moe.first_dense_layers,
-                      routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group)
-    return fields
-
-
-def _moe_intermediate_sizes(moe: MoEShape, shape: CheckpointShape) -> tuple[int, int]:
-    expert = shape.hidden_size // 2 if moe.intermediate_size is None else moe.intermediate_size
-    shared = shape.hidden_size if moe.shared_expert_intermediate_size is None else moe.shared_expert_intermediate_size
-    return expert, shared
-
-
-def _with_experts(family: Family, shapes: dict[str, tuple[int, ...]], moe: MoEShape | None, shape: CheckpointShape
-                  ) -> dict[str, tuple[int, ...]]:
-    """Every dense MLP (``<layer>.mlp.{gate,up,down}_proj``) replaced by a router and routed experts, in HF naming."""
-    if moe is None:
-        return shapes
-    hidden_size = shape.hidden_size
-    expert_size, shared_size = _moe_intermediate_sizes(moe, shape)
-    result: dict[str, tuple[int, ...]] = {}
-    first_dense = family in ("glm4_moe", "deepseek_v3")
-    dense = tuple(f"model.layers.{i}." for i in range(moe.first_dense_layers)) if first_dense else ()
-    for name, tensor_shape in shapes.items():
-        if name.startswith(dense) or not name.endswith((".mlp.gate_proj.weight", ".mlp.up_proj.weight",
-                                                        ".mlp.down_proj.weight")):
-            result[name] = tensor_shape
-            continue
-        if not name.endswith(".mlp.gate_proj.weight"):
-            continue
-        mlp = name.removesuffix("gate_proj.weight")
-        result[f"{mlp}gate.weight"] = (moe.num_experts, hidden_size)
-        packed = qwen3_5.packs_experts(family, mlp, moe.packed_mtp_experts)
-        if packed:
-            result.update(qwen3_5.packed_expert_shapes(mlp, moe.num_experts, hidden_size, expert_size))
-        for expert in range(0 if packed else moe.num_experts):
-            result[f"{mlp}experts.{expert}.gate_proj.weight"] = (expert_size, hidden_size)
-            result[f"{mlp}experts.{expert}.up_proj.weight"] = (expert_size, hidden_size)
-            result[f"{mlp}experts.{expert}.down_proj.weight"] = (hidden_size, expert_size)
-        if family in ("qwen2_moe", qwen3_5.MOE_MODEL_TYPE):
-            result[f"{mlp}shared_expert.gate_proj.weight"] = (shared_size, hidden_size)
-            result[f"{mlp}shared_expert.up_proj.weight"] = (shared_size, hidden_size)
-            result[f"{mlp}shared_expert.down_proj.weight"] = (hidden_size, shared_size)
-            result[f"{mlp}shared_expert_gate.weight"] = (1, hidden_size)
-        if family in ("glm4_moe", "deepseek_v3"):
-            result[f"{mlp}gate.e_score_correction_bias"] = (moe.num_experts,)
-            result[f"{mlp}shared_experts.gate_proj.weight"] = (expert_size, hidden_size)
-            result[f"{mlp}shared_experts.up_proj.weight"] = (expert_size, hidden_size)
-            result[f"{mlp}shared_experts.down_proj.weight"] = (hidden_size, expert_size)
-    return result
+def _check_config_variation(family: Family, mtp: bool, config: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(config) - set(CONFIG_VARIATIONS.get(family, ())))
+    if unknown:
+        raise ValueError(f"config: {unknown} are not fields make_tiny_checkpoint varies for {family!r}; it varies "
+                         f"{CONFIG_VARIATIONS.get(family, ())}")
+    if not mtp and any(config.get(key) for key in MTP_CONFIG_KEYS):
+        raise ValueError(f"config: an MTP layer count needs mtp=True, got {config} with mtp=False")
+    return config

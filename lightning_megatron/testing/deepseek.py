@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+MLA_CONFIG_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
 
 def mla_sizes(hidden_size: int, head_dim: int) -> dict[str, int]:
     """The MLA fields of config.json for a checkpoint of these sizes."""
@@ -30,16 +32,20 @@ def deepseek_v3_config_fields(hidden_size: int, head_dim: int, num_attention_hea
     }
 
 
-def mla_attention_shapes(prefix: str, hidden_size: int, head_dim: int, num_attention_heads: int
-                         ) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's MLA tensors, named as DeepSeek-V3's checkpoints name them."""
-    sizes = mla_sizes(hidden_size, head_dim)
+def mla_attention_shapes(prefix: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's MLA tensors for a checkpoint of this config.json, named as DeepSeek-V3's checkpoints name
+    them: without `q_lora_rank` (Moonlight, DeepSeek-V2-Lite), one query projection `q_proj`."""
+    sizes = {key: config[key] for key in MLA_CONFIG_KEYS}
+    hidden_size, num_attention_heads = config["hidden_size"], config["num_attention_heads"]
     q_head = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
     attention = f"{prefix}self_attn."
+    query: dict[str, tuple[int, ...]] = {f"{attention}q_proj.weight": (num_attention_heads * q_head, hidden_size)}
+    if sizes["q_lora_rank"] is not None:
+        query = {f"{attention}q_a_proj.weight": (sizes["q_lora_rank"], hidden_size),
+                 f"{attention}q_a_layernorm.weight": (sizes["q_lora_rank"],),
+                 f"{attention}q_b_proj.weight": (num_attention_heads * q_head, sizes["q_lora_rank"])}
     return {
-        f"{attention}q_a_proj.weight": (sizes["q_lora_rank"], hidden_size),
-        f"{attention}q_a_layernorm.weight": (sizes["q_lora_rank"],),
-        f"{attention}q_b_proj.weight": (num_attention_heads * q_head, sizes["q_lora_rank"]),
+        **query,
         f"{attention}kv_a_proj_with_mqa.weight": (sizes["kv_lora_rank"] + sizes["qk_rope_head_dim"], hidden_size),
         f"{attention}kv_a_layernorm.weight": (sizes["kv_lora_rank"],),
         f"{attention}kv_b_proj.weight": (num_attention_heads * (sizes["qk_nope_head_dim"] + sizes["v_head_dim"]),

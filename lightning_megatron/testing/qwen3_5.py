@@ -7,7 +7,8 @@ Qwen3.5 interleaves gated DeltaNet linear-attention layers (`linear_attn.*`) wit
 Its MTP layer (`mtp.*`, the names of the family table) is one full-attention layer with a dense MLP, as in
 Qwen3.5-0.8B's index; every RMSNorm but the DeltaNet output norm is zero-centred (`1 + weight`). The linear-attention
 sizes follow the checkpoint's shape: as many key heads as KV heads, as many value heads as query heads, both of
-`head_dim`, a causal convolution of width 4 (Qwen3.5's).
+`head_dim`, a causal convolution of width 4 (Qwen3.5's); `make_tiny_checkpoint(config=...)` sets the published
+checkpoints' own (`linear_num_key_heads`, ..., `layer_types`), and the tensors follow the config's fields.
 
 Qwen3.5-MoE's layers (and its MTP layer) replace the dense MLP by routed experts beside a sigmoid-gated shared
 expert (`mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`). Qwen/Qwen3.5-35B-A3B's index
@@ -67,11 +68,6 @@ def rope_parameters(theta: float) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": PARTIAL_ROTARY_FACTOR}
 
 
-def is_full_attention(layer: int) -> bool:
-    """Whether decoder layer `layer` has full attention (`Qwen3_5TextConfig`'s rule for `full_attention_interval`)."""
-    return (layer + 1) % FULL_ATTENTION_INTERVAL == 0
-
-
 def zero_centred(family: str, name: str) -> bool:
     """Whether tensor `name` of a `family` checkpoint is a zero-centred RMSNorm weight (scale `1 + weight`): every
     Qwen3.5 norm but the DeltaNet's gated output norm (the family table's `zero_centered_norms`)."""
@@ -92,8 +88,10 @@ def packed_expert_shapes(mlp_prefix: str, num_experts: int, hidden_size: int, ex
             f"{mlp_prefix}experts.down_proj": (num_experts, hidden_size, expert_size)}
 
 
-def decoder_layer_shapes(prefix: str, shape: CheckpointShape, *, full_attention: bool) -> dict[str, tuple[int, ...]]:
-    """One Qwen3.5 decoder layer's tensors: gated full attention or gated DeltaNet, then a dense SwiGLU MLP."""
+def decoder_layer_shapes(prefix: str, shape: CheckpointShape, config: dict[str, Any], *, full_attention: bool
+                         ) -> dict[str, tuple[int, ...]]:
+    """One Qwen3.5 decoder layer's tensors: gated full attention or gated DeltaNet (its sizes the config's
+    `linear_*` fields), then a dense SwiGLU MLP."""
     hidden_size, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         f"{prefix}input_layernorm.weight": (hidden_size,),
@@ -113,19 +111,19 @@ def decoder_layer_shapes(prefix: str, shape: CheckpointShape, *, full_attention:
             f"{prefix}self_attn.k_norm.weight": (head_dim,),
         })
         return shapes
-    key_size = shape.num_key_value_heads * head_dim
-    value_heads = shape.num_attention_heads
-    value_size = value_heads * head_dim
+    key_size = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_heads = config["linear_num_value_heads"]
+    value_size = value_heads * config["linear_value_head_dim"]
     conv_size = 2 * key_size + value_size
     shapes.update({
         f"{prefix}linear_attn.in_proj_qkv.weight": (conv_size, hidden_size),
         f"{prefix}linear_attn.in_proj_z.weight": (value_size, hidden_size),
         f"{prefix}linear_attn.in_proj_b.weight": (value_heads, hidden_size),
         f"{prefix}linear_attn.in_proj_a.weight": (value_heads, hidden_size),
-        f"{prefix}linear_attn.conv1d.weight": (conv_size, 1, CONV_KERNEL),
+        f"{prefix}linear_attn.conv1d.weight": (conv_size, 1, config["linear_conv_kernel_dim"]),
         f"{prefix}linear_attn.dt_bias": (value_heads,),
         f"{prefix}linear_attn.A_log": (value_heads,),
-        f"{prefix}linear_attn.norm.weight": (head_dim,),
+        f"{prefix}linear_attn.norm.weight": (config["linear_value_head_dim"],),
         f"{prefix}linear_attn.out_proj.weight": (hidden_size, value_size),
     })
     return shapes

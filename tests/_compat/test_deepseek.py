@@ -73,3 +73,14 @@ def test_the_mtp_copies_follow_deepseeks_own_export_hook(megatron_bridge: Module
 
     hook = DeepSeekV3Bridge.maybe_modify_converted_hf_weight
     assert hook.__wrapped__.__qualname__ == "DeepSeekV3Bridge.maybe_modify_converted_hf_weight"
+
+
+def test_megatron_core_mla_query_without_lora(megatron_bridge: ModuleType, tmp_path: Path, input_ids) -> None:
+    """Moonlight's layout (`q_lora_rank: null`: the query projected by `q_proj` alone): refused by Megatron-Core's
+    MLA without the adjustment; with it, HF's logits (the export and the MTP head: tests/test_deepseek_v3.py)."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "moonlight", "deepseek_v3", mtp=True, config={
+        "q_lora_rank": None})
+    with ADJUSTMENTS["megatron_core.mla_query_without_lora"].suspended():
+        with pytest.raises(ValueError, match="q_lora_rank is None"):
+            _model(megatron_bridge, checkpoint)
+    _assert_matches_hf(_model(megatron_bridge, checkpoint), checkpoint, input_ids)

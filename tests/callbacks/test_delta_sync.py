@@ -116,6 +116,49 @@ def test_a_glm_mtp_only_delta_sends_its_mtp_layer_but_not_the_copies_of_the_froz
     assert _sent(sync.reports[1]) == layer
 
 
+def test_pruning_keeps_this_runs_versions_and_drops_the_newer_ones_an_earlier_run_left(tmp_path):
+    """A run resumed from an earlier step (or a new run into the same root) publishes versions below those an
+    earlier run wrote: those are stale (`latest` never names them again) and must not outlast this run's own."""
+    from lightning_megatron.serving.disk import prune, publish_latest, version_folder, versions
+
+    for version in (1, 2, 3, 4, 5):  # the earlier run's
+        version_folder(tmp_path, version).mkdir()
+    publish_latest(tmp_path, version_folder(tmp_path, 2))  # this run, resumed at step 1, has just written version 2
+    prune(tmp_path, keep_last=2)
+    assert sorted(versions(tmp_path)) == [1, 2] and read_latest(tmp_path) == version_folder(tmp_path, 2)
+    prune(tmp_path, keep_last=1)
+    assert sorted(versions(tmp_path)) == [2]
+
+
+def test_a_disk_delta_is_written_only_onto_a_base_whose_files_hold_the_tensors_as_the_model_has_them(tmp_path):
+    """A base whose tensors differ in dtype or shape from the model's now, or whose file is truncated or gone, would be
+    linked into the new version as it is: a full version is written instead."""
+    from safetensors.torch import save_file
+
+    from lightning_megatron.hf_io import TensorSpec
+    from lightning_megatron.serving.disk import INDEX_FILE, delta_base, publish_latest, version_folder
+
+    folder = version_folder(tmp_path, 3)
+    folder.mkdir()
+    save_file({"trunk.weight": torch.zeros(4, 2)}, folder / "trunk.safetensors")
+    save_file({"mtp.weight": torch.zeros(2)}, folder / "mtp.safetensors")
+    (folder / INDEX_FILE).write_text(json.dumps({"weight_map": {"trunk.weight": "trunk.safetensors",
+                                                                "mtp.weight": "mtp.safetensors"}}))
+    publish_latest(tmp_path, folder)
+    specs = {"trunk.weight": TensorSpec("trunk.weight", (4, 2), torch.float32),
+             "mtp.weight": TensorSpec("mtp.weight", (2,), torch.float32)}
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) == folder
+    assert delta_base(tmp_path, 2, {"mtp.weight"}, specs) is None  # not the version latest names
+    for name, changed in (("trunk.weight", TensorSpec("trunk.weight", (4, 2), torch.bfloat16)),
+                          ("trunk.weight", TensorSpec("trunk.weight", (2, 4), torch.float32))):
+        assert delta_base(tmp_path, 3, {"mtp.weight"}, {**specs, name: changed}) is None
+    trunk = folder / "trunk.safetensors"
+    trunk.write_bytes(trunk.read_bytes()[:-4])  # truncated
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
+    trunk.unlink()
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
+
+
 class RestartEngine(pl.Callback):
     """Replace the engine by a fresh one (same port, the checkpoint's weights, no version) after `after_version`."""
 
@@ -130,14 +173,16 @@ class RestartEngine(pl.Callback):
             self.process, _ = spawn_receiver(self.checkpoint, port=self.port, log=self.log_file, timeout_s=30)
 
 
-def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, checkpoint, tmp_path):
+@pytest.mark.parametrize("mode", ["colocated", "collective"])
+def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, checkpoint, tmp_path, mode):
+    """Collective: the restarted engine's end of the update group is gone too; the sync builds a new one."""
     from tests._distributed import free_port
 
     port = free_port()
     process, url = spawn_receiver(checkpoint, port=port, log=tmp_path / "receiver.log", timeout_s=30)
     restart = RestartEngine(checkpoint, port, after_version=2, log=tmp_path / "receiver.log")
     restart.process = process
-    sync = _sync("colocated", url, tmp_path)
+    sync = _sync(mode, url, tmp_path)
     try:
         result = fit_with_syncs(tmp_path, checkpoint, [sync], url, extra_callbacks=(MTPOnlyCallback(), restart),
                                 **MTP_BRIDGE)
@@ -146,6 +191,24 @@ def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, check
         restart.process.wait()
     assert [report.base_version for report in sync.reports] == [None, 1, None]  # version 3: in full
     assert_every_sync_matched(result["compared"], [1, 2, 3])
+
+
+@pytest.mark.parametrize("resumed", [True, False], ids=["resumed_past_the_sync", "fresh_fit"])
+def test_a_fit_that_does_not_start_at_the_synced_step_syncs_in_full_first(process_group, checkpoint, tmp_path,
+                                                                         resumed):
+    """The RL loop's rounds reuse one WeightSync: a joint round syncs version 2 and trains step 3 unsynced; the next
+    round, MTP-only, resumes from step 3 (or starts afresh from the checkpoint's weights): the trunk differs from
+    version 2 beyond what the new fit trains, so its first sync is full and the disk holds the model's weights."""
+    sync = WeightSync("disk", every_n_steps=2, root=str(tmp_path / "versions"), sync_on_train_end=False)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    fit_with_syncs(tmp_path / "joint", checkpoint, [sync], None, steps=3, extra_callbacks=(saver,), **MTP_BRIDGE)
+    assert sync.version == 2
+    result = fit_with_syncs(tmp_path / "mtp_only", checkpoint, [sync], None, steps=4 if resumed else 2,
+                            ckpt_path=str(tmp_path / "ckpts" / "last.ckpt") if resumed else None,
+                            extra_callbacks=(MTPOnlyCallback(),), **MTP_BRIDGE)
+    assert sync.reports[-1].version == (4 if resumed else 2) and sync.reports[-1].base_version is None
+    export = result["trainer"].strategy.export_hf(tmp_path / "export")
+    assert _unequal_folders(read_latest(tmp_path / "versions"), export) == []
 
 
 def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes(model_parallel, checkpoint):
@@ -181,22 +244,32 @@ def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes
 def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(process_group, tmp_path_factory,
                                                                          tmp_path):
     """Merged (colocated): after the first sync only the wrapped linears go, merged, and the engine equals the merged
-    export; adapter form (disk): each version is the PEFT folder `export_lora_adapter` writes, and nothing else."""
+    export; adapter form (disk): each version is the PEFT folder `export_lora_adapter` writes, and nothing else,
+    which the engine told to load it serves by name over its base weights as the merged model."""
     from safetensors.torch import load_file
 
     from lightning_megatron.lora import export_lora_adapter
 
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("lora_sync") / "qwen3", "qwen3")
-    process, url = spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30)
+    engines = [spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30) for _ in range(2)]
+    (_, url), (_, adapter_url) = engines  # the second keeps the base weights and is told to load each adapter
     merged = _sync("colocated", url, tmp_path)
-    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter")
+    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter",
+                         engine_url=adapter_url)
     try:
         result = fit_with_syncs(tmp_path, checkpoint, [merged, adapter], url, module_kwargs={"enable_mtp": False},
                                 extra_callbacks=(LoRACallback(target_modules=["linear_qkv"], rank=4, alpha=8),),
                                 **MTP_BRIDGE)
+        request = {"input_ids": [5, 17, 42, 99, 3], "sampling_params": {"max_new_tokens": 8}}
+        with_adapter, with_merged = (post_json(f"{engine}/generate", {**request, **extra}, 60)["output_ids"]
+                                     for engine, extra in ((adapter_url, {"lora_path": "v00000003"}), (url, {})))
+        with pytest.raises(WeightSyncError, match="does not load as a PEFT adapter of this model"):
+            post_json(f"{adapter_url}/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)}, 60)
     finally:
-        process.kill()
-        process.wait()
+        for process, _ in engines:
+            process.kill()
+            process.wait()
+    assert with_adapter == with_merged  # the adapter the engine loaded, over its base weights, is the merged model
     assert_every_sync_matched(result["compared"], [1, 2, 3])  # the engine equals the merged export of each step
     specs = checkpoint_tensor_specs(checkpoint)
     adapted = sorted(name for name in specs if any(f"self_attn.{p}_proj.weight" in name for p in "qkv"))
@@ -215,12 +288,40 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     assert all(report.bytes < merged.reports[0].bytes / 10 for report in adapter.reports)
 
 
-def test_the_adapter_form_is_refused_outside_disk_mode_naming_the_fix():
-    with pytest.raises(ValueError, match="lora_form: 'adapter' writes PEFT folders .* use mode='disk', or "
-                                         "lora_form='merged'"):
-        WeightSync("colocated", engine_url="http://127.0.0.1:1", lora_form="adapter")
-    with pytest.raises(ValueError, match="lora_form: 'peft' is not one of 'merged', 'adapter'"):
-        WeightSync("disk", root="versions", lora_form="peft")
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", lora_form="adapter"),
+     r"lora_form: 'adapter' writes PEFT folders .* use mode='disk', or lora_form='merged'"),
+    (dict(lora_form="peft"), r"lora_form: 'peft' is not one of 'merged', 'adapter'"),
+    (dict(mode="colocated", engine_url="127.0.0.1:30000"), r"engine_url: '127.0.0.1:30000' is not an HTTP address"),
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", root="versions"), r"root: mode 'colocated' .* writes "
+                                                                                 r"nothing under root"),
+    (dict(keep_last=1.5), r"keep_last: 1.5 must be an integer >= 1"),
+    (dict(every_n_steps=True), r"every_n_steps: True must be an integer >= 1"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", backend="mpi"), r"backend: 'mpi' is not one of"),
+    (dict(delta="no"), r"delta: 'no' must be true or false"),
+    (dict(probe={"batches": 2}), r"probe: \{'batches': 2\} is not a DraftProbe"),
+])
+def test_bad_options_are_refused_naming_the_field_and_the_fix(options, message):
+    options = {"mode": "disk", **options}
+    with pytest.raises(ValueError, match=message):
+        WeightSync(**({"root": "versions"} if options["mode"] == "disk" else {}), **options)
+
+
+@pytest.mark.parametrize(("module_kwargs", "options", "message"), [
+    ({"enable_mtp": False}, dict(probe="probe"), r"probe: DraftProbe measures the draft \(MTP\) head, but SFTModule "
+                                                 r"has none \(enable_mtp: false\)"),
+    ({}, dict(lora_form="adapter"), r"lora_form: 'adapter' writes the LoRA adapters, but this run trains none"),
+])
+def test_a_probe_without_a_draft_head_and_adapters_without_lora_are_refused_before_the_model_is_built(
+        process_group, checkpoint, tmp_path, module_kwargs, options, message):
+    from lightning_megatron import DraftProbe
+
+    if options.get("probe"):
+        options = {**options, "probe": DraftProbe(batches=1)}
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"), **options)
+    with pytest.raises(ValueError, match=message):
+        fit_with_syncs(tmp_path, checkpoint, [sync], None, steps=1, module_kwargs=module_kwargs, **MTP_BRIDGE)
+    assert not (tmp_path / "versions").exists()
 
 
 class ProbeAgain(pl.Callback):
@@ -286,6 +387,20 @@ def test_each_version_carries_the_draft_acceptance_the_probe_measured_on_its_wei
     assert [seen["engine"]["base_version"] for seen in again.seen] == [None, 1, 2]
     first, last = (seen["again"]["sampled"][0] for seen in (again.seen[0], again.seen[-1]))
     assert first != last  # the head trained between the versions, and the record follows it
+
+
+def test_a_probe_set_of_its_own_gets_the_runs_data_settings(process_group, checkpoint, tmp_path):
+    """`DraftProbe(datamodule=SFTDataModule(val_path=...))` as a config names it: the tokenizer's checkpoint and the
+    microbatch rows come from the strategy, as for the trainer's own data module."""
+    from lightning_megatron import DraftProbe, SFTDataModule
+
+    rows = SFTDataModule(val_path=str(Path(__file__).resolve().parents[2] / "configs/data/tiny_sft_val.jsonl"),
+                         seq_length=128)
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"), probe=DraftProbe(batches=1,
+                                                                                               datamodule=rows))
+    fit_with_syncs(tmp_path, checkpoint, [sync], None, steps=1, **MTP_BRIDGE)
+    recorded = served_version(tmp_path / "versions")["draft_acceptance"]
+    assert recorded["batches"] == 1 and recorded["positions"] > 0
 
 
 def _distributed_delta_syncs(rank: int, world_size: int, workdir: str, checkpoint: str,

@@ -342,3 +342,18 @@ def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_
     assert post_json(f"{url}/model_info", {}, 60)["model_path"] == str(original.resolve())
     served = receiver_tensors(url, sorted(source))
     assert [name for name, tensor in source.items() if not torch.equal(served[name], tensor)] == []
+
+
+def test_a_shared_memory_bucket_never_closed_is_unlinked_when_collected():
+    """A colocated sync on demand after fit has no teardown to close its sender: its staging file in shared memory
+    goes when the sender is collected (or the process exits), not never."""
+    import gc
+
+    from lightning_megatron.serving.protocol import SharedBuffer
+
+    buffer = SharedBuffer(64, torch.device("cpu"))
+    path = buffer.path
+    assert path is not None and path.exists()
+    del buffer
+    gc.collect()
+    assert not path.exists()

@@ -84,9 +84,9 @@ def fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = Tru
         dataset: Any = None, lr: float = LR, module_kwargs: dict | None = None, callbacks: tuple = (),
         skip_main_head_backward: bool = True, loss_chunk_tokens: int | None = 8, validate_every: int | None = None,
         log_lm_loss_every_n_steps: int | None = 1, logger: Logger | None = None, log_every_n_steps: int = 1,
-        **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
+        trainer_kwargs: dict | None = None, **strategy_kwargs: Any) -> tuple[Snapshot, pl.Trainer]:
     """`steps` optimizer steps of the tiny model through `MegatronStrategy` on CPU fp32, MTP-only unless `mtp_only` is
-    false; the run's `Snapshot` and trainer."""
+    false; the run's `Snapshot` and trainer (`trainer_kwargs`: more `Trainer` arguments)."""
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot = Snapshot()
@@ -99,7 +99,7 @@ def fit(tmp_path: Path, hf_checkpoint: Path, steps: int, *, mtp_only: bool = Tru
                          devices=devices, max_steps=steps, logger=logger or False, enable_checkpointing=False,
                          log_every_n_steps=log_every_n_steps,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=callbacks, **(validation if validate_every else {}))
+                         callbacks=callbacks, **(validation if validate_every else {}) | (trainer_kwargs or {}))
     # MTP-only detaches the head, as the MTP-only configs do (it then logs grad_norm_mtp)
     module = SFTModule(**({"enable_mtp": True, "lr": lr, "mtp_detach_heads": mtp_only} | (module_kwargs or {})))
     dataset = dataset or RandomTokenDataset(SAMPLES, SEQ, VOCAB)

@@ -33,7 +33,7 @@ from lightning_megatron.mtp.probe import DraftAcceptance, DraftProbe
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
-from tests.mtp._helpers import SEQ, VOCAB, block_logits, fit
+from tests.mtp._helpers import SAMPLES, SEQ, VOCAB, block_logits, fit
 from tests.test_context_parallel import SequencesDataset
 
 TEMPERATURE, DEPTHS, ROWS = 0.7, 2, 4
@@ -245,6 +245,8 @@ def test_the_probe_leaves_training_as_it_was(process_group, checkpoints, tmp_pat
     ({"temperature": 0.0}, r"temperature: 0.0 must be finite and > 0"),
     ({"temperature": -1.0}, r"temperature: -1.0 must be finite and > 0"),
     ({"temperature": math.inf}, r"temperature: inf must be finite and > 0"),
+    ({"temperature": "0.7"}, r"temperature: '0.7' must be finite and > 0"),
+    ({"datamodule": DataLoader([])}, r"datamodule: DataLoader is not a LightningDataModule"),
 ])
 def test_bad_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
@@ -278,3 +280,37 @@ def test_the_record_round_trips_through_json_and_names_its_metrics():
                                         "draft_acceptance/probe_seconds"}
     with pytest.raises(ValueError, match=r"without \['seconds'\]"):
         DraftAcceptance.from_json({key: value for key, value in record.items() if key != "seconds"})
+
+
+class ProbeNamedRowsAtTheEnd(pl.Callback):
+    """When training ends, on the weights of the last sync: a probe of `rows` named as its data module."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.rows = rows
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.result = DraftProbe(batches=1, temperature=TEMPERATURE, datamodule=self.rows).measure(trainer, pl_module)
+
+
+def test_a_sync_before_the_first_validation_probes_the_loaders_given_to_fit_and_none_is_refused_at_fit_start(
+        process_group, checkpoints, tmp_path):
+    """Lightning sets the validation loaders up when training starts only if the first epoch validates: a sync before
+    any validation (here in the first epoch of validation every second epoch, no sanity check) probes the loaders
+    `fit` was given, the same rows as when named; a run with nothing to probe is refused when fit starts, before any
+    step."""
+    from lightning_megatron.callbacks import WeightSync
+    from lightning_megatron.serving import served_version
+
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"),
+                      probe=DraftProbe(batches=1, temperature=TEMPERATURE))
+    named = ProbeNamedRowsAtTheEnd(Rows(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=2))
+    fit(tmp_path / "given", checkpoints["qwen3_mtp"], 1, validate_every=8, callbacks=(sync, named),
+        trainer_kwargs={"check_val_every_n_epoch": 2})
+    recorded = DraftAcceptance.from_json(served_version(tmp_path / "versions")["draft_acceptance"])
+    assert (recorded.batches, recorded.positions) == (1, named.result.positions) and recorded.positions > 0
+    assert (recorded.greedy, recorded.sampled) == (named.result.greedy, named.result.sampled)
+
+    unprobed = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "unprobed"), probe=DraftProbe(batches=1))
+    steps = pl.callbacks.LambdaCallback(on_train_batch_start=lambda *args: pytest.fail("a step ran"))
+    with pytest.raises(ValueError, match=r"no validation data to probe.*DraftProbe\(datamodule=\.\.\.\)"):
+        fit(tmp_path / "none", checkpoints["qwen3_mtp"], 1, callbacks=(unprobed, steps))

@@ -52,9 +52,10 @@ class DecoderLayerCalls(pl.Callback):
 def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, epochs: int = 2,
          log_every_n_steps: int = 1, accelerator: str = "cpu", cuda_graph_trunk: bool | None = None,
          callbacks: tuple[pl.Callback, ...] = (), module_kwargs: dict[str, Any] | None = None,
-         **strategy_kwargs: Any) -> dict[str, Any]:
+         callbacks_before: tuple[pl.Callback, ...] = (), **strategy_kwargs: Any) -> dict[str, Any]:
     """`log_every_n_steps` 1: every step's lm_loss is computed (from the cached hidden states in a cached step);
-    larger: the main head is skipped on the steps in between (MTPOnlyCallback's on-demand main head)."""
+    larger: the main head is skipped on the steps in between (MTPOnlyCallback's on-demand main head).
+    `callbacks_before`: callbacks whose hooks run before MTPOnlyCallback's (`callbacks`: after)."""
     options = dict(bridge_type="megatron-bridge", micro_batch_size=2, global_batch_size=4, precision="fp32",
                    use_distributed_optimizer=False) | strategy_kwargs
     snapshot, layers = Snapshot(), DecoderLayerCalls()
@@ -65,7 +66,7 @@ def _fit(root: Path, checkpoint: Path, *, cache: Path | None, data: Any = None, 
                              "pipeline_model_parallel_size", 1),
                          max_epochs=epochs, log_every_n_steps=log_every_n_steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=root, callbacks=[snapshot, layers, mtp_only, *callbacks])
+                         default_root_dir=root, callbacks=[snapshot, layers, *callbacks_before, mtp_only, *callbacks])
     if data is None:  # shuffled: the second epoch meets the samples in another order
         data = DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=options["micro_batch_size"],
                           shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
@@ -110,6 +111,27 @@ def test_two_epochs_from_the_cache_equal_two_epochs_without_it(process_group, ch
         with pytest.raises(TrunkCacheMismatch, match=changed) as refusal:
             _fit(tmp_path / "refused", cache=tmp_path / "cache", **run)
         assert manifest["frozen_weights"] in str(refusal.value) and manifest["data"] in str(refusal.value)
+
+
+def test_a_draft_probe_in_the_middle_of_a_cached_step_measures_its_own_rows_and_leaves_the_step_alone(
+        process_group, checkpoint, tmp_path):
+    """A weight sync whose callback runs before MTPOnlyCallback's probes the head while a cached step is planned:
+    its forwards (no autograd) are not the step's, so they read no cached trunk state and count no step forward (the
+    cache checks the step's forward count at its end); every version records what the same probe measures on the
+    same weights once the step is over."""
+    from lightning_megatron import DraftProbe, WeightSync
+    from lightning_megatron.serving import served_version
+    from tests.mtp.test_probe import TEMPERATURE, ProbeNamedRowsAtTheEnd, Rows
+
+    rows = Rows(RandomTokenDataset(4, SEQ, VOCAB, seed=5), batch_size=2)
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "versions"),
+                      probe=DraftProbe(batches=1, temperature=TEMPERATURE, datamodule=rows))
+    after = ProbeNamedRowsAtTheEnd(rows)
+    cached = _fit(tmp_path / "cached", checkpoint, cache=tmp_path / "cache", callbacks_before=(sync,),
+                  callbacks=(after,))
+    assert cached["cache"]["read"] > 0 and sync.version == cached["steps"] > 2
+    recorded = served_version(tmp_path / "versions")["draft_acceptance"]
+    assert {**recorded, "seconds": 0} == {**after.result.as_json(), "seconds": 0}
 
 
 def test_serving_weighted_self_distillation_from_the_cache_equals_it_without_the_cache(process_group, checkpoint,

@@ -54,3 +54,15 @@ def test_the_drift_benchmark_measures_every_way_each_round_with_its_cost(early_r
     assert statement["within_tolerance"] == [way for way in WAYS
                                              if statement["ways"][way]["largest_shortfall"] <= 0.02]
     assert (out / "mtp_drift.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flags", [["--rounds", "0"], ["--refresh-steps", "0"], ["--converged-steps", "-2"]])
+def test_a_count_below_one_is_refused_naming_its_flag_before_anything_runs(tmp_path, capsys, flags) -> None:
+    """0 is not "the size's default" (which leaving the flag out gives)."""
+    from lightning_megatron.recipes.mtp_drift import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "out"), "--size", "cpu", *flags])
+    assert exited.value.code == 2
+    assert f"{flags[0]}: {flags[1]} must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

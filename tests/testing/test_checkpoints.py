@@ -13,7 +13,14 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_megatron.families import LANGUAGE_MODEL_TYPES, MODEL_FAMILIES, text_model_config
+from lightning_megatron.families import (
+    LANGUAGE_MODEL_TYPES,
+    MODEL_FAMILIES,
+    checkpoint_mtp_layers,
+    is_hf_mtp_tensor,
+    mtp_names,
+    text_model_config,
+)
 from lightning_megatron.testing.checkpoints import FAMILIES, make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
 
@@ -431,3 +438,41 @@ def test_qwen3_5_moe_packs_its_decoder_experts_but_not_its_mtp_layers(checkpoint
     assert "mtp.layers.0.mlp.experts.gate_up_proj" not in tensors
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in tensors
     assert tensors["mtp.layers.0.self_attn.q_proj.weight"].shape == (2 * 64, 64)  # queries and output gates
+
+
+CONFIG_VARIATIONS = {  # (family, make_tiny_checkpoint arguments): the published checkpoints' variations
+    "qwen3_5-0.8b": ("qwen3_5", dict(tied=True, num_layers=4, head_dim=32, config=dict(
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=4, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8))),
+    "qwen3_5_moe-35b": ("qwen3_5_moe_text", dict(config=dict(linear_num_key_heads=2, linear_num_value_heads=4,
+                                                             linear_key_head_dim=8, linear_value_head_dim=12))),
+    "glm-4.6": ("glm4_moe", dict(head_dim=32, config=dict(use_qk_norm=True, num_nextn_predict_layers=2))),
+    "moonlight": ("deepseek_v3", dict(config=dict(q_lora_rank=None, n_shared_experts=2,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 5e4}))),
+}
+
+
+@pytest.mark.parametrize("variation", CONFIG_VARIATIONS)
+def test_config_variations_load_in_transformers_with_every_tensor(tmp_path: Path, variation: str) -> None:
+    """`make_tiny_checkpoint(config=...)`: the tensors follow the varied fields (transformers loads every tensor of
+    the main model, misses none) and MTP layers are written as many as declared."""
+    family, arguments = CONFIG_VARIATIONS[variation]
+    path = make_tiny_checkpoint(tmp_path / variation, family, mtp=True, **arguments)
+    config = text_model_config(json.loads((path / "config.json").read_text()))
+    for key, value in arguments["config"].items():
+        assert config.get(key, config["rope_parameters"].get(key)) == value, key
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    names = set(load_file(path / "model.safetensors"))
+    assert all(is_hf_mtp_tensor(name, config) or name.startswith("model.visual.") for name in info["unexpected_keys"])
+    assert {name for name in names if is_hf_mtp_tensor(name, config)} >= {
+        mtp_names(family).head(i, config)["projection"] for i in range(checkpoint_mtp_layers(config))}
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()
+
+
+def test_config_variations_refuse_fields_the_maker_does_not_vary(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config: \['hidden_act'\] are not fields make_tiny_checkpoint varies"):
+        make_tiny_checkpoint(tmp_path / "a", "glm4_moe", config={"hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="an MTP layer count needs mtp=True"):
+        make_tiny_checkpoint(tmp_path / "b", "glm4_moe", config={"num_nextn_predict_layers": 2})
