@@ -37,8 +37,9 @@ MAX_SEQLEN = "max_seqlen"
 SUBTREE_END = "subtree_end"
 
 
-def check_microbatch(microbatch: Microbatch, context_parallel_size: int = 1) -> None:
-    """Raise, naming the field and the fix, on a microbatch the attention core and the CP split cannot serve."""
+def check_microbatch(microbatch: Microbatch, context_parallel_size: int = 1, sequence_parallel_size: int = 1) -> None:
+    """Raise, naming the field and the fix, on a microbatch the attention core, the CP split and sequence parallelism
+    (`sequence_parallel_size`: the TP size under `sequence_parallel`, 1 without) cannot serve."""
     input_ids = microbatch.get("input_ids")
     if input_ids is None or input_ids.dim() != 2:
         raise ValueError("input_ids: every microbatch needs a [micro_batch_size, seq_length] input_ids tensor")
@@ -71,6 +72,12 @@ def check_microbatch(microbatch: Microbatch, context_parallel_size: int = 1) -> 
     elif context_parallel_size > 1 and seq_length % alignment:
         raise ValueError(f"seq_length: {seq_length} is not a multiple of 2 x context_parallel_size = {alignment}; "
                          f"pad the rows to a multiple of {alignment}")
+    if sequence_parallel_size > 1 and seq_length % (context_parallel_size * sequence_parallel_size):
+        cut = f" of each context-parallel rank (context_parallel_size: {context_parallel_size})" * (
+            context_parallel_size > 1)
+        raise ValueError(f"seq_length: {seq_length}: sequence_parallel splits the tokens{cut} over "
+                         f"tensor_model_parallel_size = {sequence_parallel_size} ranks; use a seq_length that is a "
+                         f"multiple of {context_parallel_size * sequence_parallel_size}, or sequence_parallel: false")
     if SUBTREE_END in microbatch:
         if packed:
             raise ValueError("subtree_end: a tree row carries its structure in subtree_end alone; drop cu_seqlens")

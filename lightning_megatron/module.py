@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_megatron.contract import MegatronLightningModule
 from lightning_megatron.generate import eos_token_ids, greedy_continuations
@@ -38,7 +39,7 @@ from lightning_megatron.mtp.self_distill import (
     use_mtp_depth_scales,
 )
 from lightning_megatron.mtp.skip_main_head import main_loss_skipped
-from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, depth_divergence
+from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, check_mtp_loss_options, depth_divergence
 from lightning_megatron.options import ModelOptions
 
 
@@ -53,6 +54,17 @@ def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> L
     if main_loss_skipped(per_token_loss):
         return loss_sum, num_tokens, {}
     return loss_sum, num_tokens, {"lm_loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+
+def _spans(numbers: list[int]) -> str:
+    """Ascending integers as runs: [1, 3, 4, 5] -> "1, 3-5"."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
@@ -154,20 +166,20 @@ class SFTModule(MegatronLightningModule):
                             ("mtp_sampling_temperature", mtp_sampling_temperature)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: {value} must be finite and > 0 (1.0: the target's own distribution)")
-        if mtp_loss_type in ("tv", "tv_kl") and mtp_distill_temperature != 1.0:
-            raise ValueError(f"mtp_distill_temperature: {mtp_distill_temperature} is self_distill's teacher "
-                             f"temperature; mtp_loss_type: {mtp_loss_type} compares both heads at "
-                             "mtp_sampling_temperature: set that one instead")
         self._depth_weights = normalized_depth_weights(mtp_depths, mtp_depth_weights)
         if mtp_depths > 1 and not self.enable_mtp_training:
             raise ValueError(f"mtp_depths: {mtp_depths} trains the MTP head at {mtp_depths} depths; it needs "
                              "enable_mtp: true with MTP training (enable_mtp_training unset or true)")
+        check_mtp_loss_options(mtp_loss_type, training=self.enable_mtp_training,
+                               distill_temperature=mtp_distill_temperature, distill_weighting=mtp_distill_weighting,
+                               tv_kl_decay=mtp_tv_kl_decay, depth_weights=mtp_depth_weights)
         self._divergence = (None if mtp_loss_type == "labels" else depth_divergence(
             mtp_loss_type, mtp_distill_temperature, mtp_sampling_temperature, mtp_tv_kl_decay))
         self.save_hyperparameters()
         self.val_mtp_acceptance = PooledAcceptance()
         self.val_mtp_sampled_acceptance = MTPSampledAcceptance()
         self._depth_loss_handles: list[Any] = []
+        self._warned_untrained_depths = False
         self.generation_eos_token_ids: set[int] = set()  # where predict stops; read in setup("predict")
 
     def model_options(self) -> ModelOptions:
@@ -196,6 +208,7 @@ class SFTModule(MegatronLightningModule):
                     parameter.requires_grad_(False)
         if self.enable_mtp_training and stage in ("fit", "validate"):
             clear_mtp_tracker()
+            self._warned_untrained_depths = False
             if self._divergence is not None:
                 self._depth_loss_handles = use_mtp_depth_loss(list(self.model), divergence=self._divergence,
                                                               distill_weighting=self.hparams.mtp_distill_weighting)
@@ -224,11 +237,23 @@ class SFTModule(MegatronLightningModule):
             self.log("lm_loss", loss, prog_bar=True)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
-            mtp_metrics = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device, self._depth_weights)
+            mtp_metrics, untrained = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device,
+                                                                self._depth_weights)
             for name, value in mtp_metrics.items():
                 self.log(name, value, prog_bar=name == "mtp_loss")
             loss = mtp_metrics["mtp_loss"] if loss is None else loss
+            if untrained and self.enable_mtp_training:
+                self._warn_untrained_depths(untrained)
         return loss
+
+    def _warn_untrained_depths(self, untrained: list[int]) -> None:
+        """Once per fit: depths the step's rows held no trained token for (their logged losses read 0)."""
+        if self._warned_untrained_depths:
+            return
+        self._warned_untrained_depths = True
+        rank_zero_warn(f"mtp_depths: {self.hparams.mtp_depths}: depth(s) {_spans(untrained)} had no trained token in "
+                       f"step {self.global_step}'s rows (depth k trains token t + k + 1 of the same sequence); their "
+                       "logged losses read 0. Lower mtp_depths, or train on longer sequences (said once per fit)")
 
     def _log_moe_aux_loss(self, num_microbatches: int) -> None:
         """`moe_aux_loss`: the routers' load-balancing loss (before its coefficient), apart from `lm_loss`."""
@@ -249,9 +274,21 @@ class SFTModule(MegatronLightningModule):
         # already reduced over the ranks by the strategy: sync_dist averages equal values (one scalar per epoch)
         self.log("val_lm_loss", metrics["lm_loss"], prog_bar=True, sync_dist=True)
         if self.enable_mtp:
+            self._count_nothing_off_the_last_stage()
             self.log("val_mtp_acceptance", self.val_mtp_acceptance, on_step=False, on_epoch=True, prog_bar=True)
             self.log("val_mtp_sampled_acceptance", self.val_mtp_sampled_acceptance, on_step=False, on_epoch=True)
         return metrics["lm_loss"]
+
+    def _count_nothing_off_the_last_stage(self) -> None:
+        """A pipeline stage without the MTP head adds an empty update to the pooled acceptance sums: the sums are
+        unchanged, and torchmetrics, which warns on global rank 0 (a first stage) when `compute` follows no update,
+        has nothing to say that a user could act on."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            nothing = torch.zeros(0, device=self.megatron_strategy.root_device)
+            self.val_mtp_acceptance.update(nothing, nothing)
+            self.val_mtp_sampled_acceptance.update(nothing, nothing)
 
     def _loss_func_counting_acceptance(self, capture: DraftCapture, microbatch: Microbatch,
                                        output: torch.Tensor) -> LossOutput:

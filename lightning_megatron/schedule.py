@@ -163,9 +163,13 @@ def run_schedule(
     graph = None if forward_only else graph
     if graph is not None:
         microbatches = graph.static_microbatches(microbatches)
+    from megatron.core.utils import get_model_config
+
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    sp_size = parallel_state.get_tensor_model_parallel_world_size() if get_model_config(
+        model_chunks[0]).sequence_parallel else 1
     for microbatch in microbatches:  # bad layouts fail here, before any forward pass of the step
-        check_microbatch(microbatch, cp_size)
+        check_microbatch(microbatch, cp_size, sp_size)
 
     def megatron_forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple:
         microbatch = next(data_iterator)

@@ -238,6 +238,19 @@ def test_bad_layouts_name_the_field_and_the_fix(microbatch, cp_size, message):
         check_microbatch(microbatch, cp_size)
 
 
+def test_rows_sequence_parallelism_cannot_split_name_seq_length():
+    """Megatron-Core's sequence-parallel scatter only asserts; a row of 18 tokens at TP=4 (or 12 at CP=2 x TP=4) is
+    named with the multiple it needs."""
+    rows = {key: value for key, value in _packed_microbatch([0, 18], 18).items() if key != "cu_seqlens"}
+    with pytest.raises(ValueError, match="seq_length: 18: sequence_parallel splits the tokens over "
+                                         "tensor_model_parallel_size = 4 ranks; use a seq_length that is a multiple "
+                                         "of 4, or sequence_parallel: false"):
+        check_microbatch(rows, 1, 4)
+    with pytest.raises(ValueError, match=r"seq_length: 12: .* of each context-parallel rank .*multiple of 8"):
+        check_microbatch(_packed_microbatch([0, 4, 12], 12), 2, 4)
+    check_microbatch(_packed_microbatch([0, 4, 16], 16), 2, 4)
+
+
 class BadRows(Dataset):
     """Packed rows whose cu_seqlens stop short of the row."""
 

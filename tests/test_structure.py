@@ -331,6 +331,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("schedule.py", "drop_last"): LOADER,
     ("schedule.py", "set_epoch"): LOADER,
     ("serving/protocol.py", "abort"): "a torch process group: only some backends can abort",
+    ("speculative/decode.py", "layer_types"): "an HF text config: GLM-4.5's and DeepSeek-V3's declare no layer types",
     ("tree_rotary.py", "mtp_process"): MEGATRON,
     ("tree_rotary.py", "rotary_pos_emb"): MEGATRON,
     ("tree_rotary.py", "position_embedding_type"): MEGATRON,

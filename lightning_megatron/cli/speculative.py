@@ -39,11 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="HF checkpoint folder with an MTP head (Qwen3 mtp.* or MiMo)")
     parser.add_argument("prompts", type=Path, help='JSONL, one {"prompt": str} or {"messages": [...]} per line')
     parser.add_argument("--out", type=Path, required=True, help="folder for report.json and speculative.png")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=_at_least_one, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                         help="float32 keeps both decoders' argmax identical; lower precision may break ties apart")
-    parser.add_argument("--draft-tokens", type=int, nargs="+", default=list(DRAFT_TOKENS), metavar="K",
+    parser.add_argument("--draft-tokens", type=_at_least_one, nargs="+", default=list(DRAFT_TOKENS), metavar="K",
                         help="draft tokens per step to report (the MTP head reapplied to its own output)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature of the sampled runs; 0: greedy verification (a draft stands iff "
@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.temperature < 0:
         parser.error(f"--temperature {args.temperature} must be >= 0 (0: greedy verification)")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p {args.top_p} must be in (0, 1] (1.0: all tokens)")
 
     report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
                                 device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,
@@ -86,7 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _at_least_one(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (at least 1)") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value

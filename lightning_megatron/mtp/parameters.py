@@ -97,6 +97,8 @@ def normalized_depth_weights(mtp_depths: int, weights: Sequence[float] | None) -
     if not all(math.isfinite(weight) and weight >= 0 for weight in weights) or sum(weights) <= 0:
         raise ValueError(f"mtp_depth_weights: {weights} must be finite, >= 0 and not all 0 (only their ratios "
                          "matter: mtp_loss_scaling_factor is the MTP loss's overall weight)")
+    largest = max(weights)  # first, so that huge weights do not sum to infinity
+    weights = [weight / largest for weight in weights]
     return tuple(weight / sum(weights) for weight in weights)
 
 
@@ -108,9 +110,12 @@ def clear_mtp_tracker() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
-def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device,
-                               depth_weights: Sequence[float] = (1.0,)) -> dict[str, torch.Tensor]:
-    """Megatron-Core's process-global MTP tracker (summed over microbatches until cleaned), as per-step metrics.
+def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device, depth_weights: Sequence[float] = (1.0,)
+                               ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Megatron-Core's process-global MTP tracker (summed over microbatches until cleaned), as per-step metrics, and
+    the depths (1..) that had no trained token in the whole step (over every rank): rows or sequences too short for
+    them, whose logged losses read 0 (a microbatch without a token at a depth counts 0 in its mean, as Megatron-LM
+    logs it).
 
     `mtp_loss`: per depth, the mean over microbatches of each microbatch's masked MTP loss (unscaled), averaged over
     data-parallel ranks; then the mean over depths by `depth_weights` (`mtp_depth_weights`: the loss trained, before
@@ -145,4 +150,4 @@ def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device,
         for depth in range(depths):
             metrics[f"mtp_loss_depth_{depth + 1}"] = losses[depth].float()
             metrics[f"mtp_accuracy_depth_{depth + 1}"] = (values[1, depth] / values[2, depth].clamp(min=1)).float()
-    return metrics
+    return metrics, [depth + 1 for depth, tokens in enumerate(values[2].tolist()) if tokens == 0]

@@ -36,6 +36,7 @@ blend and constant of vLLM speculators' `lk_hybrid`), trains a reset head (alpha
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -136,6 +137,33 @@ class TVKLHybrid:
         gradient = _tv_gradient(log_q, q, mask, draft_mass).mul_((1 - kl_share).unsqueeze(-1))
         gradient.add_(torch.sub(q, p, out=log_p).mul_(kl_share.unsqueeze(-1)))
         return loss, gradient if self.temperature == 1.0 else gradient.div_(self.temperature)
+
+
+def check_mtp_loss_options(loss_type: MTPLossType, *, training: bool, distill_temperature: float = 1.0,
+                           distill_weighting: str = "uniform", tv_kl_decay: float = DEFAULT_TV_KL_DECAY,
+                           depth_weights: Sequence[float] | None = None) -> None:
+    """Refuse an option, set away from its default, that the chosen MTP training would ignore: a run that silently
+    trains something else than the config says is worse than one that does not start."""
+    set_away = {name: value for name, value, default in (
+        ("mtp_loss_type", loss_type, "labels"), ("mtp_distill_temperature", distill_temperature, 1.0),
+        ("mtp_distill_weighting", distill_weighting, "uniform"), ("mtp_tv_kl_decay", tv_kl_decay, DEFAULT_TV_KL_DECAY),
+        ("mtp_depth_weights", depth_weights, None)) if value != default}
+    if set_away and not training:
+        name, value = next(iter(set_away.items()))
+        raise ValueError(f"{name}: {value} sets how the MTP head trains, and this module does not train it; set "
+                         f"enable_mtp: true (enable_mtp_training unset or true), or leave {name} unset")
+    if "mtp_distill_temperature" in set_away and loss_type != "self_distill":
+        compared = ("compares both heads at mtp_sampling_temperature: set that one instead" if loss_type != "labels"
+                    else "has no teacher: set mtp_loss_type: self_distill, or leave it at 1.0")
+        raise ValueError(f"mtp_distill_temperature: {distill_temperature} is self_distill's teacher temperature; "
+                         f"mtp_loss_type: {loss_type} {compared}")
+    if "mtp_distill_weighting" in set_away and loss_type == "labels":
+        raise ValueError(f"mtp_distill_weighting: {distill_weighting} weighs the positions of the self_distill, tv "
+                         "and tv_kl losses; mtp_loss_type: labels takes none: set one of those, or leave it uniform")
+    if "mtp_tv_kl_decay" in set_away and loss_type != "tv_kl":
+        raise ValueError(f"mtp_tv_kl_decay: {tv_kl_decay} sets the KL share of mtp_loss_type: tv_kl; "
+                         f"mtp_loss_type: {loss_type} has none: set mtp_loss_type: tv_kl, or leave it at "
+                         f"{DEFAULT_TV_KL_DECAY}")
 
 
 def depth_divergence(loss_type: MTPLossType, distill_temperature: float = 1.0, sampling_temperature: float = 1.0,

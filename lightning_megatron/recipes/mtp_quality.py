@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -145,12 +146,23 @@ def main(argv: list[str] | None = None) -> int:
                         "how a server feeds the MTP layer its input token (greedy: only the main head's argmax; "
                         "sampled: by its probability)")
     args = parser.parse_args(argv)
-    if args.distill_steps is not None and args.distill_steps < 1:
-        parser.error(f"--distill-steps: {args.distill_steps} must be at least 1")
+    for flag, value in (("--joint-steps", args.joint_steps), ("--mtp-only-steps", args.mtp_only_steps),
+                        ("--distill-steps", args.distill_steps)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}: {value} must be at least 1 (leave it out for the size's default)")
+    if not (math.isfinite(args.distill_temperature) and args.distill_temperature > 0):
+        parser.error(f"--distill-temperature: {args.distill_temperature} must be finite and > 0 (1.0: the main "
+                     "head's own distribution)")
     out, size = args.out.resolve(), args.size
     chosen = list(dict.fromkeys(args.variants or DEFAULT_VARIANTS[size]))
     if args.trunk_cache and "self_distill" not in chosen:
         parser.error("--trunk-cache compares with (a): add self_distill to --variants")
+    if args.distill_temperature != 1.0 and not any(VARIANTS[name].loss_type == "self_distill" for name in chosen):
+        parser.error(f"--distill-temperature {args.distill_temperature} is (a)'s and (a+)'s teacher temperature, and "
+                     f"neither runs: add self_distill or {LONG_VARIANT} to --variants, or leave it out")
+    if args.distill_weighting != "uniform" and not any(VARIANTS[name].distills for name in chosen):
+        parser.error(f"--distill-weighting {args.distill_weighting} weighs the distillation and TV variants' "
+                     "positions, and none runs: add one to --variants, or leave it out")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     timings: dict[str, float] = {}

@@ -131,7 +131,7 @@ def decode_batch(
         raise ValueError(f"num_draft_tokens: {num_draft_tokens} must be at least 1 (or decode without a head)")
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"generators: {len(generators)} given for {len(prompts)} prompts; give one per prompt")
-    if len(prompts) > 1 and "sliding_attention" in (target.config.layer_types or ()):
+    if len(prompts) > 1 and "sliding_attention" in (getattr(target.config, "layer_types", None) or ()):
         raise ValueError("this target has sliding-window attention layers, whose windows the batch's shared cache "
                          "slots would shift: decode its prompts one at a time (batch size 1)")
     rows = [_Row(index, list(prompt), None if generators is None else generators[index])

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -113,6 +114,35 @@ def _mtp_layer_kind(config: PretrainedConfig, names: MTPNames) -> int:
     return names.index(0, config.to_dict())
 
 
+# what transformers says while loading these checkpoints that a user can do nothing about: the MTP tensors as
+# unexpected (its classes have no MTP module; `load_target` checks them), "layers not sharded" (its tensor-parallel
+# plan check, which `modeling_utils` runs whenever its own logger is quieted; one device shards nothing) and, reading
+# MiMo's config for the tokenizer, "a model of type `mimo`"
+_LOADING_LOGGERS = ("transformers.modeling_utils", "transformers.integrations.tensor_parallel",
+                    "transformers.configuration_utils")
+
+
+@contextmanager
+def quiet_loading(progress_bar: bool = True) -> Iterator[None]:
+    """transformers' loading messages above at ERROR only, and its per-tensor progress bar unless `progress_bar`."""
+    from transformers.utils import logging as hf_logging
+
+    loggers = [logging.getLogger(name) for name in _LOADING_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    if not progress_bar:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_target(
     hf_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
@@ -123,11 +153,7 @@ def load_target(
     """
     hf_path = Path(hf_path)
     raw_config = _read_config(hf_path)
-    # transformers reports the MTP tensors as unexpected (its classes have no MTP module); they are checked here.
-    modeling_logger = logging.getLogger("transformers.modeling_utils")
-    level = modeling_logger.level
-    modeling_logger.setLevel(logging.ERROR)
-    try:
+    with quiet_loading():
         if raw_config.get("model_type") == "mimo":
             from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -137,8 +163,6 @@ def load_target(
             )
         else:
             model, info = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype, output_loading_info=True)
-    finally:
-        modeling_logger.setLevel(level)
     not_mtp = [name for name in info["unexpected_keys"] if not name.startswith(mtp_prefixes(raw_config))]
     if info["missing_keys"] or info["mismatched_keys"] or not_mtp:
         raise ValueError(

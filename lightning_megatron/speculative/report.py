@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from lightning_megatron.atomic import write_file_atomically, write_text_atomically
 from lightning_megatron.generate import eos_token_ids
 from lightning_megatron.speculative.decode import Decoded, decode_batch
-from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head, load_target
+from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head, load_target, quiet_loading
 from lightning_megatron.speculative.progress import Progress
 from lightning_megatron.speculative.sampling import GREEDY, Sampling
 from lightning_megatron.speculative.stats import acceptance_counts, accepted_length_counts, ratio_interval
@@ -205,9 +205,10 @@ def measure_checkpoint(
     Loads the target and its MTP head, encodes ``prompts`` as :func:`encode_prompt` does and runs :func:`measure`.
     """
     hf_path = Path(hf_path)
-    target = load_target(hf_path, dtype=dtype, device=device)
-    head = load_mtp_head(hf_path, target)
-    tokenizer = AutoTokenizer.from_pretrained(hf_path, trust_remote_code=False)
+    with quiet_loading(progress_bar=progress is not None):
+        target = load_target(hf_path, dtype=dtype, device=device)
+        head = load_mtp_head(hf_path, target)
+        tokenizer = AutoTokenizer.from_pretrained(hf_path, trust_remote_code=False)
     eos = eos_token_ids(hf_path, tokenizer)
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     report = {

@@ -39,6 +39,7 @@ from lightning_megatron.speculative import greedy_decode, load_mtp_head, load_ta
 from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._distributed import run_distributed
 from tests.mtp.test_mtp import _expect_rejection
 from tests.mtp.test_restore import _split, _strip_mtp
@@ -56,6 +57,8 @@ def _options(loss_type: str, weights: list[float] | None) -> dict[str, Any]:
     options: dict[str, Any] = {"mtp_depths": DEPTHS, "mtp_depth_weights": weights, "mtp_loss_type": loss_type}
     if loss_type == "tv":  # both heads at the sampling temperature; the teacher-only one stays 1
         options |= {"mtp_distill_temperature": 1.0, "mtp_sampling_temperature": TEMPERATURE}
+    if loss_type == "labels":  # no teacher
+        options |= {"mtp_distill_temperature": 1.0}
     return options
 
 
@@ -305,6 +308,21 @@ def test_restore_mtp_and_k_token_drafts_read_the_export(k_depth_export, tmp_path
 def test_bad_depth_options_name_the_field_and_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SFTModule(**({"enable_mtp": True} | kwargs))
+
+
+def test_depths_the_rows_are_too_short_for_are_named(process_group, checkpoints, tmp_path):
+    """Rows of 4 tokens (the first a prompt) leave depth 3 one trained token and depths 4 and 5 none: the fit runs
+    and says which depths train nothing, whose logged losses read 0."""
+    with pytest.warns(UserWarning, match=r"mtp_depths: 5: depth\(s\) 4-5 had no trained token .*Lower mtp_depths"):
+        fit = _fit(tmp_path, checkpoints["qwen3"], RandomTokenDataset(2, 4, 384),
+                   module_kwargs=_options("labels", None) | {"mtp_depths": 5})
+    assert fit.metrics["mtp_loss_depth_5"] == fit.metrics["mtp_loss_depth_4"] == 0 < fit.metrics["mtp_loss_depth_3"]
+
+
+def test_huge_depth_weights_keep_their_ratios():
+    """Only the ratios count: weights whose sum overflows still share the MTP loss as they say."""
+    assert SFTModule(enable_mtp=True, mtp_depths=2, mtp_depth_weights=[1e308, 3e307])._depth_weights == \
+        pytest.approx((1 / 1.3, 0.3 / 1.3), rel=1e-12)
 
 
 def test_a_checkpoint_of_two_mtp_layers_is_still_refused_naming_mtp_depths(process_group, tmp_path):

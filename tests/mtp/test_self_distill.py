@@ -296,7 +296,7 @@ def test_temperature_to_zero_is_the_hard_label_loss_on_the_models_own_greedy_tex
     to T = 1e-6 is that label: loss and MTP gradients are the hard-label ones; at T = 1 they are not."""
     dataset = GreedyTextDataset(checkpoints[family])
     runs = {name: _fit(tmp_path / name, checkpoints[family], dataset, module_kwargs=kwargs)
-            for name, kwargs in {"labels": {"mtp_loss_type": "labels"},
+            for name, kwargs in {"labels": {"mtp_loss_type": "labels", "mtp_distill_temperature": 1.0},
                                  "cold": {"mtp_distill_temperature": 1e-6},
                                  "warm": {"mtp_distill_temperature": 1.0}}.items()}
     labels, cold, warm = runs["labels"], runs["cold"], runs["warm"]

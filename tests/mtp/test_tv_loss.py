@@ -277,3 +277,20 @@ def test_options_that_do_not_fit_the_tv_losses_are_refused_naming_the_field() ->
         SFTModule(enable_mtp=True, mtp_loss_type="tv", mtp_distill_temperature=0.5)
     with pytest.raises(ValueError, match="mtp_tv_kl_decay: -1.0 must be finite and >= 0"):
         SFTModule(enable_mtp=True, mtp_loss_type="tv_kl", mtp_tv_kl_decay=-1.0)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mtp_loss_type": "labels", "mtp_distill_temperature": 0.5},
+     "mtp_distill_temperature: 0.5 is self_distill's.*labels has no teacher"),
+    ({"mtp_loss_type": "labels", "mtp_distill_weighting": "greedy"},
+     "mtp_distill_weighting: greedy weighs .*labels takes none"),
+    ({"mtp_loss_type": "tv", "mtp_tv_kl_decay": 5.0}, "mtp_tv_kl_decay: 5.0 sets the KL share .*tv has none"),
+    ({"mtp_loss_type": "self_distill", "mtp_tv_kl_decay": 0.0}, "mtp_tv_kl_decay: 0.0 .*self_distill has none"),
+    ({"enable_mtp": False, "mtp_loss_type": "tv"}, "mtp_loss_type: tv sets how the MTP head trains, and this module "
+                                                   r"does not train it; set enable_mtp: true \(enable_mtp_training"),
+    ({"enable_mtp_training": False, "mtp_loss_type": "self_distill"}, "mtp_loss_type: self_distill sets how"),
+    ({"enable_mtp": False, "mtp_depth_weights": [2.0]}, r"mtp_depth_weights: \[2.0\] sets how the MTP head trains"),
+])
+def test_options_the_chosen_mtp_loss_would_ignore_are_refused_naming_the_field(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SFTModule(**({"enable_mtp": True} | kwargs))

@@ -69,3 +69,20 @@ def test_the_targets_compare_each_self_distilled_head_that_ran_with_the_heads_th
     assert _targets({"joint": joint, "self_distill": head(0.8, 0.4), "labels_continuations": c}) == {
         "self_distill_greedy_at_least_continuations": False, "self_distill_sampled_beats_continuations": False,
         "self_distill_greedy_over_joint": pytest.approx(0.8 / 0.7)}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--mtp-only-steps", "-1"], "--mtp-only-steps: -1 must be at least 1"),
+    (["--joint-steps", "0"], "--joint-steps: 0 must be at least 1"),
+    (["--distill-temperature", "0"], "--distill-temperature: 0.0 must be finite and > 0"),
+    (["--distill-temperature", "0.5", "--variants", "tv", "labels_continuations"],
+     "--distill-temperature 0.5 is (a)'s and (a+)'s teacher temperature, and neither runs"),
+    (["--distill-weighting", "greedy", "--variants", "labels_corpus"], "--distill-weighting greedy weighs"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, message) -> None:
+    from lightning_megatron.recipes.mtp_quality import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "out"), "--size", "cpu", *argv])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

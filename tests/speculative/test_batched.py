@@ -106,3 +106,17 @@ def test_inputs_are_checked_with_the_fix(model):
         decode_batch(target, [], 4, set())
     with pytest.raises(ValueError, match="num_draft_tokens: 0 must be at least 1"):
         decode_batch(target, PROMPTS[:2], 4, set(), head=head, num_draft_tokens=0)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_families_whose_config_has_no_layer_types_decode_in_batches(tmp_path, family):
+    """GLM-4.5's and DeepSeek-V3's configs declare no `layer_types` (no sliding window to refuse): a batch of their
+    prompts decodes, each as it decodes alone."""
+    path = make_tiny_checkpoint(tmp_path / family, family, mtp=True)
+    target = load_target(path)
+    head = load_mtp_head(path, target)
+    batched = decode_batch(target, PROMPTS[:3], 8, set(), head=head, num_draft_tokens=2)
+    alone = [decode_batch(target, [prompt], 8, set(), head=head, num_draft_tokens=2)[0] for prompt in PROMPTS[:3]]
+    assert [decoded.tokens for decoded in batched] == [decoded.tokens for decoded in alone]
+    assert [decoded.tokens for decoded in batched] == [greedy_decode(target, prompt, 8, set()).tokens
+                                                       for prompt in PROMPTS[:3]]

@@ -352,6 +352,13 @@ def test_cli_temperature_zero_is_greedy_verification(checkpoints, tmp_path, caps
     with pytest.raises(SystemExit):
         main([str(checkpoints["qwen3"]), str(prompts), "--out", str(tmp_path / "refused"), "--temperature", "-1"])
     assert "--temperature -1.0 must be >= 0 (0: greedy verification)" in capsys.readouterr().err
+    for flag, value, message in (("--draft-tokens", "0", "argument --draft-tokens: 0 must be at least 1"),
+                                  ("--max-new-tokens", "-2", "argument --max-new-tokens: -2 must be at least 1"),
+                                  ("--max-new-tokens", "x", "'x' is not a whole number"),
+                                  ("--top-p", "0", "--top-p 0.0 must be in (0, 1]")):
+        with pytest.raises(SystemExit):  # at parsing, before any model is loaded
+            main([str(tmp_path / "absent"), str(prompts), "--out", str(tmp_path / "refused"), flag, value])
+        assert message in capsys.readouterr().err
 
 
 def test_bad_inputs_name_the_problem(checkpoints, tmp_path):
@@ -365,3 +372,13 @@ def test_bad_inputs_name_the_problem(checkpoints, tmp_path):
     target = load_target(checkpoints["qwen3_no_mtp"])
     with pytest.raises(ValueError, match="has no MTP head.*mtp.fc.weight.*model.mtp_layers.0.input_proj.weight"):
         load_mtp_head(checkpoints["qwen3_no_mtp"], target)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mimo"])
+def test_a_quiet_report_prints_nothing_while_loading(checkpoints, capfd, family):
+    """Without progress, loading the target, its head and the tokenizer writes nothing: not transformers' "layers
+    not sharded" nor its per-tensor bar, nor MiMo's "a model of type `mimo`" (none of it asks anything of the user)."""
+    capfd.readouterr()
+    measure_checkpoint(checkpoints[family], [PROMPTS[0]], max_new_tokens=2, draft_tokens=(1,))
+    captured = capfd.readouterr()
+    assert (captured.out, captured.err) == ("", "")
