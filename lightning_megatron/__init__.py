@@ -7,6 +7,8 @@ cheap for tools that need only part of it.
 from __future__ import annotations
 
 import importlib
+import logging
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -22,6 +24,24 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
+
+
+class _ShownWhereLoggingIsNotConfigured(logging.Handler):
+    """Prints the package's records in a process that configured no logging, where Python's last resort would drop
+    everything below WARNING; once the root logger has a handler (a user's, or Megatron's `basicConfig`), the
+    records reach the user through it instead, so each is printed once either way."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            sys.stderr.write(self.format(record) + "\n")
+
+
+# What the package logs at INFO is meant to be read (`cuda_graph: auto`'s one line: what is graphed, or why not);
+# under the root logger's default WARNING it would never be made. `logging.getLogger("lightning_megatron")
+# .setLevel(logging.WARNING)` silences it.
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+_logger.addHandler(_ShownWhereLoggingIsNotConfigured())
 
 
 def __getattr__(name: str) -> Any:

@@ -62,59 +62,69 @@ from lightning_megatron.options import AttentionBackend, BridgeType, check_strat
 class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     """Train, evaluate and export an HF checkpoint with Megatron-Core's TP/PP/VPP/CP/EP/SP/DP under Lightning.
 
-    Batch sizes are Megatron's: each DP rank's dataloader yields `micro_batch_size` samples per batch and one
-    optimizer step consumes `global_batch_size` samples over all DP ranks (Lightning's `accumulate_grad_batches`
-    is replaced by `global_batch_size`, `gradient_clip_val` by `clip_grad`).
-    Checkpoints load under any parallel sizes; `checkpoint_optimizer_sharding: dp_reshardable` saves the
-    distributed optimizer without gathering it, and such a checkpoint resumes only with the same model-parallel sizes.
-    `async_save`: saves made while training write their shards in the background (`background_save.py`).
-    `cuda_graph`: training steps replayed from one captured CUDA graph (`cuda_graphs/full_iteration.py`), so that
-    the host no longer paces the GPU. `auto` (default): graphed where nothing in the run is in the way (one CUDA
-    device and one process, no pipeline, context or expert parallelism, no MoE, tree rows, MTP-only training or
-    dropout, the SDPA attention core, a module that sets `replayable_training_step`); otherwise, and on a CPU,
-    eager; either way said once in one log line, and a capture that fails falls back to eager for the rest of the
-    fit with a warning. Validation is always eager. `full_iteration`: the same graph, refusing (naming the fix)
-    what it cannot serve; `none`: always eager, silently. `cuda_graph_sequences_per_row`: the fixed count of
-    sequences packed rows are padded to inside the graph.
-    `optimizer_offload_fraction`: that fraction of the optimizer's fp32 master weights and Adam states in host memory,
-    stepped on the CPU (Megatron-Core's `HybridDeviceOptimizer`; GPU, bf16, distributed optimizer; `optimizer.py`):
-    what makes full fine-tuning of an 8B model fit one 141 GB GPU.
+    Batch sizes are Megatron's: one optimizer step consumes `global_batch_size` samples over all DP ranks, in
+    microbatches of `micro_batch_size` (replacing `accumulate_grad_batches`; `clip_grad` replaces `gradient_clip_val`).
+    Options are checked before the model is built, an error naming the option and the fix.
+
+    Args:
+        hf_checkpoint: the HF checkpoint folder the model is built from.
+        bridge_type: mbridge (default; no MTP heads, no LoRA) or megatron-bridge: what converts HF <-> Megatron.
+        tensor_model_parallel_size: TP, the ranks each layer's weights are split over.
+        pipeline_model_parallel_size: PP, the ranks the layers are divided between.
+        virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved schedule); null: none.
+        context_parallel_size: CP, the ranks each sequence is split over.
+        expert_model_parallel_size: EP, the ranks MoE experts are divided between.
+        expert_tensor_parallel_size: ETP, the ranks each expert's FFN is split over; null: the TP size.
+        sequence_parallel: split the norms' and dropouts' activations over the TP ranks (needs TP > 1).
+        micro_batch_size: samples per microbatch on each data-parallel rank.
+        global_batch_size: samples per optimizer step over all DP ranks; null: one microbatch per DP rank.
+        precision: bf16 (fp32 main weights in the optimizer) or fp32; replaces the Trainer's precision.
+        attention_backend: auto (SDPA without Transformer Engine), sdpa, or local (Megatron-Core's own).
+        use_distributed_optimizer: shard the optimizer state over the DP ranks (Megatron's distributed optimizer).
+        overlap_grad_reduce: overlap the gradients' reduction with the backward.
+        grad_reduce_in_fp32: reduce (and accumulate) gradients in fp32.
+        clip_grad: the gradient norm Megatron's optimizer clips to; 0: no clipping.
+        optimizer_offload_fraction: 0 (default) to 1: that fraction of the fp32 master weights and Adam states in
+            host memory, stepped on the CPU (Megatron-Core's HybridDeviceOptimizer, `optimizer.py`; what fits full
+            fine-tuning of 8B on one 141 GB GPU). Needs a CUDA device, bf16 and the distributed optimizer.
+        seed: seeds Python, NumPy, torch and Megatron's model-parallel RNG streams (one seed per pipeline stage).
+        trust_remote_code: let transformers run code from the checkpoint folder (see the README's Security).
+        checkpoint_optimizer_sharding: fully_reshardable (default: resumes at any parallel sizes) or dp_reshardable
+            (the distributed optimizer saved without gathering: faster, resumes only at the same model-parallel sizes).
+        async_save: saves made while training write their shards in the background (`background_save.py`).
+        cuda_graph: training steps replayed from one captured CUDA graph (`cuda_graphs/full_iteration.py`), so the
+            host no longer paces the GPU. auto (default): graphed where nothing is in the way (one CUDA device and
+            process, no PP, CP or EP, no MoE, tree rows, MTP-only training or dropout, the SDPA core, a module with
+            replayable_training_step), else (and on a CPU) eager; said once in one INFO line; a failed capture falls
+            back to eager with a warning. Validation is eager. full_iteration: the same graph, refusing (naming the
+            fix) what it cannot serve; none: always eager, silently.
+        cuda_graph_sequences_per_row: the sequences packed rows are padded to inside the graph (a positive integer).
+        process_group_backend: nccl or gloo; null: nccl on a GPU, gloo on a CPU.
+        timeout_minutes: the process group's timeout.
+        accelerator: Lightning's, set by the Trainer.
+        parallel_devices: Lightning's, set by the Trainer.
+        cluster_environment: Lightning's, set by the Trainer.
+        checkpoint_io: Lightning's; unused: every rank writes its shard through Megatron's distributed checkpointing.
     """
 
     strategy_name = "megatron"
 
     def __init__(
-        self,
-        hf_checkpoint: str | None = None,
-        bridge_type: BridgeType = "mbridge",
-        tensor_model_parallel_size: int = 1,
-        pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_model_parallel_size: int | None = None,
-        context_parallel_size: int = 1,
-        expert_model_parallel_size: int = 1,
-        expert_tensor_parallel_size: int | None = None,
-        sequence_parallel: bool = False,
-        micro_batch_size: int = 1,
-        global_batch_size: int | None = None,
-        precision: Literal["bf16", "fp32"] = "bf16",
-        attention_backend: AttentionBackend = "auto",
-        use_distributed_optimizer: bool = True,
-        overlap_grad_reduce: bool = False,
-        grad_reduce_in_fp32: bool = True,
-        clip_grad: float = 1.0,
-        optimizer_offload_fraction: float = 0.0,
-        seed: int = 1234,
+        self, hf_checkpoint: str | None = None, bridge_type: BridgeType = "mbridge",
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+        sequence_parallel: bool = False, micro_batch_size: int = 1, global_batch_size: int | None = None,
+        precision: Literal["bf16", "fp32"] = "bf16", attention_backend: AttentionBackend = "auto",
+        use_distributed_optimizer: bool = True, overlap_grad_reduce: bool = False, grad_reduce_in_fp32: bool = True,
+        clip_grad: float = 1.0, optimizer_offload_fraction: float = 0.0, seed: int = 1234,
         trust_remote_code: bool = False,
         checkpoint_optimizer_sharding: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable",
-        async_save: bool = False,
-        cuda_graph: CudaGraph = "auto",
+        async_save: bool = False, cuda_graph: CudaGraph = "auto",
         cuda_graph_sequences_per_row: int = SEQUENCES_PER_ROW,
-        process_group_backend: Literal["nccl", "gloo"] | None = None,
-        timeout_minutes: int = 30,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
+        process_group_backend: Literal["nccl", "gloo"] | None = None, timeout_minutes: int = 30,
+        accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)

@@ -269,8 +269,18 @@ machine was taken back; a later H200 run showed its "torch" fits had built `Fast
 yet hold against the strategy's own `prepare_megatron_core()`); it goes on by default once that test passes."""
 
 
+def opted_in() -> bool:
+    """`LIGHTNING_MEGATRON_FAST_RMS_NORM`: 1 applies the adjustment, 0 or unset leaves torch's norms; any other value
+    is refused (a `true` that silently did nothing would be taken for the compiled norms, in a benchmark too)."""
+    value = os.environ.get(OPT_IN, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{OPT_IN}={value!r} is not 0 or 1: set it to 1 (RMSNorms from compiled kernels on a GPU "
+                         "without Transformer Engine) or 0, or leave it unset (torch's norms)")
+    return value == "1"
+
+
 def _torch_rms_norm_is_slow_here() -> bool:
-    return (os.environ.get(OPT_IN) == "1" and torch.cuda.is_available() and no_transformer_engine()
+    return (opted_in() and torch.cuda.is_available() and no_transformer_engine()
             and triton_available() and not torch_rms_norm_has_fused_dsl_kernels())
 
 

@@ -13,10 +13,20 @@ from lightning_megatron.lora import DEFAULT_TARGET_MODULES, LoRAConfig, add_lora
 
 
 class LoRACallback(pl.Callback):
-    """Train LoRA adapters on a frozen model; arguments are `LoRAConfig`'s.
+    """Train LoRA adapters on a frozen model: `W x + (alpha / rank) * B A x`, with `B` starting at zero.
 
     Needs `MegatronStrategy(bridge_type="megatron-bridge")`. Export afterwards with `lora.export_lora_adapter` or
-    `lora.export_lora_merged`.
+    `lora.export_lora_merged`. The arguments are `lora.LoRAConfig`'s, checked when the callback is made.
+
+    Args:
+        target_modules: the linears that get adapters: module names (`linear_qkv`) or wildcard patterns over full
+            names (`*.layers.0.*.linear_qkv`; layer numbers are local to the pipeline stage). Null (default): every
+            attention and MLP linear, `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2` (experts and the MTP
+            layer included); multi-latent attention and gated DeltaNet layers name theirs otherwise, and a name that
+            matches no linear of the model is refused, listing the model's.
+        rank: the adapters' rank (a positive integer).
+        alpha: the adapters' scale is alpha / rank (> 0).
+        dropout: dropout on the adapters' input while training, in [0, 1).
     """
 
     def __init__(

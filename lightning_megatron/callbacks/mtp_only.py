@@ -39,39 +39,40 @@ if TYPE_CHECKING:
 class MTPOnlyCallback(pl.Callback):
     """Freeze all but the MTP layer before Megatron wraps the model; audit the frozen weights at the end of fit.
 
-    `audit_path`: where the JSON audit goes (default: `<default_root_dir>/mtp_only_audit.json`).
-    `skip_main_head_backward` (default true): the main LM head reads detached hidden states and its loss is tied
-    back to them with a zero gradient, so the backward skips the main cross-entropy and the LM head's input
-    gradient over the whole vocabulary (and the main logits are freed after the forward), while `lm_loss`, the MTP
-    gradients and the frozen weights are the same as without it. Set it to false to run the main loss's backward
-    as plain Megatron-Core does (e.g. to compare, or if a megatron-core upgrade changes the call pattern the hooks
-    check, which they report as an error).
-    `loss_chunk_tokens` (with `skip_main_head_backward`): both heads' cross-entropies run that many tokens at a
-    time, so no `[tokens, vocab]` fp32 tensor outlives a chunk and the main logits never exist whole
-    (`mtp.skip_main_head`); the logged values and gradients are the same to fp32 rounding. None: whole logits, as
-    before.
-    `log_lm_loss_every_n_steps` (with `loss_chunk_tokens`): the main head (output layer and cross-entropy, about 14%
-    of a 0.6B MTP-only step) runs only every n-th optimizer step (`(global_step + 1) % n == 0`, Lightning's own
-    rule for `log_every_n_steps`) and always in validation; the other steps skip it and log no `lm_loss`, with the
-    same `mtp_loss`, `mtp_accuracy` and MTP gradients. Default (null): the trainer's `log_every_n_steps`, the steps
-    whose metrics reach the loggers; 1: every step. It must divide `log_every_n_steps`: Lightning sends a logger
-    the last value of a metric a step did not log, so every logged step must compute it. In between,
-    `trainer.callback_metrics["lm_loss"]` (progress bar, callbacks) keeps the last computed value. With whole
-    logits the main head runs every step.
-    `trunk_cache_dir`: train later epochs from a cache of the frozen trunk's output in that folder
-    (`mtp.trunk_cache`: the first pass over a sample writes the decoder's hidden states, later ones skip the trunk;
-    the main head runs on them when `lm_loss` is logged); refused, naming both, when the frozen weights or the
-    training data differ from the cache's. For multi-epoch training on fixed data; leave it null while the trunk
-    changes (e.g. during RL).
-    `cuda_graph_trunk`: replay the frozen trunk's forward (every decoder layer and the final norm) from CUDA graphs,
-    one per input shape, instead of launching its kernels (over a thousand per microbatch at 28 layers) one by one
-    from the host (`cuda_graphs.frozen_trunk`; the same values). Null (auto): on where it applies: the model on a
-    CUDA device, full or padded rows, no tensor, context or sequence parallelism, the first pipeline stage (the
-    `cuda_graphs.refusals` table lists the rest);
-    elsewhere, and for inputs it does not cover (packed or tree rows), the trunk runs eagerly, logged once. True:
-    the same, but a CPU run is refused and chunks left eager are warned about; false: always eager. The strategy's
-    whole-iteration graph does not serve MTP-only training: its `cuda_graph: auto` (the default) leaves the steps
-    eager around these trunk graphs, saying so once; `cuda_graph: full_iteration` is refused.
+    Args:
+        audit_path: where the JSON audit goes (default: `<default_root_dir>/mtp_only_audit.json`).
+        skip_main_head_backward: (default true) the main LM head reads detached hidden states and its loss is tied back
+            to them with a zero gradient, so the backward skips the main cross-entropy and the LM head's input gradient
+            over the whole vocabulary (and the main logits are freed after the forward), while `lm_loss`, the MTP
+            gradients and the frozen weights are the same as without it. Set it to false to run the main loss's backward
+            as plain Megatron-Core does (e.g. to compare, or if a megatron-core upgrade changes the call pattern the
+            hooks check, which they report as an error).
+        loss_chunk_tokens: (with `skip_main_head_backward`) both heads' cross-entropies run that many tokens at a time,
+            so no `[tokens, vocab]` fp32 tensor outlives a chunk and the main logits never exist whole
+            (`mtp.skip_main_head`); the logged values and gradients are the same to fp32 rounding. None: whole logits,
+            as before.
+        log_lm_loss_every_n_steps: (with `loss_chunk_tokens`) the main head (output layer and cross-entropy, about 14%
+            of a 0.6B MTP-only step) runs only every n-th optimizer step (`(global_step + 1) % n == 0`, Lightning's own
+            rule for `log_every_n_steps`) and always in validation; the other steps skip it and log no `lm_loss`, with
+            the same `mtp_loss`, `mtp_accuracy` and MTP gradients. Default (null): the trainer's `log_every_n_steps`,
+            the steps whose metrics reach the loggers; 1: every step. It must divide `log_every_n_steps`: Lightning
+            sends a logger the last value of a metric a step did not log, so every logged step must compute it. In
+            between, `trainer.callback_metrics["lm_loss"]` (progress bar, callbacks) keeps the last computed value. With
+            whole logits the main head runs every step.
+        trunk_cache_dir: train later epochs from a cache of the frozen trunk's output in that folder (`mtp.trunk_cache`:
+            the first pass over a sample writes the decoder's hidden states, later ones skip the trunk; the main head
+            runs on them when `lm_loss` is logged); refused, naming both, when the frozen weights or the training data
+            differ from the cache's. For multi-epoch training on fixed data; leave it null while the trunk changes (e.g.
+            during RL).
+        cuda_graph_trunk: replay the frozen trunk's forward (every decoder layer and the final norm) from CUDA graphs,
+            one per input shape, instead of launching its kernels (over a thousand per microbatch at 28 layers) one by
+            one from the host (`cuda_graphs.frozen_trunk`; the same values). Null (auto): on where it applies: the model
+            on a CUDA device, full or padded rows, no tensor, context or sequence parallelism, the first pipeline stage
+            (the `cuda_graphs.refusals` table lists the rest); elsewhere, and for inputs it does not cover (packed or
+            tree rows), the trunk runs eagerly, logged once. True: the same, but a CPU run is refused and chunks left
+            eager are warned about; false: always eager. The strategy's whole-iteration graph does not serve MTP-only
+            training: its `cuda_graph: auto` (the default) leaves the steps eager around these trunk graphs, saying so
+            once; `cuda_graph: full_iteration` is refused.
     """
 
     def __init__(self, audit_path: str | None = None, skip_main_head_backward: bool = True,

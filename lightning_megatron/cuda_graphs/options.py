@@ -49,7 +49,10 @@ class CudaGraphOptions:
         if cuda_graph not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graph: {cuda_graph!r} is not one of {', '.join(map(repr, CUDA_GRAPHS))}")
         full_iteration = IterationGraph(cuda_graph)
-        if full_iteration is not IterationGraph.OFF and cuda_graph_sequences_per_row < 1:
-            raise ValueError(f"cuda_graph_sequences_per_row: {cuda_graph_sequences_per_row} must be at least 1")
+        count = cuda_graph_sequences_per_row
+        if isinstance(count, bool) or not isinstance(count, int) or (full_iteration is not IterationGraph.OFF
+                                                                     and count < 1):  # only the graph reads it
+            raise ValueError(f"cuda_graph_sequences_per_row: {cuda_graph_sequences_per_row!r} must be a positive "
+                             f"integer (default {SEQUENCES_PER_ROW})")
         trunk = {None: TrunkGraphs.AUTO, True: TrunkGraphs.REQUIRED, False: TrunkGraphs.OFF}[cuda_graph_trunk]
         return cls(full_iteration, cuda_graph_sequences_per_row, trunk)

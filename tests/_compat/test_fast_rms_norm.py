@@ -75,6 +75,20 @@ def test_the_cpu_keeps_torchs_norm(model_parallel) -> None:
     assert type(WrappedTorchNorm(_config(zero_centered=True), 8, eps=EPS)) is ZeroCenteredRMSNorm
 
 
+@pytest.mark.parametrize("value", ["true", "yes", "2", " on"])
+def test_an_opt_in_other_than_0_or_1_is_refused_naming_the_variable(monkeypatch, value) -> None:
+    """Any value but "1" used to leave torch's norms without a word; now it fails before a model is built."""
+    from lightning_megatron._compat import prepare_megatron_core
+
+    monkeypatch.setenv(fast_rms_norm.OPT_IN, value)
+    with pytest.raises(ValueError, match=f"LIGHTNING_MEGATRON_FAST_RMS_NORM={value.strip()!r} is not 0 or 1: set "
+                                         "it to 1 .* or 0, or leave it unset"):
+        prepare_megatron_core()
+    for accepted, applies in (("1", True), (" 0", False), ("", False)):
+        monkeypatch.setenv(fast_rms_norm.OPT_IN, accepted)
+        assert fast_rms_norm.opted_in() is applies
+
+
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["rms_norm", "zero_centered"])
 def test_the_swapped_norm_keeps_torchs_parameters_state_dict_and_marks(model_parallel, zero_centered) -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -4,6 +4,7 @@ group is refused, and the main job raises the MTP head's acceptance."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
 from lightning_megatron.cli.megatron_cli import MegatronCLI
 from lightning_megatron.cli.vl import VLMegatronCLI
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
@@ -125,6 +128,20 @@ def test_optimizer_group_is_refused_with_where_to_configure_it(cli_runs) -> None
     assert completed.returncode != 0
     assert "optimizer: not used with MegatronStrategy" in completed.stderr
     assert "model.lr" in completed.stderr
+
+
+@pytest.mark.parametrize("cls", [MegatronStrategy, MTPOnlyCallback, LoRACallback])
+def test_every_option_has_the_help_its_docstring_gives(cls) -> None:
+    """`--help` shows each option's `Args:` entry; the options written as free paragraphs showed no help at all."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(cls, "options")
+    helps = {action.dest.removeprefix("options."): action.help for action in parser._actions}
+    undocumented = [name for name in inspect.signature(cls).parameters if not helps.get(name)]
+    assert not undocumented, f"{cls.__name__}: no --help text for {undocumented}"
+    if cls is MegatronStrategy:
+        assert helps["cuda_graph"].startswith("training steps replayed from one captured CUDA graph")
 
 
 def test_print_config_shows_the_strategy_and_the_model_options(cli_runs) -> None:

@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from lightning_megatron.contract import MegatronLightningModule
-from lightning_megatron.cuda_graphs.full_iteration import AUTO_GRAPHED, FullIterationGraph, StrategyCudaGraphs
+from lightning_megatron.cuda_graphs.full_iteration import (
+    AUTO_GRAPHED,
+    FullIterationGraph,
+    StrategyCudaGraphs,
+    say_eager,
+)
 from lightning_megatron.cuda_graphs.options import CudaGraphOptions, IterationGraph
 from lightning_megatron.cuda_graphs.refusals import REFUSALS, Mechanism, Setting, auto_reason, check_setting, reason
 from lightning_megatron.distributed import ParallelSizes
@@ -88,6 +93,20 @@ def _first_full_row(subject: object) -> Any:
     """The whole-iteration row auto steps aside on for `subject` (`auto_reason` gives its text)."""
     return next(row for row in REFUSALS if row.mechanism is Mechanism.FULL_ITERATION
                 and isinstance(subject, row.subject) and row.applies(subject))
+
+
+def test_the_line_reaches_a_user_who_configured_no_logging_once(monkeypatch, capsys):
+    """Under the root logger's default WARNING the INFO line was never made (a CLI fit showed nothing): the
+    package's logger keeps INFO and prints it itself where no root handler would, and only there."""
+    root, seen = logging.getLogger(), []
+    monkeypatch.setattr(root, "handlers", [])
+    say_eager("why")
+    assert capsys.readouterr().err == _eager_line("why") + "\n"
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    monkeypatch.setattr(root, "handlers", [handler])
+    say_eager("why")
+    assert seen == [_eager_line("why")] and capsys.readouterr().err == ""
 
 
 def test_auto_steps_aside_on_every_row_of_the_table_with_its_reason(model_parallel):

@@ -126,11 +126,14 @@ def test_the_whole_iteration_graph_refuses_moe_models_and_other_attention_cores(
 
 @pytest.mark.parametrize(("options", "message"), [
     (dict(cuda_graph="whole"), "cuda_graph: 'whole' is not one of 'auto', 'none', 'full_iteration'"),
-    (dict(cuda_graph_sequences_per_row=0), "cuda_graph_sequences_per_row: 0 must be at least 1"),
+    (dict(cuda_graph_sequences_per_row=0), "cuda_graph_sequences_per_row: 0 must be a positive integer"),
+    # not a count: refused whatever cuda_graph says, before the run (a float would reach the packed rows' padding)
+    (dict(cuda_graph="auto", cuda_graph_sequences_per_row=2.5), "cuda_graph_sequences_per_row: 2.5 must be a"),
+    (dict(cuda_graph="none", cuda_graph_sequences_per_row=True), "cuda_graph_sequences_per_row: True must be a"),
     (dict(pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size: 1, got 2"),
     (dict(context_parallel_size=2), "needs context_parallel_size: 1, got 2"),
     (dict(expert_model_parallel_size=2), "needs expert_model_parallel_size: 1, got 2"),
-], ids=["unknown", "no_sequences", "pipeline", "context", "experts"])
+], ids=["unknown", "no_sequences", "fractional_sequences", "bool_sequences", "pipeline", "context", "experts"])
 def test_what_the_full_iteration_graph_cannot_serve_is_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         MegatronStrategy(hf_checkpoint="unused", **{"cuda_graph": "full_iteration", **options})
