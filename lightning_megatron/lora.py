@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ from lightning_megatron.contract import MegatronStrategyContract
 
 # The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
 DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# PEFT's spelling of "every linear layer": here, every linear of the built model's transformer layers
+ALL_LINEAR = "all-linear"
 
 
 @dataclass(frozen=True)
@@ -34,20 +36,29 @@ class LoRAConfig:
     """Which linears get adapters, and their shape: `W x + (alpha / rank) * B A x`, with `B` starting at zero.
 
     `target_modules`: module names (`linear_qkv`) or wildcard patterns over full names
-    (`*.layers.0.*.linear_qkv`; layer numbers are local to the pipeline stage).
+    (`*.layers.0.*.linear_qkv`; layer numbers are local to the pipeline stage), or "all-linear" (PEFT's word):
+    every linear LoRA can wrap inside the model's transformer layers, MTP layer included, by the names the built
+    model gives them (`all_linear_names`): whatever the family (multi-latent attention's down and up projections,
+    the gated DeltaNet's `in_proj` / `out_proj`, the experts' `linear_fc1` / `linear_fc2`) and the MTP layer's
+    `eh_proj` too (both exports carry it exactly: the merged one folds it into `eh_proj.weight` / `mtp.fc.weight`,
+    the PEFT one writes its adapter under that HF name; transformers' models hold no MTP layer, so `peft` on them
+    applies the MTP layer's adapters to nothing). The LM head, embeddings, norms and routers get none.
     """
 
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    target_modules: list[str] | Literal["all-linear"] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str) or not self.target_modules or not all(
-            isinstance(name, str) and name for name in self.target_modules
-        ):
+        if self.target_modules != ALL_LINEAR and (isinstance(self.target_modules, str) or not self.target_modules
+                                                  or not all(isinstance(name, str) and name
+                                                             for name in self.target_modules)):
             raise ValueError(f"target_modules: {self.target_modules!r} must be a non-empty list of module names, "
-                             f"e.g. {list(DEFAULT_TARGET_MODULES)}")
+                             f"e.g. {list(DEFAULT_TARGET_MODULES)}, or '{ALL_LINEAR}'")
+        if self.target_modules != ALL_LINEAR and ALL_LINEAR in self.target_modules:
+            raise ValueError(f"target_modules: {self.target_modules!r}: '{ALL_LINEAR}' stands alone "
+                             f"(target_modules: {ALL_LINEAR}), it is not a module name to list with others")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank: {self.rank!r} must be a positive integer (8 or 16 are common)")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:
@@ -55,11 +66,15 @@ class LoRAConfig:
         if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: {self.dropout!r} must be in [0, 1)")
 
-    def megatron_bridge_lora(self) -> Any:
-        """megatron-bridge's `LoRA` transform for this config (megatron.bridge must already be imported)."""
+    def megatron_bridge_lora(self, target_modules: list[str]) -> Any:
+        """megatron-bridge's `LoRA` transform of these settings on `target_modules` (resolved: `target_names`)."""
         from megatron.bridge.peft.lora import LoRA
 
-        return LoRA(target_modules=list(self.target_modules), dim=self.rank, alpha=self.alpha, dropout=self.dropout)
+        return LoRA(target_modules=target_modules, dim=self.rank, alpha=self.alpha, dropout=self.dropout)
+
+    def target_names(self, chunks: list[torch.nn.Module]) -> list[str]:
+        """The names and patterns megatron-bridge matches: "all-linear" resolved on this pipeline stage's chunks."""
+        return all_linear_names(chunks) if self.target_modules == ALL_LINEAR else list(self.target_modules)
 
 
 def check_lora_supported(bridge: Bridge | type[Bridge], mtp_only: bool) -> None:
@@ -76,8 +91,20 @@ def check_lora_supported(bridge: Bridge | type[Bridge], mtp_only: bool) -> None:
 
 def add_lora_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, *, training: bool = True) -> None:
     """Freeze every parameter of `chunks` and wrap the target linears with adapters, in place."""
-    config.megatron_bridge_lora()(chunks, training=training)
-    _check_every_target_matched(chunks, config.target_modules)
+    target_modules = config.target_names(chunks)
+    config.megatron_bridge_lora(target_modules)(chunks, training=training)
+    if config.target_modules != ALL_LINEAR:  # its names are this stage's own (stages differ: no all-reduce)
+        _check_every_target_matched(chunks, target_modules)
+
+
+def all_linear_names(chunks: list[torch.nn.Module]) -> list[str]:
+    """What "all-linear" stands for: the names of the linears LoRA can wrap inside this pipeline stage's transformer
+    layers, the MTP layer's included (the LM head, outside them, is left out, as PEFT's "all-linear" leaves it)."""
+    names = _layer_linear_names(chunks)
+    if not names:
+        raise ValueError(f"target_modules: {ALL_LINEAR} found no linear layer in this pipeline stage's transformer "
+                         "layers; name the modules to adapt instead")
+    return names
 
 
 def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: list[str]) -> None:
@@ -103,12 +130,20 @@ def _check_every_target_matched(chunks: list[torch.nn.Module], target_modules: l
 def _layer_linear_names(chunks: list[torch.nn.Module]) -> list[str]:
     """The names of the tensor-parallel linears inside this pipeline stage's transformer layers (MTP included), as
     target_modules names them (a wrapped one by its own name, not its adapter's)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
+    linears = _wrappable_linear_classes()
     return sorted({name.removesuffix(".to_wrap").rsplit(".", 1)[-1] for chunk in chunks
                    for name, module in chunk.named_modules()
-                   if ".layers." in name and ".adapter." not in name
-                   and isinstance(module, ColumnParallelLinear | RowParallelLinear)})
+                   if ".layers." in name and ".adapter." not in name and isinstance(module, linears)})
+
+
+def _wrappable_linear_classes() -> tuple[type, ...]:
+    """The parallel linears megatron-bridge's LoRA wraps (peft/utils.py `get_adapter_attributes_from_linear`):
+    Megatron-Core's own, and with Transformer Engine its linears, grouped experts' included."""
+    from megatron.bridge.peft import utils
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    transformer_engine = (*utils.TECL, *utils.TERL, utils.TELinear) if utils.HAVE_TE else ()
+    return (ColumnParallelLinear, RowParallelLinear, *transformer_engine)
 
 
 # ---------------------------------------------------------------------------------------------------- export

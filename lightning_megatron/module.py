@@ -84,31 +84,9 @@ def warmup_cosine(warmup_steps: int, total_steps: int | None, min_lr_ratio: floa
 class SFTModule(MegatronLightningModule):
     """Supervised fine-tuning: masked (response-only) token loss plus Megatron-Core's native MTP loss.
 
-    MTP: `enable_mtp` keeps the checkpoint's MTP head; `enable_mtp_training` (default: `enable_mtp`) trains it as an
-    auxiliary loss weighted by `mtp_loss_scaling_factor`, jointly with the model unless `MTPOnlyCallback` freezes
-    the rest. In joint training the MTP loss also trains the shared trunk (backbone, embeddings, LM head), as
-    Megatron-Core, DeepSeek-V3 and AReaL's joint mode do; `mtp_detach_heads=True` keeps MTP gradients out of it (a
-    draft head that must not change the main model). With `enable_mtp` and no MTP training the head is kept
-    unchanged (frozen).
-    `mtp_loss_type`: what the MTP head learns. "labels" (Megatron-Core's): the data's token `t+2`, so a draft for
-    greedy decoding is best trained on the model's own greedy continuations (a generation step first).
-    "self_distill": the detached main head's distribution for the same token, `softmax(z_main / T)` with
-    `T = mtp_distill_temperature`, by KL divergence (`mtp.self_distill`): the target's own distribution on any
-    text, no generation step, and what speculative sampling accepts. T = 1 matches the target's distribution;
-    T -> 0 is hard labels on the model's own greedy text. `mtp_distill_weighting` weighs each position by how a
-    server would feed it (the MTP layer reads token t + 1, which a server takes from the main head): "uniform" (all
-    alike), "greedy" (only where token t + 1 is the main head's argmax), "sampled" (by its probability).
-    "tv": the acceptance rate itself, per token `1 - sum_x min(p_T, q_T)` with both distributions at
-    `T = mtp_sampling_temperature` (`mtp.tv_loss`); "tv_kl": a per-token blend of KL and TV whose KL share
-    `exp(-mtp_tv_kl_decay * acceptance)` carries the head while TV's gradient vanishes (little overlap). Both take
-    `mtp_distill_weighting` as "self_distill" does.
-    `mtp_depths` (K, default 1): train the head at every drafting depth it serves, the checkpoint's one MTP layer
-    applied K times, each depth reading the previous depth's output (Megatron-Core's repeated MTP layer: one set of
-    weights, an export still writes one MTP layer, and the speculative decoder's K-token drafts apply it the same
-    way). Depth k learns token t + k + 1 by the `mtp_loss_type` (its self-distillation or TV teacher the main head
-    at t + k). `mtp_depth_weights`: each depth's share of the MTP loss (one non-negative number per depth, ratios
-    only; default equal, Megatron-Core's mean), `mtp_loss_scaling_factor` staying the overall weight. Joint and
-    MTP-only (`MTPOnlyCallback` still trains exactly one physical MTP layer).
+    In joint training the MTP loss also trains the shared trunk (backbone, embeddings, LM head), as Megatron-Core,
+    DeepSeek-V3 and AReaL's joint mode do, unless `MTPOnlyCallback` freezes the rest or `mtp_detach_heads` keeps
+    MTP gradients out of it.
     Logged every step: `lm_loss` (token-weighted over the global batch; with `MTPOnlyCallback` only on the steps
     it computes it, `log_lm_loss_every_n_steps`), `mtp_loss` (the hard-label cross-entropy,
     or the distillation loss: KL, TV or the blend; with several depths their mean by `mtp_depth_weights`, and
@@ -120,7 +98,51 @@ class SFTModule(MegatronLightningModule):
     `sum_x min(p, q)` per position, `MTPSampledAcceptance`), both of the first depth's draft, counted where the
     drafted token is trained and in the same sequence (`mtp.draft_capture`). `draft_acceptance` measures both at
     every depth on given batches (`DraftProbe`, per weight version in an RL loop).
-    `predict` returns greedy continuations of up to `max_new_tokens` tokens (`ContinuationWriter` writes them).
+    `predict` returns greedy continuations (`ContinuationWriter` writes them).
+    The optimizer is Megatron-Core's Adam (distributed, fp32 main weights), configured by the options below.
+
+    Args:
+        enable_mtp: keep the checkpoint's MTP head. With no MTP training (`enable_mtp_training: false`) the head is
+            kept unchanged (frozen).
+        enable_mtp_training: (default: `enable_mtp`) train the MTP head as an auxiliary loss weighted by
+            `mtp_loss_scaling_factor`, jointly with the model unless `MTPOnlyCallback` freezes the rest; needs
+            `enable_mtp`.
+        mtp_loss_scaling_factor: the MTP loss's weight in the training loss (the overall weight with several depths).
+        mtp_detach_heads: keep MTP gradients out of the shared trunk (backbone, embeddings, LM head) in joint
+            training: a draft head that must not change the main model.
+        mtp_loss_type: what the MTP head learns. "labels" (Megatron-Core's): the data's token `t+2`, so a draft for
+            greedy decoding is best trained on the model's own greedy continuations (a generation step first).
+            "self_distill": the detached main head's distribution for the same token, `softmax(z_main / T)` with
+            `T = mtp_distill_temperature`, by KL divergence (`mtp.self_distill`): the target's own distribution on
+            any text, no generation step, and what speculative sampling accepts. "tv": the acceptance rate itself,
+            per token `1 - sum_x min(p_T, q_T)` with both distributions at `T = mtp_sampling_temperature`
+            (`mtp.tv_loss`); "tv_kl": a per-token blend of KL and TV whose KL share
+            `exp(-mtp_tv_kl_decay * acceptance)` carries the head while TV's gradient vanishes (little overlap).
+        mtp_distill_temperature: T of "self_distill" (finite, > 0): T = 1 matches the target's distribution;
+            T -> 0 is hard labels on the model's own greedy text.
+        mtp_distill_weighting: ("self_distill", "tv", "tv_kl") weighs each position by how a server would feed it
+            (the MTP layer reads token t + 1, which a server takes from the main head): "uniform" (all alike),
+            "greedy" (only where token t + 1 is the main head's argmax), "sampled" (by its probability).
+        mtp_sampling_temperature: the sampling temperature (finite, > 0) of "tv" and "tv_kl" and of the logged
+            `val_mtp_sampled_acceptance`.
+        mtp_tv_kl_decay: "tv_kl"'s decay: the KL share of the blend is `exp(-mtp_tv_kl_decay * acceptance)`.
+        mtp_depths: (K, default 1) train the head at every drafting depth it serves, the checkpoint's one MTP layer
+            applied K times, each depth reading the previous depth's output (Megatron-Core's repeated MTP layer:
+            one set of weights, an export still writes one MTP layer, and the speculative decoder's K-token drafts
+            apply it the same way). Depth k learns token t + k + 1 by the `mtp_loss_type` (its self-distillation or
+            TV teacher the main head at t + k). Joint and MTP-only (`MTPOnlyCallback` still trains exactly one
+            physical MTP layer).
+        mtp_depth_weights: each depth's share of the MTP loss (one non-negative number per depth, ratios only;
+            default equal, Megatron-Core's mean), `mtp_loss_scaling_factor` staying the overall weight.
+        lr: the peak learning rate, reached after `warmup_steps`.
+        min_lr_ratio: the learning rate decays by a cosine to `lr * min_lr_ratio` at the trainer's `max_steps` (no
+            `max_steps`: it stays at `lr` after the warm-up).
+        warmup_steps: optimizer steps of linear warm-up from `lr / warmup_steps` to `lr` (0: none).
+        weight_decay: Adam's decoupled weight decay (AdamW's; Megatron-Core's `OptimizerConfig.weight_decay`).
+        adam_beta1: Adam's beta1.
+        adam_beta2: Adam's beta2.
+        adam_eps: Adam's epsilon.
+        max_new_tokens: `predict`'s greedy continuations have up to this many tokens (at least 1).
     """
 
     # its forward_step and loss_func are tensor work only (the MTP loss tracker is read after the step)

@@ -20,6 +20,7 @@ from lightning_megatron.bridges import BridgeError, backend_class, create_bridge
 from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
 from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.lora import (
+    ALL_LINEAR,
     DEFAULT_TARGET_MODULES,
     LoRAConfig,
     add_lora_adapters,
@@ -304,7 +305,8 @@ def test_lora_with_mtp_only_fails_before_the_model_is_built(process_group, tmp_p
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(target_modules=[]), "target_modules: \\[\\] must be a non-empty list"),
-    (dict(target_modules="linear_qkv"), "target_modules: 'linear_qkv' must be a non-empty list"),
+    (dict(target_modules="linear_qkv"), "target_modules: 'linear_qkv' must be a non-empty list .* or 'all-linear'"),
+    (dict(target_modules=["all-linear", "eh_proj"]), "'all-linear' stands alone \\(target_modules: all-linear\\)"),
     (dict(rank=0), "rank: 0 must be a positive integer"),
     (dict(alpha=0), "alpha: 0 must be > 0"),
     (dict(dropout=1.0), "dropout: 1.0 must be in \\[0, 1\\)"),
@@ -314,25 +316,37 @@ def test_invalid_lora_options_name_the_field(kwargs, message):
         LoRAConfig(**kwargs)
 
 
+@pytest.mark.parametrize("value, target_modules", [("all-linear", ALL_LINEAR), ("[linear_qkv]", ["linear_qkv"])])
+def test_a_config_gives_all_linear_as_peft_writes_it(value, target_modules):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(LoRACallback, "lora")
+    callback = parser.instantiate_classes(parser.parse_args(["--lora.target_modules", value])).lora
+    assert callback.config.target_modules == target_modules
+
+
 # The families with native MTP heads: adapters on every linear of their layers (multi-latent attention's down and up
 # projections, the gated DeltaNet's input and output projections, routed and shared experts), the MTP layer's
 # included, trained jointly with the MTP loss; the merged export is the trained model, its MTP head included.
+# DeepSeek-V3 and Qwen3.5 name them "all-linear", which resolves to the same names and the MTP layer's eh_proj.
 MLA_TARGETS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
                "linear_fc1", "linear_fc2"]
 GATED_DELTANET_TARGETS = [*DEFAULT_TARGET_MODULES, "in_proj", "out_proj"]
-NATIVE_MTP_FAMILIES = {"glm4_moe": (GLM, list(DEFAULT_TARGET_MODULES)), "deepseek_v3": (DEEPSEEK, MLA_TARGETS),
-                       "qwen3_5_text": (None, GATED_DELTANET_TARGETS),
-                       "qwen3_5_moe_text": (MoEShape(), GATED_DELTANET_TARGETS)}
+NATIVE_MTP_FAMILIES = {"glm4_moe": (GLM, list(DEFAULT_TARGET_MODULES)), "deepseek_v3": (DEEPSEEK, ALL_LINEAR),
+                       "qwen3_5_text": (None, ALL_LINEAR), "qwen3_5_moe_text": (MoEShape(), GATED_DELTANET_TARGETS)}
+ALL_LINEAR_NAMES = {"deepseek_v3": {*MLA_TARGETS, "eh_proj"}, "qwen3_5_text": {*GATED_DELTANET_TARGETS, "eh_proj"}}
 # the HF tensors no adapter reaches: norms, routers and their expert bias, the shared expert's gate, embeddings and
-# LM heads (and the MTP layer's copies of them), the MTP projection
+# LM heads (and the MTP layer's copies of them), the gated DeltaNet's decay, bias and convolution
 NOT_ADAPTED = ("norm.weight", "mlp.gate.weight", "e_score_correction_bias", "shared_expert_gate.weight",
-               "embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "eh_proj.weight", "mtp.fc.weight",
-               "A_log", "dt_bias", "conv1d.weight")
+               "embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "A_log", "dt_bias", "conv1d.weight")
+MTP_PROJECTIONS = ("eh_proj.weight", "mtp.fc.weight")  # adapted by "all-linear" only
 
 
 @pytest.mark.parametrize("family", NATIVE_MTP_FAMILIES)
 def test_joint_lora_on_a_native_mtp_family_merges_into_an_export_of_the_trained_model(process_group, tmp_path,
                                                                                      family):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.utils import unwrap_model
 
     moe, targets = NATIVE_MTP_FAMILIES[family]
@@ -342,17 +356,49 @@ def test_joint_lora_on_a_native_mtp_family_merges_into_an_export_of_the_trained_
     assert recorder.trainable == set(recorder.adapters)
     assert any(name.startswith("mtp.") for name in recorder.adapters)
     assert all(torch.equal(param, before) for _, param, before in recorder.base.values())
+    chunk = unwrap_model(result["strategy"].model_chunks[0])
+    wrapped = {name.split(".adapter.")[0] for name in recorder.adapters}
+    unwrapped = [name for name, module in chunk.named_modules() if isinstance(module, ColumnParallelLinear |
+                 RowParallelLinear) and not name.endswith(".to_wrap") and ".adapter." not in name]
+    if targets == ALL_LINEAR:  # every linear of the layers, by the family's own names; the LM head only is left
+        assert {name.rsplit(".", 1)[-1] for name in wrapped} == ALL_LINEAR_NAMES[family]
+        assert unwrapped == ["output_layer"]
 
     merged = export_lora_merged(result["strategy"], tmp_path / "merged")
-    chunk = unwrap_model(result["strategy"].model_chunks[0])
     assert _logits_difference(chunk, merged) <= 1e-5
-    assert _mtp_head_difference(chunk, merged) <= 1e-5
+    # the MTP head reads the trunk's output (its rounding: <= 1e-5, as the main logits) through one more layer, whose
+    # fp32 rounding on logits of |z| ~ 4 adds a few ulps (4.8e-7 each); an adapter left out of the merge (eh_proj's:
+    # 0.4) or misplaced is four orders of magnitude above
+    assert _mtp_head_difference(chunk, merged) <= 2e-5
     original, exported = load_file(checkpoint / "model.safetensors"), load_file(merged / "model.safetensors")
     assert exported.keys() == original.keys()
     changed = {name for name in original if not torch.equal(exported[name], original[name])}
     config = json.loads((checkpoint / "config.json").read_text())
     assert any(is_hf_mtp_tensor(name, config) for name in changed)
     assert not any(name.endswith(NOT_ADAPTED) for name in changed)
+    assert any(name.endswith(MTP_PROJECTIONS) for name in changed) == (targets == ALL_LINEAR)
+    if targets == ALL_LINEAR:
+        adapter = export_lora_adapter(result["strategy"], tmp_path / "adapter")
+        _assert_adapter_folds_into(adapter, original, exported, changed)
+
+
+def _assert_adapter_folds_into(adapter: Path, original: dict, merged: dict, changed: set[str]) -> None:
+    """The PEFT folder (what `WeightSync(lora_form="adapter")` writes) names every adapted HF module in its
+    `target_modules` and, folded into the base weights, gives the merged export (an adapted expert no token reached
+    kept B = 0: unchanged in both): a misplaced slice or a missing module would differ by an adapter's own size
+    (1e-2 after the fit), fp32 rounding of `W + s B A` by 1e-6."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
+                                                       for name in changed})
+    weights, scale = load_file(adapter / "adapter_model.safetensors"), config["lora_alpha"] / config["r"]
+    folded = {}
+    for name, lora_a in weights.items():
+        if ".lora_A." in name:
+            base = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            folded[base] = original[base] + scale * weights[name.replace(".lora_A.", ".lora_B.")] @ lora_a
+    assert changed <= folded.keys()
+    for name, weight in folded.items():
+        torch.testing.assert_close(weight, merged[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_default_targets_on_multi_latent_attention_name_its_linears(model_parallel, tmp_path):

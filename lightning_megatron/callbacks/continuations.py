@@ -28,6 +28,9 @@ class ContinuationWriter(pl.Callback):
     `response_token_ids` (what training then uses: decoded text need not tokenize back to the same ids) and
     `finish_reason` (`"eos"` or `"length"`). A prompt answered at once with an end-of-sequence token is left out (counted in the
     log): training on it would teach the head nothing about the answers.
+
+    Args:
+        output_path: the JSONL file the rows are written to (atomically), in prompt order.
     """
 
     def __init__(self, output_path: str) -> None:

@@ -9,8 +9,12 @@ from lightning_megatron.contract import megatron_strategy
 
 
 class HFExport(pl.Callback):
-    """At the end of fit, write an HF checkpoint of the current weights to `dirpath` through the strategy's bridge
-    (`MegatronStrategy.export_hf`: atomic, every tensor of the source checkpoint accounted for)."""
+    """At the end of fit, write an HF checkpoint of the current weights through the strategy's bridge
+    (`MegatronStrategy.export_hf`: atomic, every tensor of the source checkpoint accounted for).
+
+    Args:
+        dirpath: the folder the HF checkpoint is written to.
+    """
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath

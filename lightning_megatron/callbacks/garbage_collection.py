@@ -25,9 +25,12 @@ import lightning.pytorch as pl
 class ManualGarbageCollection(pl.Callback):
     """Collect garbage after every `every_n_steps`-th optimizer step, with the automatic collector off meanwhile.
 
-    `freeze`: collect once at the start of training and freeze what survives; unfrozen at the end, so that the
-    model and its cycles can be freed after training (`gc.unfreeze` thaws everything: also the few hundred objects
-    CPython itself freezes at startup, which full collections then scan again)."""
+    Args:
+        every_n_steps: optimizer steps between two collections (a positive integer).
+        freeze: collect once at the start of training and freeze what survives; unfrozen at the end, so that the
+            model and its cycles can be freed after training (`gc.unfreeze` thaws everything: also the few hundred
+            objects CPython itself freezes at startup, which full collections then scan again).
+    """
 
     def __init__(self, every_n_steps: int = 100, freeze: bool = True) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import override
+from typing import Literal, override
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,7 +23,9 @@ class LoRACallback(pl.Callback):
             names (`*.layers.0.*.linear_qkv`; layer numbers are local to the pipeline stage). Null (default): every
             attention and MLP linear, `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2` (experts and the MTP
             layer included); multi-latent attention and gated DeltaNet layers name theirs otherwise, and a name that
-            matches no linear of the model is refused, listing the model's.
+            matches no linear of the model is refused, listing the model's. "all-linear" (PEFT's word): every linear
+            of the transformer layers by the names the built model gives them, whatever the family, the MTP layer's
+            `eh_proj` included; not the LM head (`lora.LoRAConfig`).
         rank: the adapters' rank (a positive integer).
         alpha: the adapters' scale is alpha / rank (> 0).
         dropout: dropout on the adapters' input while training, in [0, 1).
@@ -31,13 +33,14 @@ class LoRACallback(pl.Callback):
 
     def __init__(
         self,
-        target_modules: list[str] | None = None,
+        target_modules: list[str] | Literal["all-linear"] | None = None,
         rank: int = 8,
         alpha: int = 16,
         dropout: float = 0.0,
     ) -> None:
         self.config = LoRAConfig(
-            target_modules=list(DEFAULT_TARGET_MODULES) if target_modules is None else list(target_modules),
+            target_modules=list(DEFAULT_TARGET_MODULES) if target_modules is None else (
+                target_modules if isinstance(target_modules, str) else list(target_modules)),
             rank=rank, alpha=alpha, dropout=dropout,
         )
         self._hooked_strategy: MegatronStrategyContract | None = None

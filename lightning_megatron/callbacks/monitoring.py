@@ -44,8 +44,11 @@ class TokensPerSecond(pl.Callback):
 class TrainingCurves(pl.Callback):
     """Record the per-step and per-validation metrics and write `curves.json` and `curves.png` at the end of fit.
 
-    `dirpath` defaults to the first logger's log_dir (else the trainer's default_root_dir). Only global rank 0
-    writes; the metrics are the same on every rank.
+    Only global rank 0 writes; the metrics are the same on every rank.
+
+    Args:
+        dirpath: where `curves.json` and `curves.png` go (default: the first logger's log_dir, else the trainer's
+            default_root_dir).
     """
 
     def __init__(self, dirpath: str | None = None) -> None:

@@ -41,8 +41,9 @@ class PreemptionCheckpoint(pl.Callback):
     """On SIGTERM (and SLURM's requeue signal), every rank finishes the current optimizer step, saves
     `dirpath/last.ckpt` synchronously and exits with `PREEMPTED_EXIT_CODE` (143).
 
-    `dirpath`: the folder of the first `ModelCheckpoint` when not given (so that `fit --ckpt_path last` finds it),
-    else `default_root_dir/checkpoints`.
+    Args:
+        dirpath: where `last.ckpt` goes; when not given, the folder of the first `ModelCheckpoint` (so that
+            `fit --ckpt_path last` finds it), else `default_root_dir/checkpoints`.
     """
 
     def __init__(self, dirpath: str | None = None) -> None:

@@ -67,14 +67,27 @@ LoRAForm = Literal["merged", "adapter"]
 class WeightSync(pl.Callback):
     """Send the current weights to an inference engine every `every_n_steps` optimizer steps and when training ends.
 
-    `mode`: "disk", "colocated" or "collective" (module docstring). `engine_url`: the engine's HTTP address
-    (needed for colocated and collective; optional for disk). `root`: where disk versions go; `keep_last`: how many
-    of them stay. `bucket_mb`: the most bytes one request carries (a larger tensor goes alone). `timeout_s`: how
-    long one request or broadcast may take before the sync fails (then every rank raises `WeightSyncError` and the
-    next sync reconnects). `backend`: the collective's ("auto": NCCL on GPU, gloo on CPU). `engine`: the disk
-    notification's shape ("sglang" or "vllm"). `delta`: send only what changed since the engine's version;
-    `lora_form`: a LoRA model's weights merged, or its adapters alone as PEFT folders; `probe`: measure the draft
-    head's acceptance at each version and record it with the version (module docstring).
+    Args:
+        mode: "disk", "colocated" or "collective" (module docstring).
+        every_n_steps: optimizer steps between two syncs (an integer >= 1).
+        engine_url: the engine's HTTP address (needed for colocated and collective; optional for disk).
+        root: where disk versions go (disk only).
+        keep_last: how many disk versions stay, the one `latest` names included.
+        engine: the disk notification's shape ("sglang" or "vllm").
+        bucket_mb: the most bytes one request carries, in MiB (a larger tensor goes alone).
+        timeout_s: how long one request or broadcast may take before the sync fails (then every rank raises
+            `WeightSyncError` and the next sync reconnects).
+        backend: the collective's ("auto": NCCL on GPU, gloo on CPU).
+        master_address: (collective) the address of the weight-update group's TCP rendezvous, which this process
+            (rank 0 of the group) hosts.
+        master_port: (collective) its port (0: a free one).
+        group_name: (collective) the weight-update group's name, as the engine's requests name it.
+        engine_world_size: (collective) the engine's processes in the update group.
+        sync_on_train_end: sync once more when training ends, unless the last step was just synced.
+        delta: send only what changed since the engine's version (module docstring).
+        lora_form: a LoRA model's weights "merged", or its adapters alone as PEFT folders ("adapter", disk only).
+        probe: a `DraftProbe`: measure the draft head's acceptance at each version and record it with the version
+            (module docstring).
     """
 
     def __init__(

@@ -33,8 +33,8 @@ from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES
 class SFTDataModule(pl.LightningDataModule):
     """Supervised fine-tuning data, tokenized with the checkpoint's tokenizer.
 
-    A path is a JSONL file, a Parquet file (``.parquet``) or a folder HF ``datasets``' ``save_to_disk`` wrote.
-    Rows are ``{"messages": [...]}`` (loss on every assistant turn) or ``{"prompt": ..., "response": ...}``
+    A path (``train_path``, ``val_path``, ``test_path``, ``predict_path``) is a JSONL file, a Parquet file
+    (``.parquet``) or a folder HF ``datasets``' ``save_to_disk`` wrote. Rows are ``{"messages": [...]}`` (loss on every assistant turn) or ``{"prompt": ..., "response": ...}``
     (loss on the response; ``"completion"`` works as ``"response"``). Every file of the stage is read, validated
     and tokenized in :meth:`setup`, so a malformed row stops the run before training starts, named by ``path:line``
     (``path:row N`` in a table).
@@ -56,6 +56,28 @@ class SFTDataModule(pl.LightningDataModule):
     hands in before ``setup`` (:meth:`take_data_settings`; ``context_parallel_size`` to 1 without it), and so
     does whether the model runs an MTP head. Data-parallel sharding is left to Lightning, which adds a
     distributed sampler from the strategy's ``distributed_sampler_kwargs``.
+
+    Args:
+        train_path: the training rows (``fit``).
+        val_path: the validation rows (``validate``; optional during ``fit``).
+        test_path: the test rows (``test``).
+        predict_path: the prompts to continue (``predict``): rows with a ``prompt`` or ``messages``.
+        hf_checkpoint: the checkpoint whose tokenizer is used (default: the strategy's).
+        seq_length: the tokens of one row (at least 2: a token and its label).
+        packing: false: padded rows; true: several sequences packed into one row; ``"tree"``: sequences that share
+            a token prefix merged into tries (see above).
+        micro_batch_size: rows per micro-batch (default: the strategy's).
+        num_workers: the data loaders' worker processes.
+        seed: the seed of the training data's shuffle.
+        overlong: a row longer than ``seq_length`` is cut to its first ``seq_length`` tokens (``"truncate"``), left
+            out (``"drop"``, counted in a warning) or refused, naming it (``"error"``).
+        context_parallel_size: (default: the strategy's, else 1) the context-parallel size the packed sequences are
+            aligned for.
+        cache_dir: where tokenized caches live (default: ``lightning_megatron/data`` in the user's cache
+            directory, ``$XDG_CACHE_HOME`` or ``~/.cache``; several nodes share one only on a file system whose locks
+            work across them).
+        tokenize_workers: the processes that tokenize a file when its cache is missing (default: every CPU this
+            process may use; the other ranks wait meanwhile).
     """
 
     def __init__(
@@ -75,11 +97,6 @@ class SFTDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         tokenize_workers: int | None = None,
     ) -> None:
-        """``cache_dir``: where tokenized caches live (default: ``lightning_megatron/data`` in the user's cache
-        directory, ``$XDG_CACHE_HOME`` or ``~/.cache``; several nodes share one only on a file system whose locks
-        work across them). ``tokenize_workers``: the
-        processes that tokenize a file when its cache is missing (default: every CPU this process may use; the
-        other ranks wait meanwhile)."""
         super().__init__()
         if packing not in (False, True, "tree"):
             raise ValueError(f"packing must be false, true or 'tree', got {packing!r}")

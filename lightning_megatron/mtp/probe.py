@@ -104,10 +104,17 @@ class MeasuresDraftAcceptance(Protocol):
 
 
 class DraftProbe:
-    """What to probe and how much: the first `batches` global batches (the bound on its cost) of `datamodule`'s
-    validation data, or by default of the trainer's own (a held-out slice of the validation data), sampled
-    acceptance at the rollout `temperature`. `measure` is called by every rank; a shuffled validation loader would
-    make another probe set each time, so give an unshuffled one."""
+    """What to probe and how much. `measure` is called by every rank; a shuffled validation loader would make
+    another probe set each time, so give an unshuffled one.
+
+    Args:
+        batches: the first `batches` global batches of the validation data are probed (the bound on its cost; an
+            integer > 0).
+        temperature: sampled acceptance is measured at the rollout temperature (finite, > 0); greedy acceptance is
+            measured as well.
+        datamodule: whose `val_dataloader()` makes the probe set (e.g. `SFTDataModule(val_path=...)`); by default
+            the trainer's own (a held-out slice of the validation data).
+    """
 
     def __init__(self, batches: int = 8, temperature: float = 1.0,
                  datamodule: pl.LightningDataModule | None = None) -> None:

@@ -24,8 +24,12 @@ from lightning_megatron.options import ModelOptions
 class VLSFTModule(SFTModule):
     """`SFTModule` for Qwen2.5-VL and Qwen3-VL: the same optimizer, schedule and logged `lm_loss`, with images.
 
-    `freeze_vision_tower` keeps the vision encoder's weights fixed (the projection into the language model still
-    trains). MTP heads and generation (`predict`) are text-model features and are refused here.
+    MTP heads and generation (`predict`) are text-model features and are refused here. The optimizer options are
+    `SFTModule`'s.
+
+    Args:
+        freeze_vision_tower: keep the vision encoder's weights fixed (the projection into the language model still
+            trains).
     """
 
     # The strategy hands over full rows; the model cuts them after fusing the images (see the module docstring).

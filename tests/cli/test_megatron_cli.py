@@ -13,11 +13,13 @@ import pytest
 import torch
 import yaml
 
-from lightning_megatron import MegatronStrategy
-from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
+import lightning_megatron.callbacks as package_callbacks
+from lightning_megatron import DraftProbe, MegatronStrategy, SFTDataModule, SFTModule
 from lightning_megatron.cli.megatron_cli import MegatronCLI
 from lightning_megatron.cli.vl import VLMegatronCLI
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from lightning_megatron.vl.data import VLSFTDataModule
+from lightning_megatron.vl.module import VLSFTModule
 from tests._background import Command, background_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,9 +132,15 @@ def test_optimizer_group_is_refused_with_where_to_configure_it(cli_runs) -> None
     assert "model.lr" in completed.stderr
 
 
-@pytest.mark.parametrize("cls", [MegatronStrategy, MTPOnlyCallback, LoRACallback])
+# every class whose options `lightning-megatron` and `lightning-megatron-vl` show: strategy, modules, data, callbacks
+CLI_CLASSES = [MegatronStrategy, SFTModule, SFTDataModule, VLSFTModule, VLSFTDataModule, DraftProbe,
+               *(getattr(package_callbacks, name) for name in package_callbacks.__all__)]
+
+
+@pytest.mark.parametrize("cls", CLI_CLASSES, ids=[cls.__name__ for cls in CLI_CLASSES])
 def test_every_option_has_the_help_its_docstring_gives(cls) -> None:
-    """`--help` shows each option's `Args:` entry; the options written as free paragraphs showed no help at all."""
+    """`--help` shows each option's `Args:` entry; the options written as free paragraphs showed no help at all
+    (a subclass's inherited options take its base class's entries)."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser()
