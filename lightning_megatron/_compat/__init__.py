@@ -45,8 +45,9 @@ def prepare_megatron_core() -> list[str]:
 
 
 def quiet_handled_warnings() -> list[str]:
-    """Drop the import-time warnings about what `_compat` handles (no CUDA runtime, no Transformer Engine or Apex);
-    returns the names of the active adjustments. Commands call it first, before anything imports megatron-core."""
+    """Drop the warnings and log records about what `_compat` handles (no CUDA runtime, no Transformer Engine or
+    Apex) and the libraries' notices to each other that a user cannot act on (`quiet.py`); returns the names of the
+    active adjustments. Commands call it first, before anything imports megatron-core."""
     return [adjustment.name for adjustment in quiet.ADJUSTMENTS if adjustment.apply()]
 
 
@@ -55,7 +56,7 @@ def import_megatron_bridge() -> ModuleType:
 
     Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
     """
-    for adjustment in (*root_logger.ADJUSTMENTS, *no_te.MEGATRON_BRIDGE_ADJUSTMENTS,
+    for adjustment in (*quiet.BRIDGE_IMPORT_ADJUSTMENTS, *root_logger.ADJUSTMENTS, *no_te.MEGATRON_BRIDGE_ADJUSTMENTS,
                        *vl.MEGATRON_BRIDGE_ADJUSTMENTS, *moe.MEGATRON_BRIDGE_ADJUSTMENTS,
                        *deepseek.MEGATRON_BRIDGE_ADJUSTMENTS):
         adjustment.apply()

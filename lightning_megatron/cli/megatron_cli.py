@@ -25,6 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch.utils.data import DataLoader
 
 from lightning_megatron import _compat
+from lightning_megatron.cli.user_errors import input_errors_reported
 from lightning_megatron.contract import megatron_strategy
 from lightning_megatron.data import SFTDataModule
 from lightning_megatron.module import SFTModule
@@ -141,9 +142,11 @@ def ensure_tiny_checkpoint(path: Path, make: Callable[[Path], Path] | None = Non
 
 
 def main(args: list[str] | None = None) -> None:
-    """The `lightning-megatron` console script (`args` defaults to the command line)."""
+    """The `lightning-megatron` console script (`args` defaults to the command line); a mistake in the config ends
+    it with one `error: ...` block, as jsonargparse's own refusals do (`cli/user_errors.py`)."""
     _compat.quiet_handled_warnings()
-    MegatronCLI(args=args)
+    with input_errors_reported():
+        MegatronCLI(args=args)
 
 
 if __name__ == "__main__":

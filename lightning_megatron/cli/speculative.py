@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lightning_megatron import _compat
+from lightning_megatron.cli.user_errors import input_errors_reported
 from lightning_megatron.speculative.report import (
     BATCH_SIZE,
     DRAFT_TOKENS,
@@ -60,10 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p {args.top_p} must be in (0, 1] (1.0: all tokens)")
 
-    report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
-                                device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,
-                                sampling=Sampling(args.temperature, args.top_p), seed=args.seed,
-                                batch_size=args.batch_size, progress=None if args.quiet else sys.stderr)
+    with input_errors_reported():  # a prompts file or checkpoint the report cannot read: one `error: ...` block
+        report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
+                                    device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,
+                                    sampling=Sampling(args.temperature, args.top_p), seed=args.seed,
+                                    batch_size=args.batch_size, progress=None if args.quiet else sys.stderr)
     json_path, png_path = write_report(report, args.out)
     summary = report["summary"]
     rate = summary["acceptance_rate"]

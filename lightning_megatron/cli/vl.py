@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lightning_megatron import _compat
 from lightning_megatron.cli.megatron_cli import MegatronCLI, ensure_tiny_checkpoint
+from lightning_megatron.cli.user_errors import input_errors_reported
 from lightning_megatron.testing.vl import VLFamily, make_tiny_vl_checkpoint
 from lightning_megatron.vl.data import VLSFTDataModule
 from lightning_megatron.vl.module import VLSFTModule
@@ -41,7 +42,8 @@ class VLMegatronCLI(MegatronCLI):
 def main(args: list[str] | None = None) -> None:
     """The `lightning-megatron-vl` console script (`args` defaults to the command line)."""
     _compat.quiet_handled_warnings()
-    VLMegatronCLI(args=args)
+    with input_errors_reported():
+        VLMegatronCLI(args=args)
 
 
 if __name__ == "__main__":

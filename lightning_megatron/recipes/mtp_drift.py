@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_megatron import _compat
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.recipes import stdlib_corpus
 from lightning_megatron.recipes.mtp_quality import CORPUS_OVERRIDES, CPU_OVERRIDES, MEASURE, export_without_mtp
@@ -52,6 +53,7 @@ ROUNDS = {"gpu": 4, "cpu": 2}
 
 
 def main(argv: list[str] | None = None) -> int:
+    _compat.quiet_handled_warnings()
     parser = argparse.ArgumentParser(prog="python -m lightning_megatron.recipes.mtp_drift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_megatron import _compat
 from lightning_megatron.mtp.self_distill import DISTILL_WEIGHTINGS
 from lightning_megatron.recipes import stdlib_corpus
 from lightning_megatron.recipes.quality_report import comparisons, head_row, plot
@@ -120,6 +121,7 @@ DEPTHS_ACCEPTED_LENGTH_TARGET = 2.7  # issue 42: K-depth training's sampled acce
 
 
 def main(argv: list[str] | None = None) -> int:
+    _compat.quiet_handled_warnings()
     parser = argparse.ArgumentParser(prog="python -m lightning_megatron.recipes.mtp_quality", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)

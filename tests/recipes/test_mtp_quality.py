@@ -86,3 +86,19 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, 
         main([str(tmp_path / "out"), "--size", "cpu", *argv])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_recipe_quiets_what_the_package_handles_before_it_runs(tmp_path, capsys) -> None:
+    from lightning_megatron._compat import quiet
+    from lightning_megatron.recipes.mtp_quality import main
+
+    active = [adjustment for adjustment in quiet.ADJUSTMENTS if adjustment.active]
+    for adjustment in active:
+        adjustment.revert()
+    try:
+        with pytest.raises(SystemExit):
+            main([str(tmp_path / "out"), "--size", "cpu", "--joint-steps", "0"])
+        assert [one.name for one in quiet.ADJUSTMENTS if one.needed() and not one.active] == []
+    finally:
+        for adjustment in active:
+            adjustment.apply()
