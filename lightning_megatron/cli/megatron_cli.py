@@ -44,8 +44,15 @@ class MegatronTrainer(pl.Trainer):
 
         The run's own config builds the model as `fit` did (bridge, MTP head, LoRA adapters from its callbacks);
         the checkpoint loads at any parallel size it loads at (one process on CPU too). The files equal what `fit`'s
-        `HFExport` writes at that step. `lora`: "merged" (the adapters folded into the weights, as `HFExport`
-        does) or "adapter" (an HF PEFT adapter folder). `datamodule` is not read: no data is needed.
+        `HFExport` writes at that step.
+
+        Args:
+            model: The run's module, built from its config as `fit` built it.
+            ckpt_path: The training checkpoint to export (a folder `fit` saved, e.g. `.../checkpoints/last`).
+            output: A new or empty folder for the HF checkpoint (export refuses to overwrite anything).
+            lora: "merged" (the adapters folded into the weights, as `HFExport` does) or "adapter" (an HF PEFT
+                adapter folder).
+            datamodule: Not read: no data is needed.
         """
         from lightning_megatron.lora import export_lora_adapter
 

@@ -170,6 +170,18 @@ def test_every_option_has_the_help_its_docstring_gives(cls) -> None:
         assert helps["cuda_graph"].startswith("training steps replayed from one captured CUDA graph")
 
 
+def test_the_export_subcommand_has_the_help_its_docstring_gives() -> None:
+    """`lightning-megatron export --help` shows each of the subcommand's own options (`MegatronTrainer.export`)."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_megatron.cli.megatron_cli import MegatronTrainer
+
+    parser = ArgumentParser()
+    parser.add_method_arguments(MegatronTrainer, "export", skip={"model", "datamodule"})
+    helps = {action.dest: action.help for action in parser._actions}
+    assert all(helps.get(name) for name in ("ckpt_path", "output", "lora")), helps
+
+
 def test_print_config_shows_the_strategy_and_the_model_options(cli_runs) -> None:
     completed, _ = cli_runs.result("print_config")
     assert completed.returncode == 0, completed.stderr[-3000:]
