@@ -12,6 +12,7 @@ QKV / gate-up split into HF's projections): an HF PEFT adapter folder (`export_l
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from safetensors.torch import save_file
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.bridges import Bridge, BridgeError, capable_backends
 from lightning_megatron.contract import MegatronStrategyContract
+from lightning_megatron.families import is_hf_mtp_tensor
+from lightning_megatron.hf_io import checkpoint_tensor_specs, read_json
 
 # The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
 DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -156,6 +159,16 @@ def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path, *,
     Names and layouts are megatron-bridge's PEFT export (TP shards gathered, fused QKV and gate/up split per HF
     projection); rank, alpha and dropout are read from the adapters themselves. All ranks call it; rank 0 writes.
     `extra_files`: `{name: text}` written into the folder before it is renamed into place (a version's metadata).
+
+    Each adapter is named after the HF checkpoint's tensor it adapts: routed experts per expert
+    (`mlp.experts.3.gate_proj`) where the checkpoint stores them so (Qwen3-MoE, GLM-4.5, DeepSeek-V3: what vLLM's
+    and SGLang's MoE LoRA loaders read; `peft` on transformers 5 folds them into the fused experts exactly, with
+    `lightning_megatron._compat.import_peft()` for the shared experts' and dense MLPs' adapters, huggingface/peft#3711).
+    A checkpoint that stores its experts fused (Qwen3.5-MoE) has no tensor per expert to name: adapters on its
+    experts are refused (exclude the experts' linears from target_modules, or export merged). The MTP layer's
+    adapters are written under its HF names, but engines apply LoRA adapters to the main model only and
+    transformers' models have no MTP layer: the draft head is served without them (a warning says so; a merged
+    export serves the trained head).
     """
     return write_lora_adapter(*_megatron_bridge_and_chunks(strategy), path, extra_files=extra_files)
 
@@ -177,6 +190,7 @@ def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str 
         HFWeightTuple(name, tensor.detach().to("cpu").clone().contiguous())
         for name, tensor in bridge.export_adapter_weights(chunks)
     ]
+    _check_adapters_name_checkpoint_tensors(bridge, [weight.param_name for weight in weights])
     state, module_weight_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
     config = build_adapter_config_dict(
         trained,
@@ -197,6 +211,28 @@ def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str 
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+def _check_adapters_name_checkpoint_tensors(bridge: Bridge, adapter_names: list[str]) -> None:
+    """Refuse adapters of tensors the HF checkpoint does not hold (an engine or `peft` would apply them to nothing,
+    silently); warn that the MTP layer's adapters reach no engine's draft head."""
+    hf_path = Path(bridge.hf_path)
+    stored, config = checkpoint_tensor_specs(hf_path).keys(), read_json(hf_path / "config.json")
+    adapted = {name.rsplit(".lora_", 1)[0] for name in adapter_names}
+    missing = sorted(name for name in adapted if f"{name}.weight" not in stored and name not in stored
+                     and not is_hf_mtp_tensor(name, config))  # the MTP head's: the warning below
+    if missing:
+        raise ValueError(f"export_lora_adapter: the adapters of {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+                         f"({len(missing)} in all) name no tensor of {hf_path} (a checkpoint that stores its experts "
+                         "fused has no tensor per expert), so no engine or peft could apply them; exclude those "
+                         "linears from LoRACallback's target_modules (name the others, e.g. ['linear_qkv', "
+                         "'linear_proj', '*.shared_experts.linear_fc1', '*.shared_experts.linear_fc2']), or use "
+                         "export_lora_merged / WeightSync(lora_form='merged')")
+    if any(is_hf_mtp_tensor(name, config) for name in adapted):
+        warnings.warn("export_lora_adapter: the MTP layer's adapters are written, but engines apply LoRA adapters to "
+                      "the main model only (transformers' models have no MTP layer): the draft head is served "
+                      "without them, as the base model's head; use WeightSync(lora_form='merged') to serve the "
+                      "trained head", stacklevel=2)
 
 
 def export_lora_merged(strategy: MegatronStrategyContract, path: str | Path) -> Path:

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from lightning_megatron._compat import import_peft
+from lightning_megatron._compat.peft import ADJUSTMENTS as PEFT_ADJUSTMENTS
 from lightning_megatron.bridges import BridgeError, backend_class, create_bridge
 from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback
 from lightning_megatron.families import is_hf_mtp_tensor
@@ -27,6 +29,7 @@ from lightning_megatron.lora import (
     check_lora_supported,
     export_lora_adapter,
     export_lora_merged,
+    write_lora_adapter,
 )
 from lightning_megatron.module import SFTModule
 from lightning_megatron.options import ModelOptions
@@ -126,7 +129,7 @@ def test_only_adapters_train_and_only_they_reach_ddp_and_the_optimizer(lora_fit)
 
 
 def test_exported_adapter_on_the_hf_model_gives_the_megatron_logits(lora_fit, checkpoint):
-    import peft
+    peft = import_peft()
     import transformers
 
     config = json.loads((lora_fit["adapter"] / "adapter_config.json").read_text())
@@ -378,7 +381,9 @@ def test_joint_lora_on_a_native_mtp_family_merges_into_an_export_of_the_trained_
     assert not any(name.endswith(NOT_ADAPTED) for name in changed)
     assert any(name.endswith(MTP_PROJECTIONS) for name in changed) == (targets == ALL_LINEAR)
     if targets == ALL_LINEAR:
-        adapter = export_lora_adapter(result["strategy"], tmp_path / "adapter")
+        with pytest.warns(UserWarning, match=r"the MTP layer's adapters are written, but engines apply LoRA "
+                                             r"adapters to the main model only"):  # the draft head is not served
+            adapter = export_lora_adapter(result["strategy"], tmp_path / "adapter")
         _assert_adapter_folds_into(adapter, original, exported, changed)
 
 
@@ -409,3 +414,52 @@ def test_default_targets_on_multi_latent_attention_name_its_linears(model_parall
                                          r"'linear_kv_up_proj', 'linear_proj', 'linear_q_down_proj', "
                                          r"'linear_q_up_proj'\]"):
         add_lora_adapters(chunks, LoRAConfig())
+
+
+def test_moe_adapter_on_transformers_fused_experts_gives_the_megatron_logits(process_group, tmp_path):
+    """GLM-4.5 (a dense first layer, routed and shared experts): the adapter is written per expert, as the checkpoint
+    and vLLM/SGLang name them; `peft` folds the routed experts' adapters into transformers 5's fused experts and,
+    with `import_peft()`, applies the dense MLP's and the shared experts' too: bit-equal to the merged export's
+    weights (both compute W + s B A in fp32), logits as the Megatron model's (fp32 rounding: 1e-5 as
+    `_logits_difference`). Without the adjustment the dense and shared adapters are dropped: logits off by ~1."""
+    import transformers
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "glm4_moe", "glm4_moe", moe=GLM)
+    result = _fit(tmp_path, checkpoint)
+    adapter = export_lora_adapter(result["strategy"], tmp_path / "adapter")
+    merged = export_lora_merged(result["strategy"], tmp_path / "merged")
+    megatron = _megatron_logits(result["strategy"], _input_ids())
+    assert any(".mlp.experts.3.down_proj." in name for name in load_file(adapter / "adapter_model.safetensors"))
+
+    def folded() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model = import_peft().PeftModel.from_pretrained(base, adapter).merge_and_unload()
+        return model.state_dict(), _hf_logits(model, _input_ids())
+
+    weights, logits = folded()
+    expected = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    assert weights.keys() == expected.keys() and {"model.layers.0.mlp.gate_proj.weight",
+                                                  "model.layers.1.mlp.shared_experts.down_proj.weight",
+                                                  "model.layers.1.mlp.experts.gate_up_proj"} <= weights.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    assert (logits - megatron).abs().max() <= 1e-5
+    (linear_targets,) = PEFT_ADJUSTMENTS
+    with linear_targets.suspended():
+        weights, logits = folded()
+    assert torch.equal(weights["model.layers.1.mlp.experts.down_proj"], expected["model.layers.1.mlp.experts.down_proj"])
+    assert not torch.equal(weights["model.layers.1.mlp.shared_experts.down_proj.weight"],
+                           expected["model.layers.1.mlp.shared_experts.down_proj.weight"])
+    assert (logits - megatron).abs().max() > 1e-2
+
+
+def test_adapters_on_experts_a_checkpoint_stores_fused_are_refused(model_parallel, tmp_path):
+    """Qwen3.5-MoE's checkpoint holds `mlp.experts.gate_up_proj` (3-D): per-expert adapters would reach nothing."""
+    bridge = create_bridge("megatron-bridge", make_tiny_checkpoint(tmp_path / "qwen3_5_moe", "qwen3_5_moe_text",
+                                                                   moe=MoEShape()))
+    chunks = bridge.build(ModelOptions())
+    add_lora_adapters(chunks, LoRAConfig(**LORA))
+    with pytest.raises(ValueError, match=r"export_lora_adapter: the adapters of \['model\.layers\.0\.mlp\.experts\.0\."
+                                         r"down_proj'.* name no tensor of .*exclude those linears from LoRACallback's "
+                                         r"target_modules"):
+        write_lora_adapter(bridge, chunks, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()

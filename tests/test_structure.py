@@ -276,6 +276,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("_compat/grouped_experts.py", "_grouped_mm"): "torch's grouped GEMM, absent before torch 2.8",
     ("_compat/mbridge.py", "encoder_and_decoder"): UPSTREAM,
     ("_compat/mbridge.py", "rope_theta"): UPSTREAM,
+    ("_compat/peft.py", "_convert_peft_config_moe"): UPSTREAM,
     ("_compat/no_te.py", "mtp_num_layers"): MEGATRON,
     ("_compat/no_te.py", "layer_specs"): MEGATRON,
     ("_compat/vl.py", "rope_parameters"): "an HF text config: transformers 5 names it rope_parameters",

@@ -23,6 +23,7 @@ from lightning_megatron._compat import (
     no_te,
     packed_mtp_roll,
     packed_rope,
+    peft,
     quiet,
     root_logger,
     vl,
@@ -70,4 +71,13 @@ def import_mbridge() -> ModuleType:
     return importlib.import_module("mbridge")
 
 
-__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "prepare_megatron_core", "quiet_handled_warnings"]
+def import_peft() -> ModuleType:
+    """`peft`, loading adapters written against per-expert names onto transformers 5's fused MoE models with the
+    shared experts' and dense MLPs' adapters applied too (`peft.py`)."""
+    for adjustment in peft.ADJUSTMENTS:
+        adjustment.apply()
+    return importlib.import_module("peft")
+
+
+__all__ = ["Adjustment", "import_mbridge", "import_megatron_bridge", "import_peft", "prepare_megatron_core",
+           "quiet_handled_warnings"]

@@ -251,7 +251,9 @@ class WeightReceiver:
     def _adapted(self, folder: Path) -> torch.nn.Module:
         """A copy of the model with the PEFT adapter in `folder` merged in."""
         try:
-            import peft
+            from lightning_megatron._compat import import_peft
+
+            peft = import_peft()
         except ImportError as error:
             raise WeightSyncError("serving LoRA adapters needs peft (pip install peft)") from error
         try:
