@@ -12,6 +12,8 @@ command changes: the same arguments, working directory and environment, a folder
   before them leave idle, and are done by the time their test comes.
 
 At most two of these processes run at once, whatever started them (the CI machine's two cores and its memory).
+A command marked `preloaded` runs as a fork of one process per module that imported the libraries once
+(`tests/_preloaded.py`): the same command, process of its own and exit status, without its ~9 s of imports.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests._preloaded import PreloadedServer
 
 WORKERS = 2  # the CI machine's cores
 _RUNNING = threading.BoundedSemaphore(WORKERS)  # across all pools: at most two such processes (~1.2 GB each) at once
@@ -43,6 +47,7 @@ class Command:
     cwd: Path
     timeout: int = 300
     prepare: Callable[[Path], None] | None = None
+    preloaded: bool = False  # a fork of the module's preloaded server (same environment as the server's)
 
 
 class BackgroundRuns:
@@ -61,8 +66,12 @@ class BackgroundRuns:
         self._executor = ThreadPoolExecutor(workers)
         # each environment taken now, in the test process's thread: a test that sets a variable later (TMPDIR for
         # its own temporary folder) must not hand it to a command that starts meanwhile
+        envs = {name: commands[name].env() for name in self._folders}
+        preloaded = [name for name in self._folders if commands[name].preloaded]
+        self._server = (PreloadedServer(root / "preloaded", envs[preloaded[0]], commands[preloaded[0]].cwd)
+                        if preloaded else None)
         self._runs: dict[str, Future[subprocess.CompletedProcess]] = {
-            name: self._executor.submit(_run, commands[name], folder, commands[name].env())
+            name: self._executor.submit(_run, commands[name], folder, envs[name], self._server)
             for name, folder in self._folders.items()}
 
     def result(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -70,16 +79,24 @@ class BackgroundRuns:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
 
 
-def _run(command: Command, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _run(command: Command, folder: Path, env: dict[str, str],
+         server: PreloadedServer | None) -> subprocess.CompletedProcess:
     # output to files, not pipes: a child process left behind could hold a pipe open
     args = [sys.executable, "-m", *command.args(folder)]
-    with _RUNNING, open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
-        completed = subprocess.run(args, cwd=command.cwd, stdout=stdout, stderr=stderr, timeout=command.timeout,
-                                   env=env)
-    return subprocess.CompletedProcess(args, completed.returncode, (folder / "stdout.txt").read_text(),
-                                       (folder / "stderr.txt").read_text())
+    stdout, stderr = folder / "stdout.txt", folder / "stderr.txt"
+    with _RUNNING:
+        if command.preloaded:
+            assert server is not None
+            returncode = server.run(args[1:], command.cwd, env, stdout, stderr, command.timeout)
+        else:
+            with open(stdout, "w") as out, open(stderr, "w") as err:
+                returncode = subprocess.run(args, cwd=command.cwd, stdout=out, stderr=err, timeout=command.timeout,
+                                            env=env).returncode
+    return subprocess.CompletedProcess(args, returncode, stdout.read_text(), stderr.read_text())
 
 
 def background_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,

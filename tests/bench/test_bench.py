@@ -51,9 +51,11 @@ def _checked_result(out: Path, module: str, *args: str) -> dict:
 
 
 def _tiny(test: str, module: str, *args: str, out: bool = True, workdir: bool = False) -> Command:
-    """`python -m module args` (then `--workdir FOLDER/work` and `--out FOLDER/result.json`) for `test`."""
+    """`python -m module args` (then `--workdir FOLDER/work` and `--out FOLDER/result.json`) for `test`, forked from
+    the module's preloaded process (`tests/_preloaded.py`)."""
     return Command(test, lambda folder: [module, *args, *(["--workdir", str(folder / "work")] if workdir else []),
-                                         *(["--out", str(folder / "result.json")] if out else [])], _env, ROOT)
+                                         *(["--out", str(folder / "result.json")] if out else [])], _env, ROOT,
+                   preloaded=True)
 
 
 # the `--tiny` runs the tests below read, in the order they do
@@ -69,7 +71,7 @@ TINY_RUNS = {
     "vl": _tiny("test_vl_benchmark_runs_tiny", "bench.vl", "--tiny"),
     "tree": _tiny("test_tree_benchmark_runs_tiny", "bench.tree", "--tiny"),
     "weight_sync": _tiny("test_weight_sync_benchmark_runs_tiny", "bench.weight_sync", "--tiny", "--repeats", "1",
-                         "--steps", "2", "--warmup", "1"),
+                         "--steps", "1", "--warmup", "1"),
     "mtp_memory": _tiny("test_mtp_memory_benchmark_runs_tiny", "bench.mtp_memory", "--tiny"),
     "data": _tiny("test_data_benchmark_runs_tiny", "bench.data", "--tiny", workdir=True),
     "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
