@@ -150,9 +150,10 @@ def ensure_tiny_checkpoint(path: Path, make: Callable[[Path], Path] | None = Non
 
 def main(args: list[str] | None = None) -> None:
     """The `lightning-megatron` console script (`args` defaults to the command line); a mistake in the config ends
-    it with one `error: ...` block, as jsonargparse's own refusals do (`cli/user_errors.py`)."""
+    it with one `error: ...` block, as jsonargparse's own refusals do (`cli/user_errors.py`); called with `args`
+    from Python, the mistake's exception is raised."""
     _compat.quiet_handled_warnings()
-    with input_errors_reported():
+    with input_errors_reported(on_the_command_line=args is None):
         MegatronCLI(args=args)
 
 

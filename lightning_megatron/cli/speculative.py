@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p {args.top_p} must be in (0, 1] (1.0: all tokens)")
 
-    with input_errors_reported():  # a prompts file or checkpoint the report cannot read: one `error: ...` block
+    # a prompts file or checkpoint the report cannot read: one `error: ...` block (raised when called with `argv`)
+    with input_errors_reported(on_the_command_line=argv is None):
         report = measure_checkpoint(args.checkpoint, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
                                     device=args.device, dtype=_DTYPES[args.dtype], draft_tokens=args.draft_tokens,
                                     sampling=Sampling(args.temperature, args.top_p), seed=args.seed,

@@ -40,12 +40,15 @@ def _debugging() -> bool:
 
 
 @contextlib.contextmanager
-def input_errors_reported() -> Iterator[None]:
-    """Run a command's body; a mistake in its input prints `error: <message>` on stderr and exits with status 2."""
+def input_errors_reported(on_the_command_line: bool = True) -> Iterator[None]:
+    """Run a command's body; a mistake in its input prints `error: <message>` on stderr and exits with status 2.
+
+    `on_the_command_line=False` (a command's `main` called from Python with its arguments, as tests and notebooks
+    do) lets the exception through as it is, for the caller to catch."""
     try:
         yield
     except INPUT_ERRORS as error:
-        if _debugging() or not is_input_error(error):
+        if not on_the_command_line or _debugging() or not is_input_error(error):
             raise
         sys.stderr.write(f"error: {error}\n")
         raise SystemExit(EXIT_STATUS) from None

@@ -40,9 +40,9 @@ class VLMegatronCLI(MegatronCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    """The `lightning-megatron-vl` console script (`args` defaults to the command line)."""
+    """The `lightning-megatron-vl` console script (`args` defaults to the command line; see `megatron_cli.main`)."""
     _compat.quiet_handled_warnings()
-    with input_errors_reported():
+    with input_errors_reported(on_the_command_line=args is None):
         VLMegatronCLI(args=args)
 
 

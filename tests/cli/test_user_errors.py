@@ -34,3 +34,10 @@ def test_jsonargparse_debug_shows_the_traceback_of_a_refusal(monkeypatch) -> Non
     with pytest.raises(ValueError, match="is not a family") as raised, input_errors_reported():
         family("no_such_family")
     assert is_input_error(raised.value)
+
+
+def test_a_command_called_from_python_with_its_arguments_raises_the_mistake(monkeypatch) -> None:
+    """`main([...])` from a notebook or a test gets the exception to catch, not an exit."""
+    monkeypatch.delenv("JSONARGPARSE_DEBUG", raising=False)
+    with pytest.raises(ValueError, match="is not a family"), input_errors_reported(on_the_command_line=False):
+        family("no_such_family")
