@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +26,7 @@ from lightning_megatron.atomic import write_atomically
 from lightning_megatron.bridges import Bridge, BridgeError, capable_backends
 from lightning_megatron.contract import MegatronStrategyContract
 from lightning_megatron.families import is_hf_mtp_tensor
-from lightning_megatron.hf_io import checkpoint_tensor_specs, read_json
+from lightning_megatron.hf_io import checkpoint_tensor_specs
 
 # The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
 DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -213,26 +213,44 @@ def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str 
     return path
 
 
+_EXCLUDE_THE_LINEARS = ("exclude those linears from LoRACallback's target_modules (name the others, e.g. "
+                        "['linear_qkv', 'linear_proj', '*.shared_experts.linear_fc1', '*.shared_experts.linear_fc2'])")
+
+
+def check_adapter_form(bridge: Bridge, chunks: list[torch.nn.Module]) -> None:
+    """Refuse, before the first training step, adapters the PEFT adapter form cannot write (those of experts a
+    checkpoint stores fused: `WeightSync(lora_form="adapter")` calls it at fit start; `export_lora_adapter` refuses
+    the same adapters when it writes). Names only: no adapter tensor is gathered. Every rank calls it."""
+    _refuse_adapters_naming_no_tensor(bridge, bridge.adapted_hf_modules(chunks), "WeightSync(lora_form='adapter')",
+                                      "set lora_form: merged (the engine gets the adapted weights with the adapters "
+                                      f"merged in), or {_EXCLUDE_THE_LINEARS}")
+
+
 def _check_adapters_name_checkpoint_tensors(bridge: Bridge, adapter_names: list[str]) -> None:
     """Refuse adapters of tensors the HF checkpoint does not hold (an engine or `peft` would apply them to nothing,
     silently); warn that the MTP layer's adapters reach no engine's draft head."""
-    hf_path = Path(bridge.hf_path)
-    stored, config = checkpoint_tensor_specs(hf_path).keys(), read_json(hf_path / "config.json")
     adapted = {name.rsplit(".lora_", 1)[0] for name in adapter_names}
-    missing = sorted(name for name in adapted if f"{name}.weight" not in stored and name not in stored
-                     and not is_hf_mtp_tensor(name, config))  # the MTP head's: the warning below
-    if missing:
-        raise ValueError(f"export_lora_adapter: the adapters of {missing[:3]}{' ...' if len(missing) > 3 else ''} "
-                         f"({len(missing)} in all) name no tensor of {hf_path} (a checkpoint that stores its experts "
-                         "fused has no tensor per expert), so no engine or peft could apply them; exclude those "
-                         "linears from LoRACallback's target_modules (name the others, e.g. ['linear_qkv', "
-                         "'linear_proj', '*.shared_experts.linear_fc1', '*.shared_experts.linear_fc2']), or use "
-                         "export_lora_merged / WeightSync(lora_form='merged')")
-    if any(is_hf_mtp_tensor(name, config) for name in adapted):
+    _refuse_adapters_naming_no_tensor(bridge, adapted, "export_lora_adapter",
+                                      f"{_EXCLUDE_THE_LINEARS}, or use export_lora_merged / "
+                                      "WeightSync(lora_form='merged')")
+    if any(is_hf_mtp_tensor(name, bridge.hf_config) for name in adapted):
         warnings.warn("export_lora_adapter: the MTP layer's adapters are written, but engines apply LoRA adapters to "
                       "the main model only (transformers' models have no MTP layer): the draft head is served "
                       "without them, as the base model's head; use WeightSync(lora_form='merged') to serve the "
                       "trained head", stacklevel=2)
+
+
+def _refuse_adapters_naming_no_tensor(bridge: Bridge, adapted: Collection[str], caller: str, fix: str) -> None:
+    """`adapted`: HF module names; the MTP head's are left out (`export_lora_adapter` warns that engines serve no
+    adapter of it)."""
+    hf_path = Path(bridge.hf_path)
+    stored = checkpoint_tensor_specs(hf_path).keys()
+    missing = sorted(name for name in adapted if f"{name}.weight" not in stored and name not in stored
+                     and not is_hf_mtp_tensor(name, bridge.hf_config))
+    if missing:
+        raise ValueError(f"{caller}: the adapters of {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+                         f"({len(missing)} in all) name no tensor of {hf_path} (a checkpoint that stores its experts "
+                         f"fused has no tensor per expert), so no engine or peft could apply them; {fix}")
 
 
 def export_lora_merged(strategy: MegatronStrategyContract, path: str | Path) -> Path:

@@ -119,6 +119,9 @@ def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         "moe_router_enable_expert_bias": True,
         "moe_router_bias_update_rate": 0.0,
         "moe_router_topk_scaling_factor": float(hf_config.get("routed_scaling_factor", 1.0)),
+        # HF's shared experts are one MLP of this size (modeling_glm4_moe.py:378-380, modeling_deepseek_v3.py:204-206);
+        # megatron-bridge's GLM-4.5 bridge (glm/glm45_bridge.py:88) and mbridge's (models/glm4moe.py:148) size it
+        # moe_intermediate_size alone: a checkpoint with n_shared_experts: 2 would not load (a shape error)
         "moe_shared_expert_intermediate_size": int(hf_config["moe_intermediate_size"])
         * int(hf_config.get("n_shared_experts", 1)),
         "moe_shared_expert_gate": False,

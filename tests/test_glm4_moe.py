@@ -50,9 +50,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"mtp": make_tiny_checkpoint(root / "mtp", "glm4_moe", mtp=True, moe=GLM),
             "plain": make_tiny_checkpoint(root / "plain", "glm4_moe", moe=GLM),
             # GLM-4.6's q/k norms; heads wider than hidden / heads (GLM-4.5-Air: 96 x 128 over 4096); RoPE on every
-            # channel, given in rope_parameters only (transformers 5 keeps the attribute at its default, 0.5)
+            # channel, given in rope_parameters only (transformers 5 keeps the attribute at its default, 0.5); two
+            # shared experts, one MLP of 2 x moe_intermediate_size (every published GLM checkpoint has one)
             "variant": make_tiny_checkpoint(root / "variant", "glm4_moe", mtp=True, moe=GLM, head_dim=32,
-                                            config={"use_qk_norm": True, "partial_rotary_factor": 1.0})}
+                                            config={"use_qk_norm": True, "partial_rotary_factor": 1.0,
+                                                    "n_shared_experts": 2})}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -92,7 +94,8 @@ def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, m
     assert_logits_mtp_head_and_round_trip(checkpoints["mtp"], tmp_path, mtp)
 
 
-def test_qk_norms_wide_heads_and_full_rotary_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+def test_qk_norms_wide_heads_full_rotary_and_two_shared_experts_logits_mtp_head_and_round_trip(model_parallel,
+                                                                                               checkpoints, tmp_path):
     assert_logits_mtp_head_and_round_trip(checkpoints["variant"], tmp_path, True)
 
 
@@ -127,6 +130,10 @@ def test_router_settings_refuse_what_megatron_cannot_route():
     base = {"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "num_hidden_layers": 2, "first_k_dense_replace": 1, "norm_topk_prob": True}
     assert router_settings(base)["moe_router_score_function"] == "sigmoid"
+    # HF's shared experts are one MLP of moe_intermediate_size * n_shared_experts (modeling_glm4_moe.py:378-380);
+    # megatron-bridge's GLM-4.5 bridge sizes it moe_intermediate_size alone (glm/glm45_bridge.py:88), and a checkpoint
+    # with two would fail to load (a shape error) without the size from here
+    assert router_settings({**base, "n_shared_experts": 2})["moe_shared_expert_intermediate_size"] == 64
     with pytest.raises(ValueError, match="norm_topk_prob: false with sigmoid routing"):
         router_settings({**base, "norm_topk_prob": False})
     with pytest.raises(ValueError, match=r"group-limited routing \(n_group: 2"):

@@ -26,6 +26,7 @@ from lightning_megatron.lora import (
     DEFAULT_TARGET_MODULES,
     LoRAConfig,
     add_lora_adapters,
+    check_adapter_form,
     check_lora_supported,
     export_lora_adapter,
     export_lora_merged,
@@ -423,6 +424,7 @@ def test_moe_adapter_on_transformers_fused_experts_gives_the_megatron_logits(pro
     weights (both compute W + s B A in fp32), logits as the Megatron model's (fp32 rounding: 1e-5 as
     `_logits_difference`). Without the adjustment the dense and shared adapters are dropped: logits off by ~1."""
     import transformers
+    from megatron.core.utils import unwrap_model
 
     checkpoint = make_tiny_checkpoint(tmp_path / "glm4_moe", "glm4_moe", moe=GLM)
     result = _fit(tmp_path, checkpoint)
@@ -430,6 +432,7 @@ def test_moe_adapter_on_transformers_fused_experts_gives_the_megatron_logits(pro
     merged = export_lora_merged(result["strategy"], tmp_path / "merged")
     megatron = _megatron_logits(result["strategy"], _input_ids())
     assert any(".mlp.experts.3.down_proj." in name for name in load_file(adapter / "adapter_model.safetensors"))
+    check_adapter_form(result["strategy"].bridge, [unwrap_model(chunk) for chunk in result["strategy"].model_chunks])
 
     def folded() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -463,3 +466,9 @@ def test_adapters_on_experts_a_checkpoint_stores_fused_are_refused(model_paralle
                                          r"target_modules"):
         write_lora_adapter(bridge, chunks, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+    # WeightSync(lora_form="adapter")'s check at fit start: the same refusal from the export's names, no tensor read
+    exported = {name.rsplit(".lora_", 1)[0] for name, _ in bridge.export_adapter_weights(chunks)}
+    assert set(bridge.adapted_hf_modules(chunks)) <= exported
+    with pytest.raises(ValueError, match=r"WeightSync\(lora_form='adapter'\): the adapters of \['model\.layers\.0\.mlp"
+                                         r"\.experts\.0\.down_proj'.* set lora_form: merged"):
+        check_adapter_form(bridge, chunks)

@@ -186,8 +186,16 @@ class Bridge(ABC):
     def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapters' tensors under their HF PEFT names, gathered across TP/PP, on the host; every rank must
         iterate it."""
+        raise self._no_lora_support()
+
+    def adapted_hf_modules(self, chunks: list[torch.nn.Module]) -> list[str]:
+        """The HF modules the adapter export names the LoRA adapters after (`model.layers.0.self_attn.q_proj`; one
+        per adapter: a fused one by its first projection), without gathering a tensor; every rank must call it."""
+        raise self._no_lora_support()
+
+    def _no_lora_support(self) -> BridgeError:
         capable = capable_backends(lambda backend: backend.supports_lora)
-        raise BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: {capable}")
+        return BridgeError(f"bridge_type: {self.name} has no LoRA/PEFT support; set bridge_type: {capable}")
 
     def _validate_vocabulary(self) -> None:
         """Neither bridge pads the vocabulary: tensor parallelism splits the embedding and output rows evenly."""

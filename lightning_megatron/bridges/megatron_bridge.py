@@ -71,6 +71,12 @@ class MegatronBridge(Bridge):
     def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)
 
+    def adapted_hf_modules(self, chunks: list[torch.nn.Module]) -> list[str]:
+        # the tasks `export_adapter_weights` streams, before any of them gathers its tensors (names: across PP)
+        tasks = self.auto_bridge._model_bridge.build_adapter_conversion_tasks(chunks)
+        names = {task.linear_in_task.mapping.hf_param for base in tasks.values() for task in base}
+        return sorted(name.rsplit(".lora_", 1)[0] for name in names if name is not None)
+
     def _build(self, options: ModelOptions, *, load_weights: bool) -> list[torch.nn.Module]:
         provider = self.auto_bridge.to_megatron_provider(load_weights=False)
         apply_parallel_state(provider, options)

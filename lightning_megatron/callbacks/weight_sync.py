@@ -32,7 +32,8 @@ version (the package's receiver answers it in `/model_info`). A rollout worker r
 LoRA: `lora_form="merged"` (the default) sends the adapted linears with their adapters merged in (a delta of only
 those); `lora_form="adapter"` (disk) writes each version as a PEFT folder of the adapters alone, for engines that
 serve LoRA adapters over the base model they hold (SGLang `/load_lora_adapter`, vLLM `/v1/load_lora_adapter`,
-told with the folder's name as the adapter's).
+told with the folder's name as the adapter's). Adapters that form cannot name (a checkpoint that stores its experts
+fused, Qwen3.5-MoE's, has no tensor per expert) are refused when the fit starts, before the first step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from lightning_megatron.callbacks.lora import LoRACallback
 from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, megatron_strategy
 from lightning_megatron.data.settings import hand_data_settings
 from lightning_megatron.distributed import agree_on_failure, leader_value
-from lightning_megatron.lora import export_lora_adapter
+from lightning_megatron.lora import check_adapter_form, export_lora_adapter
 from lightning_megatron.mtp.probe import DraftProbe
 from lightning_megatron.serving import disk
 from lightning_megatron.serving.protocol import WeightSyncError, version_record
@@ -196,7 +197,11 @@ class WeightSync(pl.Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        megatron_strategy(trainer, "WeightSync")
+        from megatron.core.utils import unwrap_model
+
+        strategy = megatron_strategy(trainer, "WeightSync")
+        if self.lora_form == "adapter":  # adapters the PEFT form cannot name: refused now, not at the first sync
+            check_adapter_form(strategy.bridge, [unwrap_model(chunk) for chunk in strategy.model_chunks])
         if self.probe is not None:
             self.probe.check_data(trainer)  # no probe set: refused now, not at the first sync
         if self.mode == "disk" and trainer.is_global_zero:

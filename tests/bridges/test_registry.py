@@ -49,9 +49,10 @@ def test_a_backend_without_a_capability_refuses_its_method_naming_the_fix(checkp
     with pytest.raises(BridgeError, match="bridge_type: mbridge cannot read the model config .*; set bridge_type: "
                                           "megatron-bridge"):
         bridge.router_updates_expert_bias(ModelOptions())
-    with pytest.raises(BridgeError, match="bridge_type: mbridge has no LoRA/PEFT support; set bridge_type: "
-                                          "megatron-bridge"):
-        bridge.export_adapter_weights([])
+    for lora_method in (bridge.export_adapter_weights, bridge.adapted_hf_modules):
+        with pytest.raises(BridgeError, match="bridge_type: mbridge has no LoRA/PEFT support; set bridge_type: "
+                                              "megatron-bridge"):
+            lora_method([])
 
 
 def test_megatron_bridge_reads_the_router_expert_bias_from_its_model_config(checkpoint):

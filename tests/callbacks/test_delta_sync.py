@@ -288,6 +288,33 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     assert all(report.bytes < merged.reports[0].bytes / 10 for report in adapter.reports)
 
 
+class CountSteps(pl.Callback):
+    """How many training steps began: a refusal at setup leaves it at 0."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.started += 1
+
+
+def test_adapters_the_peft_form_cannot_name_are_refused_before_the_first_step(process_group, tmp_path):
+    """Qwen3.5-MoE stores its decoder's experts fused (`mlp.experts.gate_up_proj`): the default targets adapt each
+    expert, which no tensor of the checkpoint names, so the adapter form is refused when the fit starts (it was
+    refused at the first sync, after the training steps), naming the merged form."""
+    from lightning_megatron.testing.checkpoints import MoEShape
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3_5_moe", "qwen3_5_moe_text", moe=MoEShape())
+    sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), lora_form="adapter")
+    steps = CountSteps()
+    with pytest.raises(ValueError, match=r"WeightSync\(lora_form='adapter'\): the adapters of \['model\.layers\.0\.mlp"
+                                         r"\.experts\.0\.down_proj'.* name no tensor of .*; set lora_form: merged"):
+        fit_with_syncs(tmp_path, checkpoint, [sync], None, steps=1, module_kwargs={"enable_mtp": False},
+                       extra_callbacks=(LoRACallback(rank=4, alpha=8), steps), **MTP_BRIDGE)
+    assert steps.started == 0 and sync.reports == []
+    assert not (tmp_path / "adapters").exists()
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(mode="colocated", engine_url="http://127.0.0.1:1", lora_form="adapter"),
      r"lora_form: 'adapter' writes PEFT folders .* use mode='disk', or lora_form='merged'"),
