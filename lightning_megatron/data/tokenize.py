@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -103,7 +103,7 @@ def tokenize_examples(
     dropped = 0
     with quiet_length_warning():
         for example in examples:
-            tokenized, problem = fit_example(example, tokenizer, max_tokens=max_tokens, overlong=overlong)
+            tokenized, problem, _ = fit_example(example, tokenizer, max_tokens=max_tokens, overlong=overlong)
             if problem is not None:
                 problems.append(problem)
             elif tokenized is None:
@@ -114,32 +114,38 @@ def tokenize_examples(
     return kept, dropped
 
 
-def fit_example(
-    example: Example, tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
-) -> tuple[TokenizedExample | None, str | None]:
-    """One training row tokenized and fitted into ``max_tokens`` (the rules of :func:`tokenize_examples`):
-    ``(row, None)``, ``(None, None)`` when ``"drop"`` leaves it out, or ``(None, "path:line: problem")``."""
+class FittedRow(NamedTuple):
+    """What :func:`fit_example` made of a row: ``row`` (None when left out or refused), ``problem``
+    (``"path:line: what"`` when refused) and whether ``row`` was cut to fit (``truncated``)."""
+
+    row: TokenizedExample | None
+    problem: str | None = None
+    truncated: bool = False
+
+
+def fit_example(example: Example, tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate") -> FittedRow:
+    """One training row tokenized and fitted into ``max_tokens`` (the rules of :func:`tokenize_examples`)."""
     try:
         tokenized = tokenize_example(example, tokenizer)
     except ValueError as error:
-        return None, f"{example.source}: {error}"
+        return FittedRow(None, f"{example.source}: {error}")
     length = len(tokenized)
     if length > max_tokens:
         if overlong == "drop":
-            return None, None
+            return FittedRow(None)
         if overlong == "error":
-            return None, (f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
-                          "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'")
+            return FittedRow(None, f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
+                                   "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'")
         tokenized = TokenizedExample(
             example.source, tokenized.input_ids[:max_tokens], tokenized.response_mask[:max_tokens]
         )
     if tokenized.trainable_tokens == 0:
         if overlong == "drop":
-            return None, None
+            return FittedRow(None)
         cut = f" after truncating its {length} tokens to {max_tokens}" if length > max_tokens else ""
-        return None, (f"{example.source}: no response token left to train on{cut}; "
-                      "raise seq_length, shorten the prompt, or set overlong='drop'")
-    return tokenized, None
+        return FittedRow(None, f"{example.source}: no response token left to train on{cut}; "
+                               "raise seq_length, shorten the prompt, or set overlong='drop'")
+    return FittedRow(tokenized, truncated=length > max_tokens)
 
 
 @contextmanager
@@ -188,11 +194,11 @@ def tokenize_prompts(
     return kept, dropped
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
 
 
-def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     """Render ``messages`` with the chat template and mark the assistant turns.
 
     A template with a ``{% generation %}`` block marks them itself (``return_assistant_tokens_mask``). Without
@@ -203,7 +209,7 @@ def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[
     conversation's prefix as a prefix of its tokens; a template that does not (one that rewrites earlier turns,
     say) is rejected with a request for a ``{% generation %}`` block.
     """
-    if _GENERATION_BLOCK.search(tokenizer.chat_template):
+    if _GENERATION_BLOCK.search(tokenizer.get_chat_template()):  # a dict of named templates: the one applied
         rendered = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )

@@ -144,6 +144,41 @@ def test_mask_from_prefix_renders_equals_the_generation_block_mask(tmp_path: Pat
         assert torch.equal(got.response_mask, expected.response_mask), example.source
 
 
+TOOL_CALL_TEMPLATE = CHAT_TEMPLATE.replace(  # Qwen's way: the calls rendered inside the assistant turn
+    "{{- message['content'] + '<|im_end|>' }}",
+    "{{- message['content'] }}{%- for call in message.tool_calls or [] %}<call>{{ call.function.name }}"
+    "({{ call.function.arguments }})</call>{%- endfor %}{{- '<|im_end|>' }}")
+
+
+@pytest.mark.parametrize("generation_block", [True, False], ids=["generation_block", "prefix_renders"])
+def test_an_assistant_turn_that_calls_tools_trains_on_its_calls(tmp_path: Path, checkpoint: Path,
+                                                                generation_block: bool) -> None:
+    """OpenAI's tool-calling form: the call in 'tool_calls', content null; the template renders the call."""
+    assert TOOL_CALL_TEMPLATE != CHAT_TEMPLATE
+    template = TOOL_CALL_TEMPLATE if generation_block else TOOL_CALL_TEMPLATE.replace(
+        "{%- generation %}", "").replace("{%- endgeneration %}", "")
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    conversation = [{"role": "user", "content": "What is 2+2?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "4", "tool_call_id": "c1"},
+                    {"role": "assistant", "content": "It is 4."}]
+    (example,) = read_jsonl(write_jsonl(tmp_path / "tools.jsonl", [{"messages": conversation}]))
+    tokenizer = _tokenizer_with_template(checkpoint, template)
+    tokenized = tokenize_example(example, tokenizer)
+    sample = pad_example(tokenized, 96, tokenizer.pad_token_id)
+    assert trained_text(tokenizer, sample["labels"], sample["loss_mask"]) == [
+        '<call>add({"a": 2})</call><|im_end|>', "It is 4.<|im_end|>"]
+
+
+def test_a_dict_of_named_chat_templates_renders_with_its_default(tmp_path: Path, checkpoint: Path,
+                                                                 tokenizer: Any) -> None:
+    """transformers keeps several templates as a dict (chat_template.jinja + additional_chat_templates/)."""
+    named = _tokenizer_with_template(checkpoint, {"default": CHAT_TEMPLATE, "tool_use": TOOL_CALL_TEMPLATE})
+    (example,) = read_jsonl(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}]))
+    expected, got = tokenize_example(example, tokenizer), tokenize_example(example, named)
+    assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.response_mask, expected.response_mask)
+
+
 # --- padding and packing -------------------------------------------------------------------------------------------
 
 
@@ -316,6 +351,35 @@ def test_a_row_that_is_not_utf8_is_reported_by_line(tmp_path: Path) -> None:
         read_jsonl(path)
 
 
+def test_a_byte_order_mark_crlf_line_ends_and_no_final_newline_read_as_plain_jsonl(tmp_path: Path,
+                                                                                     checkpoint: Path) -> None:
+    """What Windows editors and Excel's "CSV UTF-8" write: the first row is a row like any other."""
+    rows = [{"prompt": "Hi", "response": "Hello."}, {"messages": CONVERSATION}]
+    lines = [json.dumps(row, ensure_ascii=False).encode() for row in rows]
+    windows = tmp_path / "windows.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + lines[0] + b"\r\n\r\n" + lines[1])
+    plain = write_jsonl(tmp_path / "plain.jsonl", rows)
+    assert [example.source for example in read_jsonl(windows)] == [f"{windows}:1", f"{windows}:3"]
+    options = dict(hf_checkpoint=str(checkpoint), seq_length=96, micro_batch_size=2, cache_dir=str(tmp_path / "c"))
+    got, expected = SFTDataModule(str(windows), **options), SFTDataModule(plain, **options)
+    got.setup("fit")
+    expected.setup("fit")
+    assert [got.datasets["train"][i]["input_ids"].tolist() for i in range(2)] == [
+        expected.datasets["train"][i]["input_ids"].tolist() for i in range(2)]
+
+
+def test_a_compressed_file_is_refused_once_naming_how_to_decompress(tmp_path: Path, checkpoint: Path) -> None:
+    import gzip
+
+    path = tmp_path / "train.jsonl.gz"
+    path.write_bytes(gzip.compress((json.dumps(GOOD) + "\n").encode() * 20))
+    datamodule = SFTDataModule(str(path), hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1,
+                               cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataValidationError, match=rf"^{path} is gzip-compressed, not JSONL text; decompress it first "
+                                                  r"\(gunzip -k train.jsonl.gz\)"):
+        datamodule.setup("fit")
+
+
 def test_overlong_rows_truncate_drop_or_error(tmp_path: Path, checkpoint: Path, tokenizer: Any) -> None:
     long_answer = {"prompt": "Hi", "response": "The quick brown fox jumps over the lazy dog. " * 4}
     long_prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "response": "Yes."}
@@ -340,6 +404,18 @@ def test_overlong_rows_truncate_drop_or_error(tmp_path: Path, checkpoint: Path, 
     with pytest.warns(UserWarning, match="dropped 2 of 3 rows"):
         datamodule.setup("fit")
     assert len(datamodule.datasets["train"]) == 1
+
+
+def test_truncated_rows_are_counted_and_reported_on_every_setup(tmp_path: Path, checkpoint: Path) -> None:
+    long_answer = {"prompt": "Hi", "response": "The quick brown fox jumps over the lazy dog. " * 4}
+    path = write_jsonl(tmp_path / "rows.jsonl", [GOOD, long_answer, GOOD, long_answer, GOOD])
+    for built in (True, False):  # tokenized now, then found in the cache: the same count
+        datamodule = SFTDataModule(path, hf_checkpoint=str(checkpoint), seq_length=24, micro_batch_size=1,
+                                   cache_dir=str(tmp_path / "cache"))
+        with pytest.warns(UserWarning, match=rf"{path}: cut 2 of 5 rows to their first seq_length=24 tokens "
+                                             r"\(overlong='truncate'\)"):
+            datamodule.setup("fit")
+        assert datamodule.cache_built == {"train": built} and len(datamodule.datasets["train"]) == 5
 
 
 # --- prediction and settings ---------------------------------------------------------------------------------------
