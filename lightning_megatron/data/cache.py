@@ -290,9 +290,21 @@ def _tokenized_chunks(data_path: str | Path, tokenizer: Any, spec: CacheSpec, wo
     # fork: the workers inherit the loaded tokenizer and modules instead of importing torch again
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker tokenizes one row at a time
+    unreadable: list[Exception] = []
     with context.Pool(workers, initializer=_init_worker,
                       initargs=(tokenizer, spec, str(data_path), lines)) as pool:
-        yield from pool.imap(_tokenize_chunk, chunks, chunksize=1)
+        yield from pool.imap(_tokenize_chunk, _until_failure(chunks, unreadable), chunksize=1)
+    if unreadable:  # raised here as it was raised (the pool would re-raise it from a worker, its origin lost)
+        raise unreadable[0]
+
+
+def _until_failure(chunks: Iterator[tuple[list, int]], failures: list[Exception]) -> Iterator[tuple[list, int]]:
+    """``chunks`` until reading the data fails; the error is kept in ``failures`` instead of raised into the pool's
+    feeding thread."""
+    try:
+        yield from chunks
+    except Exception as error:
+        failures.append(error)
 
 
 def _raw_chunks(data_path: str | Path) -> Iterator[tuple[list, int]]:

@@ -195,7 +195,20 @@ def tokenize_prompts(
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+    return list(_applied(tokenizer, messages, **kwargs)["input_ids"])
+
+
+def _applied(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    """``apply_chat_template`` (tokenized, as a dict); a template that refuses the conversation (Gemma's "System role
+    not supported", Mistral's "Conversation roles must alternate": ``raise_exception`` in the template) is a
+    ``ValueError`` about this row, so that it is reported with its ``path:line`` among the other bad rows."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    except TemplateError as error:
+        raise ValueError(f"the chat template refuses this conversation ({type(error).__name__}: {error}); "
+                         "rewrite the row in the form the template accepts") from None
 
 
 def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
@@ -210,9 +223,7 @@ def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[
     say) is rejected with a request for a ``{% generation %}`` block.
     """
     if _GENERATION_BLOCK.search(tokenizer.get_chat_template()):  # a dict of named templates: the one applied
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+        rendered = _applied(tokenizer, messages, return_assistant_tokens_mask=True)
         return list(rendered["input_ids"]), list(rendered["assistant_masks"])
     ids = _render(tokenizer, messages)
     mask = [0] * len(ids)

@@ -170,6 +170,18 @@ def test_an_assistant_turn_that_calls_tools_trains_on_its_calls(tmp_path: Path, 
         '<call>add({"a": 2})</call><|im_end|>', "It is 4.<|im_end|>"]
 
 
+def test_a_conversation_the_chat_template_refuses_is_named_by_its_line(tmp_path: Path, checkpoint: Path) -> None:
+    """Gemma's and Mistral's templates raise_exception on a system turn or roles out of turn."""
+    refusing = _tokenizer_with_template(checkpoint, "{%- if messages[0]['role'] == 'system' %}"
+                                                    "{{ raise_exception('System role not supported') }}{%- endif %}"
+                                        + CHAT_TEMPLATE)
+    path = write_jsonl(tmp_path / "chat.jsonl", [PROMPT_RESPONSE, {"messages": CONVERSATION}])
+    with pytest.raises(DataValidationError, match=rf"1 of 2 rows are malformed:\n  {path}:2: the chat template "
+                                                  r"refuses this conversation \(TemplateError: System role not "
+                                                  r"supported\)"):
+        tokenize_examples(read_jsonl(path), refusing, max_tokens=128)
+
+
 def test_a_dict_of_named_chat_templates_renders_with_its_default(tmp_path: Path, checkpoint: Path,
                                                                  tokenizer: Any) -> None:
     """transformers keeps several templates as a dict (chat_template.jinja + additional_chat_templates/)."""
@@ -368,16 +380,22 @@ def test_a_byte_order_mark_crlf_line_ends_and_no_final_newline_read_as_plain_jso
         expected.datasets["train"][i]["input_ids"].tolist() for i in range(2)]
 
 
-def test_a_compressed_file_is_refused_once_naming_how_to_decompress(tmp_path: Path, checkpoint: Path) -> None:
+@pytest.mark.parametrize("tokenize_workers", [1, 2])
+def test_a_compressed_file_is_refused_once_naming_how_to_decompress(tmp_path: Path, checkpoint: Path,
+                                                                     tokenize_workers: int) -> None:
+    """With a pool of tokenizing processes too, as the command line's one-line error (raised where it was)."""
     import gzip
+
+    from lightning_megatron.cli.user_errors import is_input_error
 
     path = tmp_path / "train.jsonl.gz"
     path.write_bytes(gzip.compress((json.dumps(GOOD) + "\n").encode() * 20))
     datamodule = SFTDataModule(str(path), hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1,
-                               cache_dir=str(tmp_path / "cache"))
+                               cache_dir=str(tmp_path / "cache"), tokenize_workers=tokenize_workers)
     with pytest.raises(DataValidationError, match=rf"^{path} is gzip-compressed, not JSONL text; decompress it first "
-                                                  r"\(gunzip -k train.jsonl.gz\)"):
+                                                  r"\(gunzip -k train.jsonl.gz\)") as error:
         datamodule.setup("fit")
+    assert is_input_error(error.value)
 
 
 def test_overlong_rows_truncate_drop_or_error(tmp_path: Path, checkpoint: Path, tokenizer: Any) -> None:
