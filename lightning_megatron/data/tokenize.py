@@ -79,9 +79,12 @@ def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
 
 
 def tokenize_prompt(example: Example, tokenizer: Any) -> torch.Tensor:
-    """Token ids of a prediction row, ending where the model should start answering."""
+    """Token ids of a prediction row, ending where the model should start answering. A prompt/response row is
+    prompted with its prompt alone, with or without a chat template (its response is the answer to replace, as
+    ``ContinuationWriter`` writes the row back: an SFT file serves as prompts)."""
     if has_chat_template(tokenizer):
-        ids = _render(tokenizer, example.as_messages(), add_generation_prompt=True)
+        prompt = example if example.messages is not None else Example(example.source, prompt=example.prompt)
+        ids = _render(tokenizer, prompt.as_messages(), add_generation_prompt=True)
     elif example.messages is not None:
         raise ValueError("is a 'messages' row, but the tokenizer has no chat template to render it")
     else:

@@ -288,20 +288,6 @@ def test_parquet_and_hf_datasets_give_the_same_batches_as_jsonl(tmp_path: Path, 
         assert_same_batches(batches(SFTDataModule(sources[kind], **options)), jsonl)
 
 
-def test_a_frame_mixing_both_schemas_gives_the_same_rows_as_jsonl_and_as_parquet(tmp_path: Path,
-                                                                                  checkpoint: Path) -> None:
-    """pandas writes the other schema's fields of a row as null in JSONL (to_json) and in Parquet alike."""
-    pandas = pytest.importorskip("pandas")
-    frame = pandas.DataFrame(chat_rows(8))
-    jsonl, parquet = tmp_path / "rows.jsonl", tmp_path / "rows.parquet"
-    frame.to_json(jsonl, orient="records", lines=True)
-    frame.to_parquet(parquet)
-    assert '"prompt":null' in jsonl.read_text()
-    options = dict(hf_checkpoint=str(checkpoint), seq_length=128, packing=True, micro_batch_size=1,
-                   cache_dir=str(tmp_path / "cache"))
-    assert_same_batches(batches(SFTDataModule(str(jsonl), **options)), batches(SFTDataModule(str(parquet), **options)))
-
-
 def test_a_bad_row_is_named_by_its_location_in_each_format(tmp_path: Path, checkpoint: Path) -> None:
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
     bad = {"messages": [{"role": "bot", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
@@ -331,24 +317,6 @@ def test_a_folder_that_is_not_one_saved_split_says_what_to_point_at(tmp_path: Pa
         datamodule = SFTDataModule(str(tmp_path / folder), hf_checkpoint=str(checkpoint), seq_length=32,
                                    micro_batch_size=1)
         with pytest.raises((ValueError, FileNotFoundError), match=message):
-            datamodule.setup("fit")
-
-
-def test_a_file_pyarrow_cannot_read_is_named_with_the_fix(tmp_path: Path, checkpoint: Path) -> None:
-    jsonl = write_jsonl(tmp_path / "rows.jsonl", chat_rows(1))
-    not_parquet = tmp_path / "rows.parquet"
-    not_parquet.write_bytes(Path(jsonl).read_bytes())  # JSONL under a Parquet name: its bytes' cache is not its own
-    SFTDataModule(jsonl, hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1,
-                  cache_dir=str(tmp_path / "cache")).setup("fit")
-    saved = Path(write_hf_datasets(tmp_path / "rows_hf", chat_rows(4)))
-    damaged = next(saved.glob("*.arrow"))
-    damaged.write_bytes(damaged.read_bytes()[:40])
-    cases = {not_parquet: rf"^{not_parquet} is not a readable Parquet file \(.*\); a file ending in .parquet or .pq is",
-             saved: rf"^{damaged} is not a readable Arrow stream \(.*\); save the dataset again with save_to_disk"}
-    for path, message in cases.items():
-        datamodule = SFTDataModule(str(path), hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1,
-                                   cache_dir=str(tmp_path / "cache"))
-        with pytest.raises(DataValidationError, match=message):
             datamodule.setup("fit")
 
 

@@ -363,41 +363,6 @@ def test_a_row_that_is_not_utf8_is_reported_by_line(tmp_path: Path) -> None:
         read_jsonl(path)
 
 
-def test_a_byte_order_mark_crlf_line_ends_and_no_final_newline_read_as_plain_jsonl(tmp_path: Path,
-                                                                                     checkpoint: Path) -> None:
-    """What Windows editors and Excel's "CSV UTF-8" write: the first row is a row like any other."""
-    rows = [{"prompt": "Hi", "response": "Hello."}, {"messages": CONVERSATION}]
-    lines = [json.dumps(row, ensure_ascii=False).encode() for row in rows]
-    windows = tmp_path / "windows.jsonl"
-    windows.write_bytes(b"\xef\xbb\xbf" + lines[0] + b"\r\n\r\n" + lines[1])
-    plain = write_jsonl(tmp_path / "plain.jsonl", rows)
-    assert [example.source for example in read_jsonl(windows)] == [f"{windows}:1", f"{windows}:3"]
-    options = dict(hf_checkpoint=str(checkpoint), seq_length=96, micro_batch_size=2, cache_dir=str(tmp_path / "c"))
-    got, expected = SFTDataModule(str(windows), **options), SFTDataModule(plain, **options)
-    got.setup("fit")
-    expected.setup("fit")
-    assert [got.datasets["train"][i]["input_ids"].tolist() for i in range(2)] == [
-        expected.datasets["train"][i]["input_ids"].tolist() for i in range(2)]
-
-
-@pytest.mark.parametrize("tokenize_workers", [1, 2])
-def test_a_compressed_file_is_refused_once_naming_how_to_decompress(tmp_path: Path, checkpoint: Path,
-                                                                     tokenize_workers: int) -> None:
-    """With a pool of tokenizing processes too, as the command line's one-line error (raised where it was)."""
-    import gzip
-
-    from lightning_megatron.cli.user_errors import is_input_error
-
-    path = tmp_path / "train.jsonl.gz"
-    path.write_bytes(gzip.compress((json.dumps(GOOD) + "\n").encode() * 20))
-    datamodule = SFTDataModule(str(path), hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1,
-                               cache_dir=str(tmp_path / "cache"), tokenize_workers=tokenize_workers)
-    with pytest.raises(DataValidationError, match=rf"^{path} is gzip-compressed, not JSONL text; decompress it first "
-                                                  r"\(gunzip -k train.jsonl.gz\)") as error:
-        datamodule.setup("fit")
-    assert is_input_error(error.value)
-
-
 def test_overlong_rows_truncate_drop_or_error(tmp_path: Path, checkpoint: Path, tokenizer: Any) -> None:
     long_answer = {"prompt": "Hi", "response": "The quick brown fox jumps over the lazy dog. " * 4}
     long_prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "response": "Yes."}
@@ -459,6 +424,17 @@ def test_predict_batches_are_prompts_ending_at_the_assistant_header(tmp_path: Pa
     with pytest.raises(DataValidationError, match=rf"{bad}:1: .*must not end with an assistant turn"):
         SFTDataModule(good_file(tmp_path), predict_path=bad, hf_checkpoint=str(checkpoint),
                       micro_batch_size=1).setup("predict")
+
+
+def test_an_sft_row_as_a_prompt_is_prompted_without_its_response(tmp_path: Path, checkpoint: Path) -> None:
+    """The answer ContinuationWriter writes back replaces the response: the model must not see it first."""
+    prompts = {}
+    for name, row in (("answered", PROMPT_RESPONSE), ("prompt_only", {"prompt": PROMPT_RESPONSE["prompt"]})):
+        datamodule = SFTDataModule(predict_path=write_jsonl(tmp_path / f"{name}.jsonl", [row]),
+                                   hf_checkpoint=str(checkpoint), seq_length=128, micro_batch_size=1)
+        datamodule.setup("predict")
+        prompts[name] = next(iter(datamodule.predict_dataloader()))["input_ids"]
+    assert torch.equal(prompts["answered"], prompts["prompt_only"])
 
 
 def test_settings_the_strategy_owns_must_come_from_somewhere(tmp_path: Path, checkpoint: Path) -> None:
