@@ -177,11 +177,12 @@ class SFTDataModule(pl.LightningDataModule):
 
     def _build_dataset(self, split: str, path: str) -> Dataset:
         if split == "predict":
-            prompts, dropped = tokenize_prompts(
+            prompts, dropped, truncated = tokenize_prompts(
                 read_examples(path, for_prediction=True), self.tokenizer, max_tokens=self.seq_length,
                 overlong=self.overlong,
             )
             self._warn_dropped(path, dropped, len(prompts))
+            self._warn_truncated(path, truncated, dropped + len(prompts), kept="last")
             if not prompts:
                 raise ValueError(f"{path}: no prompt is left after overlong='drop'; raise seq_length")
             self.predict_examples = [example for example, _ in prompts]
@@ -273,12 +274,14 @@ class SFTDataModule(pl.LightningDataModule):
             name = "tree_token_ratio" if split == "train" else f"{split}_tree_token_ratio"
             logger.log_metrics({name: packing.tree_token_ratio}, step=0)
 
-    def _warn_truncated(self, path: str, truncated: int, total: int) -> None:
+    def _warn_truncated(self, path: str, truncated: int, total: int, kept: str = "first") -> None:
+        """Rows cut to fit (``kept``: their ``"first"`` tokens, training rows; their ``"last"``, prompts)."""
         if truncated:
+            lost = "what follows in them is not trained on" if kept == "first" else "their beginning is not seen"
             rank_zero_warn(
-                f"{path}: cut {truncated} of {total} rows to their first seq_length={self.seq_length} tokens "
-                "(overlong='truncate'): what follows in them is not trained on; raise seq_length, or set "
-                "overlong='drop' to leave such rows out or 'error' to list them"
+                f"{path}: cut {truncated} of {total} rows to their {kept} seq_length={self.seq_length} tokens "
+                f"(overlong='truncate'): {lost}; raise seq_length, or set overlong='drop' to leave such rows out "
+                "or 'error' to list them"
             )
 
     def _warn_dropped(self, path: str, dropped: int, kept: int) -> None:

@@ -170,13 +170,14 @@ def quiet_length_warning() -> Iterator[None]:
 
 def tokenize_prompts(
     examples: list[Example], tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
-) -> tuple[list[tuple[Example, torch.Tensor]], int]:
+) -> tuple[list[tuple[Example, torch.Tensor]], int, int]:
     """Tokenize prediction rows into ``(row, prompt ids)`` pairs (the row travels along, so that a continuation
     can be written back next to its prompt); a prompt longer than ``max_tokens`` keeps its *end* (where the turn
-    to answer is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``."""
+    to answer is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``. Returns the
+    pairs and how many prompts were left out and cut."""
     kept: list[tuple[Example, torch.Tensor]] = []
     problems: list[str] = []
-    dropped = 0
+    dropped = truncated = 0
     for example in examples:
         try:
             with quiet_length_warning():
@@ -192,9 +193,10 @@ def tokenize_prompts(
                 problems.append(f"{example.source}: the prompt has {ids.numel()} tokens, more than {max_tokens}")
                 continue
             ids = ids[-max_tokens:]
+            truncated += 1
         kept.append((example, ids))
     raise_for_bad_rows(problems, len(examples))
-    return kept, dropped
+    return kept, dropped, truncated
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:

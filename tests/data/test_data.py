@@ -399,6 +399,11 @@ def test_truncated_rows_are_counted_and_reported_on_every_setup(tmp_path: Path, 
                                              r"\(overlong='truncate'\)"):
             datamodule.setup("fit")
         assert datamodule.cache_built == {"train": built} and len(datamodule.datasets["train"]) == 5
+    long_prompt = {"prompt": long_answer["response"]}
+    path = write_jsonl(tmp_path / "prompts.jsonl", [GOOD, long_prompt, GOOD])
+    prompts = SFTDataModule(predict_path=path, hf_checkpoint=str(checkpoint), seq_length=24, micro_batch_size=1)
+    with pytest.warns(UserWarning, match=rf"{path}: cut 1 of 3 rows to their last seq_length=24 tokens"):
+        prompts.setup("predict")
 
 
 # --- prediction and settings ---------------------------------------------------------------------------------------
