@@ -57,7 +57,9 @@ from lightning_megatron.data.sources import (
 )
 from lightning_megatron.data.tokenize import Overlong, TokenizedExample, fit_example, quiet_length_warning
 
-FORMAT_VERSION = 2  # 2: messages keep their other keys (tool_calls, ...); the manifest counts truncated rows
+# 2: messages keep their other keys (tool_calls, ...), a turn found by prefix renders ends at its last special token
+# (not only eos), the manifest counts truncated rows
+FORMAT_VERSION = 2
 CHUNK_ROWS = 256  # rows a pool worker tokenizes at a time
 # The map's pages are dropped from the reading process every this many rows: the kernel reads ahead ~64 KiB around
 # every row it faults in, so without it a rank's resident memory grows with every row it has touched (clean, shared

@@ -222,8 +222,9 @@ def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[
     A template with a ``{% generation %}`` block marks them itself (``return_assistant_tokens_mask``). Without
     one, each assistant turn ``i`` is found by rendering prefixes: its tokens run from the end of
     ``render(messages[:i], add_generation_prompt=True)`` (the assistant header) to the end of
-    ``render(messages[:i + 1])``, cut after the last eos token inside that span, so separators the template puts
-    after the end-of-turn token (ChatML's newline) are not trained on. This needs the template to render a
+    ``render(messages[:i + 1])``, cut after the last special token inside that span (the end-of-turn token:
+    ChatML's ``<|im_end|>`` is one even where eos is ``<|endoftext|>``, as in base models' tokenizers), so
+    separators the template puts after it (ChatML's newline) are not trained on. This needs the template to render a
     conversation's prefix as a prefix of its tokens; a template that does not (one that rewrites earlier turns,
     say) is rejected with a request for a ``{% generation %}`` block.
     """
@@ -232,6 +233,8 @@ def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[
         return list(rendered["input_ids"]), list(rendered["assistant_masks"])
     ids = _render(tokenizer, messages)
     mask = [0] * len(ids)
+    special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special.add(tokenizer.eos_token_id)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -243,7 +246,7 @@ def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[
                 "the chat template does not render the conversation's beginning as a prefix of the whole, so the "
                 "assistant tokens cannot be found; use a chat template with a {% generation %} block"
             )
-        ends_of_turn = [i for i in range(start, end) if ids[i] == tokenizer.eos_token_id]
+        ends_of_turn = [i for i in range(start, end) if ids[i] in special]
         if ends_of_turn:
             end = ends_of_turn[-1] + 1
         mask[start:end] = [1] * (end - start)

@@ -132,11 +132,15 @@ def test_messages_row_without_a_chat_template_is_reported(tmp_path: Path, checkp
         tokenize_examples(read_jsonl(path), _tokenizer_with_template(checkpoint, None), max_tokens=128)
 
 
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"], ids=["chat_eos", "base_model_eos"])
 def test_mask_from_prefix_renders_equals_the_generation_block_mask(tmp_path: Path, checkpoint: Path,
-                                                                   tokenizer: Any) -> None:
+                                                                   tokenizer: Any, eos: str) -> None:
+    """A base model's tokenizer ends text with <|endoftext|>, its template's turns with <|im_end|>: the newline
+    after it is not trained on either."""
     without_block = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     assert without_block != CHAT_TEMPLATE and "endgeneration" not in without_block
     fallback = _tokenizer_with_template(checkpoint, without_block)
+    fallback.eos_token = eos
     rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]}, PROMPT_RESPONSE]
     for example in read_jsonl(write_jsonl(tmp_path / "rows.jsonl", rows)):
         expected, got = tokenize_example(example, tokenizer), tokenize_example(example, fallback)
