@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 from lightning_megatron.microbatch import LossOutput, Microbatch, check_microbatch, split_for_context_parallel
 
@@ -41,13 +42,33 @@ class GlobalBatches:
     number fetched, because Lightning fetches one batch ahead.
     """
 
-    def __init__(self, dataloader: Any, num_microbatches: int) -> None:
+    def __init__(self, dataloader: Any, num_microbatches: int, *, training: bool = False) -> None:
         self.dataloader = dataloader
         self.num_microbatches = num_microbatches
         self.drop_last = bool(getattr(dataloader, "drop_last", False))
         self.consumed = 0
         self._epoch = 0
         self._skip = 0
+        if training:
+            self._refuse_too_little_data()
+
+    def _refuse_too_little_data(self) -> None:
+        """Training data that cannot fill one global batch: Lightning would end `fit` without a step, as if it had
+        succeeded."""
+        try:
+            microbatches = len(self.dataloader)
+        except (TypeError, NotImplementedError):  # an iterable without a length: nothing to check beforehand
+            return
+        if microbatches >= (self.num_microbatches if self.drop_last else 1):
+            return
+        ranks = self.sampler.num_replicas if isinstance(self.sampler, DistributedSampler) else 1
+        micro_batch_size = self.dataloader.batch_size
+        raise ValueError(
+            f"the training data gives each data-parallel rank ({ranks} in all) {microbatches} full "
+            f"microbatches of micro_batch_size={micro_batch_size} rows, fewer than the {self.num_microbatches} that "
+            f"one global batch (global_batch_size={self.num_microbatches * micro_batch_size * ranks}) needs, so fit "
+            "would train nothing: add training rows, or lower global_batch_size or micro_batch_size"
+        )
 
     @property
     def sampler(self) -> Any:

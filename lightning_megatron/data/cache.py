@@ -3,7 +3,8 @@
 Without it every rank of every run read, validated and tokenized the whole file and held every row as two torch
 tensors (a million rows: about 20 minutes and 6 GB a rank). With it:
 
-- Key: xxh3-128 of everything the cached rows depend on: the data's bytes (``sources.fingerprint``), the tokenizer
+- Key: xxh3-128 of everything the cached rows depend on: the data's bytes (``sources.fingerprint``) and the format
+  they are read as, the tokenizer
   (its full serialized state, chat template, class and special tokens: ``tokenizer_fingerprint``), ``seq_length``,
   the ``overlong`` policy, the packing mode, the CP alignment, the transformers version and ``FORMAT_VERSION``. A
   changed input gives a new key, hence a new folder; nothing is ever updated in place. The key is printed.
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_megatron.atomic import write_atomically, write_file_atomically
+from lightning_megatron.atomic import remove_folder, write_atomically, write_file_atomically
 from lightning_megatron.data.jsonl import VALID_ROW_HELP, DataValidationError, raise_for_bad_rows
 from lightning_megatron.data.packing import first_fit
 from lightning_megatron.data.sources import (
@@ -56,7 +57,9 @@ from lightning_megatron.data.sources import (
 )
 from lightning_megatron.data.tokenize import Overlong, TokenizedExample, fit_example, quiet_length_warning
 
-FORMAT_VERSION = 1
+# 2: messages keep their other keys (tool_calls, ...), a turn found by prefix renders ends at its last special token
+# (not only eos), the manifest counts truncated rows
+FORMAT_VERSION = 2
 CHUNK_ROWS = 256  # rows a pool worker tokenizes at a time
 # The map's pages are dropped from the reading process every this many rows: the kernel reads ahead ~64 KiB around
 # every row it faults in, so without it a rank's resident memory grows with every row it has touched (clean, shared
@@ -99,7 +102,9 @@ def cache_key(data_path: str | Path, tokenizer: Any, spec: CacheSpec) -> str:
     import transformers
     import xxhash
 
-    parts = {"format": FORMAT_VERSION, "data": fingerprint(data_path), "tokenizer": tokenizer_fingerprint(tokenizer),
+    # the data's format too: the same bytes under a .parquet name are not JSONL rows (and are refused, cache or not)
+    parts = {"format": FORMAT_VERSION, "data": fingerprint(data_path), "read_as": data_format(data_path),
+             "tokenizer": tokenizer_fingerprint(tokenizer),
              "transformers": transformers.__version__, **asdict(spec)}
     return xxhash.xxh3_128(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -113,6 +118,7 @@ class TokenizedRows(Sequence[TokenizedExample]):
         self.folder, self.data_path, self.manifest = Path(folder), str(data_path), manifest
         self.key: str = manifest["key"]
         self.dropped: int = manifest["dropped"]
+        self.truncated: int = manifest["truncated"]
         self._open()
 
     def _open(self) -> None:
@@ -167,28 +173,57 @@ class _Plan(Sequence[np.ndarray]):
 def open_or_build(data_path: str | Path, tokenizer: Any, spec: CacheSpec, *, cache_root: str | Path | None = None,
                   workers: int = 1, progress_every_s: float = 10.0) -> tuple[TokenizedRows, bool]:
     """The cached rows of ``data_path`` for ``tokenizer`` and ``spec``, built first if no valid cache exists;
-    returns ``(rows, built)`` (``built``: this call tokenized the data and wrote the cache)."""
-    from filelock import FileLock
-
+    returns ``(rows, built)`` (``built``: this call tokenized the data and wrote the cache). A cache found is only
+    read, so a read-only ``cache_root`` that holds it serves; one that must be built needs a writable one."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     key = cache_key(data_path, tokenizer, spec)
     folder = root / key
     manifest, problem = _verified(folder)
     if manifest is not None:
         return TokenizedRows(folder, data_path, manifest), False
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{key}.lock")):
+    lock = _locked(root, key, data_path)
+    try:
         manifest, problem = _verified(folder)  # another rank or run may have built it while this one waited
         if manifest is not None:
             return TokenizedRows(folder, data_path, manifest), False
         if problem is not None:
             _say(f"{folder}: damaged tokenized-data cache ({problem}); rebuilding it")
+        _remove_abandoned_writes(root, key)
         write_atomically(folder, lambda staging: _build(staging, data_path, tokenizer, spec, key, workers,
                                                         progress_every_s))
         manifest, problem = _verified(folder)
         if manifest is None:
             raise RuntimeError(f"{folder}: the tokenized-data cache just written does not verify: {problem}")
+    finally:
+        lock.release()
     return TokenizedRows(folder, data_path, manifest), True
+
+
+def _remove_abandoned_writes(root: Path, key: str) -> None:
+    """What a build of this key killed mid-way left (its hidden staging folder, a retired damaged one): with the
+    key's lock held no other process is writing them, and nothing else would ever remove them (a killed build of a
+    large file leaves gigabytes)."""
+    for abandoned in [*root.glob(f".{key}.partial-*"), *root.glob(f".{key}.old-*")]:
+        _say(f"{abandoned}: removing what an interrupted build of this cache left")
+        remove_folder(abandoned, ignore_errors=True)
+
+
+def _locked(root: Path, key: str, data_path: str | Path) -> Any:
+    """The key's file lock in ``root``, taken; a ``root`` that cannot be made or written (read-only, a file, no
+    permission) is refused naming the option, before anything is tokenized."""
+    from filelock import FileLock
+
+    lock = FileLock(str(root / f".{key}.lock"))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as error:
+        raise ValueError(
+            f"{data_path} has no tokenized-data cache in {root} yet, and one cannot be written there ({error}); "
+            "set data.cache_dir (SFTDataModule(cache_dir=...)) to a writable folder, or build the cache once "
+            "where it can be written and copy its folder here"
+        ) from None
+    return lock
 
 
 def _build(staging: Path, data_path: str | Path, tokenizer: Any, spec: CacheSpec, key: str, workers: int,
@@ -201,13 +236,14 @@ def _build(staging: Path, data_path: str | Path, tokenizer: Any, spec: CacheSpec
     lines = data_format(data_path) == "jsonl"
     total_bytes = max(1, size_of(data_path))
     started = last_report = time.monotonic()
-    rows = kept = dropped = problem_count = 0
+    rows = kept = dropped = truncated = problem_count = 0
     problems: list[str] = []
     lengths: list[np.ndarray] = []
     with pa.OSFile(str(staging / "rows.arrow"), "wb") as sink, ipc.new_file(sink, schema) as writer:
         for chunk in _tokenized_chunks(data_path, tokenizer, spec, workers):
             rows += chunk["rows"]
             dropped += chunk["dropped"]
+            truncated += chunk["truncated"]
             problem_count += chunk["problem_count"]
             problems.extend(chunk["problems"][: _KEPT_PROBLEMS - len(problems)])
             if problem_count == 0 and len(chunk["lengths"]):
@@ -237,9 +273,9 @@ def _build(staging: Path, data_path: str | Path, tokenizer: Any, spec: CacheSpec
             writer.write_table(plan)
     elapsed = time.monotonic() - started
     _say(f"{data_path}: tokenized {rows} rows in {elapsed:.1f} s ({rows / max(elapsed, 1e-9):.0f} rows/s), "
-         f"{kept} kept, {dropped} dropped; cache {staging.name.split('.partial')[0].lstrip('.')}")
+         f"{kept} kept ({truncated} truncated), {dropped} dropped; cache {staging.name.split('.partial')[0].lstrip('.')}")
     manifest = {"key": key, "format": FORMAT_VERSION, "data": str(data_path), "spec": asdict(spec), "rows": rows,
-                "kept": kept, "dropped": dropped, "lines": lines,
+                "kept": kept, "dropped": dropped, "truncated": truncated, "lines": lines,
                 "files": {file.name: {"size": file.stat().st_size, "xxh3_64": _checksum(file)}
                           for file in sorted(staging.glob("*.arrow"))}}
     write_file_atomically(staging / "manifest.json", lambda path: path.write_text(json.dumps(manifest, indent=1)))
@@ -256,9 +292,21 @@ def _tokenized_chunks(data_path: str | Path, tokenizer: Any, spec: CacheSpec, wo
     # fork: the workers inherit the loaded tokenizer and modules instead of importing torch again
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker tokenizes one row at a time
+    unreadable: list[Exception] = []
     with context.Pool(workers, initializer=_init_worker,
                       initargs=(tokenizer, spec, str(data_path), lines)) as pool:
-        yield from pool.imap(_tokenize_chunk, chunks, chunksize=1)
+        yield from pool.imap(_tokenize_chunk, _until_failure(chunks, unreadable), chunksize=1)
+    if unreadable:  # raised here as it was raised (the pool would re-raise it from a worker, its origin lost)
+        raise unreadable[0]
+
+
+def _until_failure(chunks: Iterator[tuple[list, int]], failures: list[Exception]) -> Iterator[tuple[list, int]]:
+    """``chunks`` until reading the data fails; the error is kept in ``failures`` instead of raised into the pool's
+    feeding thread."""
+    try:
+        yield from chunks
+    except Exception as error:
+        failures.append(error)
 
 
 def _raw_chunks(data_path: str | Path) -> Iterator[tuple[list, int]]:
@@ -288,7 +336,7 @@ def _tokenize_chunk(item: tuple[list, int]) -> dict[str, Any]:
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     lengths, where, problems = [], [], []
-    problem_count = dropped = 0
+    problem_count = dropped = truncated = 0
     with quiet_length_warning():
         for number, raw in chunk:
             source = source_name(path, number, lines)
@@ -297,8 +345,8 @@ def _tokenize_chunk(item: tuple[list, int]) -> dict[str, Any]:
             except ValueError as error:
                 tokenized, problem = None, f"{source}: {error}"
             else:
-                tokenized, problem = fit_example(example, tokenizer, max_tokens=spec.seq_length,
-                                                 overlong=spec.overlong)
+                tokenized, problem, cut = fit_example(example, tokenizer, max_tokens=spec.seq_length,
+                                                      overlong=spec.overlong)
             if problem is not None:
                 problem_count += 1
                 if len(problems) < _KEPT_PROBLEMS:
@@ -306,11 +354,12 @@ def _tokenize_chunk(item: tuple[list, int]) -> dict[str, Any]:
             elif tokenized is None:
                 dropped += 1
             elif not problem_count:
+                truncated += cut
                 ids.append(tokenized.input_ids.numpy().astype(np.int32))
                 masks.append(tokenized.response_mask.numpy().astype(np.uint8))
                 lengths.append(len(tokenized))
                 where.append(number)
-    return {"rows": len(chunk), "dropped": dropped, "problems": problems, "problem_count": problem_count,
+    return {"rows": len(chunk), "dropped": dropped, "truncated": truncated, "problems": problems, "problem_count": problem_count,
             "ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
             "mask": np.concatenate(masks) if masks else np.zeros(0, np.uint8),
             "lengths": np.array(lengths, np.int64), "where": np.array(where, np.int64), "bytes_done": bytes_done}

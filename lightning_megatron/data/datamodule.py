@@ -11,7 +11,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_megatron.data.cache import CacheSpec, TokenizedRows, open_or_build
 from lightning_megatron.data.jsonl import Example
@@ -54,8 +54,9 @@ class SFTDataModule(pl.LightningDataModule):
 
     ``hf_checkpoint``, ``micro_batch_size`` and ``context_parallel_size`` default to what ``MegatronStrategy``
     hands in before ``setup`` (:meth:`take_data_settings`; ``context_parallel_size`` to 1 without it), and so
-    does whether the model runs an MTP head. Data-parallel sharding is left to Lightning, which adds a
-    distributed sampler from the strategy's ``distributed_sampler_kwargs``.
+    does whether the model runs an MTP head. The training rows are sharded over data-parallel ranks by the
+    strategy's ``distributed_sampler_kwargs`` and shuffled with ``seed`` (Lightning's own sampler would shuffle with
+    ``seed_everything``'s); the other splits' sampler is left to Lightning.
 
     Args:
         train_path: the training rows (``fit``).
@@ -68,9 +69,9 @@ class SFTDataModule(pl.LightningDataModule):
             a token prefix merged into tries (see above).
         micro_batch_size: rows per micro-batch (default: the strategy's).
         num_workers: the data loaders' worker processes.
-        seed: the seed of the training data's shuffle.
+        seed: the seed of the training data's shuffle (every epoch in a new order, the same in every run).
         overlong: a row longer than ``seq_length`` is cut to its first ``seq_length`` tokens (``"truncate"``), left
-            out (``"drop"``, counted in a warning) or refused, naming it (``"error"``).
+            out (``"drop"``) or refused, naming it (``"error"``); the rows cut or left out are counted in a warning.
         context_parallel_size: (default: the strategy's, else 1) the context-parallel size the packed sequences are
             aligned for.
         cache_dir: where tokenized caches live (default: ``lightning_megatron/data`` in the user's cache
@@ -176,17 +177,19 @@ class SFTDataModule(pl.LightningDataModule):
 
     def _build_dataset(self, split: str, path: str) -> Dataset:
         if split == "predict":
-            prompts, dropped = tokenize_prompts(
+            prompts, dropped, truncated = tokenize_prompts(
                 read_examples(path, for_prediction=True), self.tokenizer, max_tokens=self.seq_length,
                 overlong=self.overlong,
             )
             self._warn_dropped(path, dropped, len(prompts))
+            self._warn_truncated(path, truncated, dropped + len(prompts), kept="last")
             if not prompts:
                 raise ValueError(f"{path}: no prompt is left after overlong='drop'; raise seq_length")
             self.predict_examples = [example for example, _ in prompts]
             return PromptDataset([ids for _, ids in prompts])
         rows = self._tokenized_rows(split, path)
         self._warn_dropped(path, rows.dropped, len(rows))
+        self._warn_truncated(path, rows.truncated, rows.dropped + len(rows))
         if not len(rows):
             raise ValueError(f"{path}: no row is left to train on after overlong='drop'; raise seq_length")
         if self.packing == "tree":
@@ -217,15 +220,26 @@ class SFTDataModule(pl.LightningDataModule):
             collate_fn = prompt_collate(self.pad_id)
         else:
             collate_fn = collate_tree if self.packing == "tree" else collate_packed if self.packing else None
+        sampler = self._training_sampler(dataset) if training else None
         return DataLoader(
             dataset,
             batch_size=self.micro_batch_size,
-            shuffle=training,
-            generator=torch.Generator().manual_seed(self.seed) if training else None,
+            shuffle=training and sampler is None,
+            sampler=sampler,
+            generator=torch.Generator().manual_seed(self.seed) if training and sampler is None else None,
             drop_last=training,
             num_workers=self.num_workers,
             collate_fn=collate_fn,
         )
+
+    def _training_sampler(self, dataset: Dataset) -> DistributedSampler | None:
+        """The data-parallel shard of the shuffled training rows, shuffled with ``seed``: the sampler Lightning
+        would put in (same ranks, same padding), which would shuffle with the run's ``seed_everything`` instead.
+        None outside a trainer that shards the data (the loader shuffles with ``seed`` itself)."""
+        sharding = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if not sharding:
+            return None
+        return DistributedSampler(dataset, shuffle=True, seed=self.seed, **sharding)
 
     def _check_layout(self) -> None:
         if self.packing == "tree":
@@ -259,6 +273,16 @@ class SFTDataModule(pl.LightningDataModule):
         if logger is not None:
             name = "tree_token_ratio" if split == "train" else f"{split}_tree_token_ratio"
             logger.log_metrics({name: packing.tree_token_ratio}, step=0)
+
+    def _warn_truncated(self, path: str, truncated: int, total: int, kept: str = "first") -> None:
+        """Rows cut to fit (``kept``: their ``"first"`` tokens, training rows; their ``"last"``, prompts)."""
+        if truncated:
+            lost = "what follows in them is not trained on" if kept == "first" else "their beginning is not seen"
+            rank_zero_warn(
+                f"{path}: cut {truncated} of {total} rows to their {kept} seq_length={self.seq_length} tokens "
+                f"(overlong='truncate'): {lost}; raise seq_length, or set overlong='drop' to leave such rows out "
+                "or 'error' to list them"
+            )
 
     def _warn_dropped(self, path: str, dropped: int, kept: int) -> None:
         if dropped:

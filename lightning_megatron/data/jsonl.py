@@ -13,7 +13,8 @@ ROLES = ("system", "user", "assistant", "tool")
 VALID_ROW_HELP = (
     "A valid row is one JSON object per line, either "
     '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]} '
-    f"(roles: {', '.join(ROLES)}; the loss is on every assistant turn) "
+    f"(roles: {', '.join(ROLES)}; the loss is on every assistant turn; other keys of a message, such as "
+    '"tool_calls", reach the chat template as they are) '
     'or {"prompt": "...", "response": "..."} (the loss is on the response; "completion", TRL\'s name, works as '
     '"response"); either may add '
     '"response_token_ids": [...], the answer\'s exact token ids, trained on instead of its re-tokenized text.'
@@ -23,6 +24,9 @@ PREDICT_ROW_HELP = (
     "(a conversation that ends with a turn to answer)."
 )
 _SHOWN_ERRORS = 5
+_UTF8_BOM = b"\xef\xbb\xbf"
+_COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip -k"), b"\x28\xb5\x2f\xfd": ("zstd", "zstd -d"),
+               b"BZh": ("bzip2", "bunzip2 -k"), b"\xfd7zXZ\x00": ("xz", "unxz -k")}
 
 T = TypeVar("T")
 
@@ -33,14 +37,14 @@ class Example:
     as plain text, with one they are rendered as a user turn and an assistant turn."""
 
     source: str  # "path:line", for error messages
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     prompt: str | None = None
     response: str | None = None  # None only for prompt-only prediction rows
     # the answer's exact token ids as a model generated them (ContinuationWriter writes them): trained on instead
     # of re-tokenizing the answer's text, which need not give the same ids back (byte-level BPE, cut-off bytes)
     response_token_ids: tuple[int, ...] | None = None
 
-    def as_messages(self) -> list[dict[str, str]]:
+    def as_messages(self) -> list[dict[str, Any]]:
         if self.messages is not None:
             return [dict(message) for message in self.messages]
         turns = [{"role": "user", "content": self.prompt}]
@@ -88,14 +92,29 @@ def read_rows(path: str | Path, parse_row: Callable[[str, str], T], help_text: s
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
+    lines = ((f"{path}:{line_number}", raw) for line_number, raw in jsonl_lines(path))
+    return parse_rows(path, lines, lambda raw, source: parse_row(decoded(raw), source), help_text)
 
-    def lines() -> Iterator[tuple[str, bytes]]:
-        with path.open("rb") as handle:
-            for line_number, raw in enumerate(handle, start=1):
-                if raw.strip():
-                    yield f"{path}:{line_number}", raw
 
-    return parse_rows(path, lines(), lambda raw, source: parse_row(decoded(raw), source), help_text)
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Every non-blank line of a JSONL file as bytes, with its number (from 1, blank lines counted).
+
+    A UTF-8 byte order mark before the first line (what Windows editors and Excel's "CSV UTF-8" write) is not part
+    of the row; a compressed file is refused as a whole, naming how to decompress it, instead of as every line."""
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if line_number == 1:
+                raw = raw.removeprefix(_UTF8_BOM)
+                _refuse_compressed(path, raw)
+            if raw.strip():
+                yield line_number, raw
+
+
+def _refuse_compressed(path: Path, first_line: bytes) -> None:
+    for magic, (name, command) in _COMPRESSED.items():
+        if first_line.startswith(magic):
+            raise DataValidationError(f"{path} is {name}-compressed, not JSONL text; decompress it first "
+                                      f"({command} {path.name}) and point the path at the .jsonl file")
 
 
 def parse_rows(path: str | Path, rows: Iterable[tuple[str, Any]], parse_row: Callable[[Any, str], T],
@@ -138,6 +157,9 @@ def parse_record(row: Any, source: str, for_prediction: bool) -> Example:
     is wrong with it. The same schemas and messages for every format."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {_type_name(row)}")
+    # a null field is an absent key: a table has every column in every row, and pandas' to_json(lines=True) of a
+    # frame mixing both schemas writes the other schema's fields as null
+    row = {key: value for key, value in row.items() if value is not None}
     if "messages" in row and ("prompt" in row or "response" in row or "completion" in row):
         raise ValueError("has both 'messages' and 'prompt'/'response'; use one format per row")
     if "response" in row and "completion" in row:
@@ -173,7 +195,11 @@ def _parse_token_ids(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _parse_messages(messages: Any, for_prediction: bool, answer_has_ids: bool = False) -> tuple[dict[str, str], ...]:
+def _parse_messages(messages: Any, for_prediction: bool, answer_has_ids: bool = False) -> tuple[dict[str, Any], ...]:
+    """The conversation as the chat template gets it: every message's ``role`` and ``content`` checked, its other
+    keys (``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``, ...) kept as they are, so a template
+    that renders them does (a null one is left out: a table has every key in every message). An assistant turn that
+    calls tools may have empty or null content, as OpenAI's format writes it."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"'messages' must be a non-empty list, got {_type_name(messages)}")
     parsed = []
@@ -181,7 +207,10 @@ def _parse_messages(messages: Any, for_prediction: bool, answer_has_ids: bool = 
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise ValueError(f"{where} must be an object with 'role' and 'content', got {_type_name(message)}")
+        calls_tools = bool(message.get("tool_calls"))
         for key in ("role", "content"):
+            if key == "content" and message.get(key) is None and calls_tools:
+                continue
             if key not in message:
                 raise ValueError(f"{where} is missing key {key!r}")
             if key == "content" and isinstance(message[key], list):
@@ -192,10 +221,13 @@ def _parse_messages(messages: Any, for_prediction: bool, answer_has_ids: bool = 
                 raise ValueError(f"{where}.{key} must be a string, got {_type_name(message[key])}")
         if message["role"] not in ROLES:
             raise ValueError(f"{where}.role {message['role']!r} is unknown (known roles: {', '.join(ROLES)})")
-        blank_allowed = for_prediction or (answer_has_ids and index == len(messages) - 1)
-        if message["role"] == "assistant" and not blank_allowed and not message["content"].strip():
-            raise ValueError(f"{where} is an assistant turn with empty content")
-        parsed.append({"role": message["role"], "content": message["content"]})
+        content = message.get("content") or ""
+        blank_allowed = for_prediction or calls_tools or (answer_has_ids and index == len(messages) - 1)
+        if message["role"] == "assistant" and not blank_allowed and not content.strip():
+            raise ValueError(f"{where} is an assistant turn with empty content; give it the answer's text, or "
+                             "leave the turn out")
+        others = {key: value for key, value in message.items() if key not in ("role", "content") and value is not None}
+        parsed.append({"role": message["role"], "content": content, **others})
     if for_prediction and parsed[-1]["role"] == "assistant":
         raise ValueError("a prediction conversation must not end with an assistant turn")
     if not for_prediction and not any(message["role"] == "assistant" for message in parsed):

@@ -3,8 +3,8 @@
 Every format has the same row schemas (``messages``; ``prompt`` + ``response`` or TRL's ``completion``; either with
 ``response_token_ids``) and the same checks (``jsonl.parse_record``), and a bad row is named by where it is: the
 line of a JSONL file (``path:line``, counting from 1 as editors do) or the row of a table (``path:row N``, counting
-from 0 as ``dataset[N]`` and ``pandas.DataFrame.iloc[N]`` do). A table's null cell counts as an absent key, since a
-Parquet column exists for every row.
+from 0 as ``dataset[N]`` and ``pandas.DataFrame.iloc[N]`` do). A null field counts as an absent key in every format,
+since a Parquet column exists for every row and pandas' JSONL of the same frame writes its empty cells as null.
 
 Tables are read with pyarrow, one record batch at a time, so a large file is never held whole. A saved HF
 ``datasets`` folder is Arrow IPC streams listed in its ``state.json``: pyarrow reads them directly, so reading
@@ -24,13 +24,17 @@ from typing import Any
 from lightning_megatron.data.jsonl import (
     PREDICT_ROW_HELP,
     VALID_ROW_HELP,
+    DataValidationError,
     Example,
     decoded,
+    jsonl_lines,
     parse_json_row,
     parse_record,
     parse_rows,
 )
 
+_JOIN_FILES = ("Several files are one path once joined: JSONL files with cat, Parquet files with "
+               "datasets.load_dataset('parquet', data_files=[...], split='train').save_to_disk(folder)")
 RawRow = tuple[int, Any]  # (line or row number, the row: a JSONL line as bytes or a table row as a dict)
 _HASH_BLOCK = 8 << 20
 
@@ -46,27 +50,27 @@ def data_format(path: str | Path) -> str:
             raise ValueError(f"{path} is a saved HF DatasetDict; point the path at one of its splits: "
                              + ", ".join(str(path / split) for split in splits))
         raise ValueError(f"{path} is a folder but not one HF datasets' save_to_disk wrote (no state.json); SFT data "
-                         "is a JSONL file, a Parquet file or a saved HF datasets folder")
+                         f"is a JSONL file, a Parquet file or a saved HF datasets folder. {_JOIN_FILES}")
     if not path.is_file():
+        if any(character in path.name for character in "*?["):
+            raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist: a data path is one file or folder, "
+                                    f"not a pattern. {_JOIN_FILES}")
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
     return "parquet" if path.suffix.lower() in (".parquet", ".pq") else "jsonl"
 
 
 def iter_raw_rows(path: str | Path) -> Iterator[RawRow]:
     """Every row of ``path`` unparsed, with its line (JSONL, from 1) or row (tables, from 0) number; blank JSONL
-    lines are skipped (they still count lines)."""
+    lines are skipped (they still count lines), a byte order mark is dropped (``jsonl.jsonl_lines``)."""
     path = Path(path)
     kind = data_format(path)
     if kind == "jsonl":
-        with path.open("rb") as handle:
-            for line_number, raw in enumerate(handle, start=1):
-                if raw.strip():
-                    yield line_number, raw
+        yield from jsonl_lines(path)
         return
     row = 0
     for batch in _record_batches(path, kind):
         for record in batch.to_pylist():
-            yield row, {key: value for key, value in record.items() if value is not None}
+            yield row, record
             row += 1
 
 
@@ -127,12 +131,23 @@ def _arrow_files(folder: Path) -> list[Path]:
 
 
 def _record_batches(path: Path, kind: str) -> Iterator[Any]:
+    """The table's record batches; a file pyarrow cannot read (not Parquet, truncated, damaged) is named, with
+    what to do, as a :class:`DataValidationError` (pyarrow's own error names neither the file nor the fix)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if kind == "parquet":
-        yield from pq.ParquetFile(path).iter_batches(batch_size=4096)
+        try:
+            yield from pq.ParquetFile(path).iter_batches(batch_size=4096)
+        except pa.ArrowException as error:
+            raise DataValidationError(f"{path} is not a readable Parquet file ({error}); a file ending in .parquet "
+                                      "or .pq is read as Parquet: write it again (pandas' to_parquet, "
+                                      "pyarrow.parquet.write_table) or name a JSONL file .jsonl") from None
         return
     for file in _arrow_files(path):
-        with pa.memory_map(str(file)) as source:
-            yield from pa.ipc.open_stream(source)
+        try:
+            with pa.memory_map(str(file)) as source:
+                yield from pa.ipc.open_stream(source)
+        except pa.ArrowException as error:
+            raise DataValidationError(f"{file} is not a readable Arrow stream ({error}); save the dataset again "
+                                      "with save_to_disk") from None

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -79,9 +79,12 @@ def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
 
 
 def tokenize_prompt(example: Example, tokenizer: Any) -> torch.Tensor:
-    """Token ids of a prediction row, ending where the model should start answering."""
+    """Token ids of a prediction row, ending where the model should start answering. A prompt/response row is
+    prompted with its prompt alone, with or without a chat template (its response is the answer to replace, as
+    ``ContinuationWriter`` writes the row back: an SFT file serves as prompts)."""
     if has_chat_template(tokenizer):
-        ids = _render(tokenizer, example.as_messages(), add_generation_prompt=True)
+        prompt = example if example.messages is not None else Example(example.source, prompt=example.prompt)
+        ids = _render(tokenizer, prompt.as_messages(), add_generation_prompt=True)
     elif example.messages is not None:
         raise ValueError("is a 'messages' row, but the tokenizer has no chat template to render it")
     else:
@@ -103,7 +106,7 @@ def tokenize_examples(
     dropped = 0
     with quiet_length_warning():
         for example in examples:
-            tokenized, problem = fit_example(example, tokenizer, max_tokens=max_tokens, overlong=overlong)
+            tokenized, problem, _ = fit_example(example, tokenizer, max_tokens=max_tokens, overlong=overlong)
             if problem is not None:
                 problems.append(problem)
             elif tokenized is None:
@@ -114,32 +117,38 @@ def tokenize_examples(
     return kept, dropped
 
 
-def fit_example(
-    example: Example, tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
-) -> tuple[TokenizedExample | None, str | None]:
-    """One training row tokenized and fitted into ``max_tokens`` (the rules of :func:`tokenize_examples`):
-    ``(row, None)``, ``(None, None)`` when ``"drop"`` leaves it out, or ``(None, "path:line: problem")``."""
+class FittedRow(NamedTuple):
+    """What :func:`fit_example` made of a row: ``row`` (None when left out or refused), ``problem``
+    (``"path:line: what"`` when refused) and whether ``row`` was cut to fit (``truncated``)."""
+
+    row: TokenizedExample | None
+    problem: str | None = None
+    truncated: bool = False
+
+
+def fit_example(example: Example, tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate") -> FittedRow:
+    """One training row tokenized and fitted into ``max_tokens`` (the rules of :func:`tokenize_examples`)."""
     try:
         tokenized = tokenize_example(example, tokenizer)
     except ValueError as error:
-        return None, f"{example.source}: {error}"
+        return FittedRow(None, f"{example.source}: {error}")
     length = len(tokenized)
     if length > max_tokens:
         if overlong == "drop":
-            return None, None
+            return FittedRow(None)
         if overlong == "error":
-            return None, (f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
-                          "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'")
+            return FittedRow(None, f"{example.source}: has {length} tokens, more than the {max_tokens} that fit "
+                                   "(overlong='error'); raise seq_length or set overlong='truncate' or 'drop'")
         tokenized = TokenizedExample(
             example.source, tokenized.input_ids[:max_tokens], tokenized.response_mask[:max_tokens]
         )
     if tokenized.trainable_tokens == 0:
         if overlong == "drop":
-            return None, None
+            return FittedRow(None)
         cut = f" after truncating its {length} tokens to {max_tokens}" if length > max_tokens else ""
-        return None, (f"{example.source}: no response token left to train on{cut}; "
-                      "raise seq_length, shorten the prompt, or set overlong='drop'")
-    return tokenized, None
+        return FittedRow(None, f"{example.source}: no response token left to train on{cut}; "
+                               "raise seq_length, shorten the prompt, or set overlong='drop'")
+    return FittedRow(tokenized, truncated=length > max_tokens)
 
 
 @contextmanager
@@ -161,13 +170,14 @@ def quiet_length_warning() -> Iterator[None]:
 
 def tokenize_prompts(
     examples: list[Example], tokenizer: Any, *, max_tokens: int, overlong: Overlong = "truncate"
-) -> tuple[list[tuple[Example, torch.Tensor]], int]:
+) -> tuple[list[tuple[Example, torch.Tensor]], int, int]:
     """Tokenize prediction rows into ``(row, prompt ids)`` pairs (the row travels along, so that a continuation
     can be written back next to its prompt); a prompt longer than ``max_tokens`` keeps its *end* (where the turn
-    to answer is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``."""
+    to answer is) with ``"truncate"``, is left out with ``"drop"`` and reported with ``"error"``. Returns the
+    pairs and how many prompts were left out and cut."""
     kept: list[tuple[Example, torch.Tensor]] = []
     problems: list[str] = []
-    dropped = 0
+    dropped = truncated = 0
     for example in examples:
         try:
             with quiet_length_warning():
@@ -183,33 +193,48 @@ def tokenize_prompts(
                 problems.append(f"{example.source}: the prompt has {ids.numel()} tokens, more than {max_tokens}")
                 continue
             ids = ids[-max_tokens:]
+            truncated += 1
         kept.append((example, ids))
     raise_for_bad_rows(problems, len(examples))
-    return kept, dropped
+    return kept, dropped, truncated
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    return list(_applied(tokenizer, messages, **kwargs)["input_ids"])
 
 
-def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def _applied(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    """``apply_chat_template`` (tokenized, as a dict); a template that refuses the conversation (Gemma's "System role
+    not supported", Mistral's "Conversation roles must alternate": ``raise_exception`` in the template) is a
+    ``ValueError`` about this row, so that it is reported with its ``path:line`` among the other bad rows."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    except TemplateError as error:
+        raise ValueError(f"the chat template refuses this conversation ({type(error).__name__}: {error}); "
+                         "rewrite the row in the form the template accepts") from None
+
+
+def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     """Render ``messages`` with the chat template and mark the assistant turns.
 
     A template with a ``{% generation %}`` block marks them itself (``return_assistant_tokens_mask``). Without
     one, each assistant turn ``i`` is found by rendering prefixes: its tokens run from the end of
     ``render(messages[:i], add_generation_prompt=True)`` (the assistant header) to the end of
-    ``render(messages[:i + 1])``, cut after the last eos token inside that span, so separators the template puts
-    after the end-of-turn token (ChatML's newline) are not trained on. This needs the template to render a
+    ``render(messages[:i + 1])``, cut after the last special token inside that span (the end-of-turn token:
+    ChatML's ``<|im_end|>`` is one even where eos is ``<|endoftext|>``, as in base models' tokenizers), so
+    separators the template puts after it (ChatML's newline) are not trained on. This needs the template to render a
     conversation's prefix as a prefix of its tokens; a template that does not (one that rewrites earlier turns,
     say) is rejected with a request for a ``{% generation %}`` block.
     """
-    if _GENERATION_BLOCK.search(tokenizer.chat_template):
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+    if _GENERATION_BLOCK.search(tokenizer.get_chat_template()):  # a dict of named templates: the one applied
+        rendered = _applied(tokenizer, messages, return_assistant_tokens_mask=True)
         return list(rendered["input_ids"]), list(rendered["assistant_masks"])
     ids = _render(tokenizer, messages)
     mask = [0] * len(ids)
+    special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special.add(tokenizer.eos_token_id)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -221,7 +246,7 @@ def _chat_ids_and_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[
                 "the chat template does not render the conversation's beginning as a prefix of the whole, so the "
                 "assistant tokens cannot be found; use a chat template with a {% generation %} block"
             )
-        ends_of_turn = [i for i in range(start, end) if ids[i] == tokenizer.eos_token_id]
+        ends_of_turn = [i for i in range(start, end) if ids[i] in special]
         if ends_of_turn:
             end = ends_of_turn[-1] + 1
         mask[start:end] = [1] * (end - start)

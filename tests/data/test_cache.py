@@ -225,6 +225,21 @@ def test_a_damaged_cache_is_rebuilt_not_read(tmp_path: Path, tokenizer: Any, dam
     assert [(row.input_ids.tolist(), row.response_mask.tolist()) for row in rebuilt] == expected
 
 
+def test_what_a_killed_build_left_is_removed_by_the_next_build(tmp_path: Path, tokenizer: Any, capfd) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", chat_rows(6))
+    root = tmp_path / "cache"
+    key = cache_key(path, tokenizer, SPEC)
+    abandoned = [root / f".{key}.partial-999999", root / f".{key}.old-999998"]  # a build killed mid-way
+    other = root / ".another-key.partial-999999"  # another key's build, maybe running: not this one's to remove
+    for folder in (*abandoned, other):
+        folder.mkdir(parents=True)
+        (folder / "rows.arrow").write_bytes(b"half-written")
+    rows, built = open_or_build(path, tokenizer, SPEC, cache_root=root)
+    assert built and len(rows) == 6
+    assert not any(folder.exists() for folder in abandoned) and other.is_dir()
+    assert "removing what an interrupted build of this cache left" in capfd.readouterr().err
+
+
 def test_a_pool_of_workers_writes_the_same_cache_as_one_process(tmp_path: Path, tokenizer: Any, capfd) -> None:
     path = write_jsonl(tmp_path / "a.jsonl", chat_rows(700))  # three chunks of 256 rows
     one, _ = open_or_build(path, tokenizer, SPEC, cache_root=tmp_path / "one")
@@ -295,10 +310,26 @@ def test_a_folder_that_is_not_one_saved_split_says_what_to_point_at(tmp_path: Pa
     datasets.DatasetDict({"train": datasets.Dataset.from_list(chat_rows(4))}).save_to_disk(str(tmp_path / "dict"))
     (tmp_path / "plain").mkdir()
     for folder, message in [("dict", r"is a saved HF DatasetDict; point the path at one of its splits: .*dict/train"),
-                            ("plain", "not one HF datasets' save_to_disk wrote")]:
+                            ("plain", "not one HF datasets' save_to_disk wrote.*Several files are one path once "
+                                      "joined"),
+                            ("plain/*.parquet", r"does not exist: a data path is one file or folder, not a pattern. "
+                                                "Several files are one path once joined")]:
         datamodule = SFTDataModule(str(tmp_path / folder), hf_checkpoint=str(checkpoint), seq_length=32,
                                    micro_batch_size=1)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            datamodule.setup("fit")
+
+
+def test_a_cache_dir_that_cannot_be_written_is_named_before_tokenizing(tmp_path: Path, checkpoint: Path) -> None:
+    """A read-only folder, or a file where the folder should be (what a test running as root can make)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", chat_rows(4))
+    occupied = tmp_path / "occupied"
+    occupied.write_text("not a folder")
+    for cache_dir in (occupied, occupied / "below"):
+        datamodule = SFTDataModule(path, hf_checkpoint=str(checkpoint), seq_length=32, micro_batch_size=1,
+                                   cache_dir=str(cache_dir))
+        with pytest.raises(ValueError, match=rf"^{path} has no tokenized-data cache in {cache_dir} yet, and one "
+                                             r"cannot be written there \(.*\); set data.cache_dir"):
             datamodule.setup("fit")
 
 

@@ -132,16 +132,67 @@ def test_messages_row_without_a_chat_template_is_reported(tmp_path: Path, checkp
         tokenize_examples(read_jsonl(path), _tokenizer_with_template(checkpoint, None), max_tokens=128)
 
 
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"], ids=["chat_eos", "base_model_eos"])
 def test_mask_from_prefix_renders_equals_the_generation_block_mask(tmp_path: Path, checkpoint: Path,
-                                                                   tokenizer: Any) -> None:
+                                                                   tokenizer: Any, eos: str) -> None:
+    """A base model's tokenizer ends text with <|endoftext|>, its template's turns with <|im_end|>: the newline
+    after it is not trained on either."""
     without_block = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     assert without_block != CHAT_TEMPLATE and "endgeneration" not in without_block
     fallback = _tokenizer_with_template(checkpoint, without_block)
+    fallback.eos_token = eos
     rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]}, PROMPT_RESPONSE]
     for example in read_jsonl(write_jsonl(tmp_path / "rows.jsonl", rows)):
         expected, got = tokenize_example(example, tokenizer), tokenize_example(example, fallback)
         assert torch.equal(got.input_ids, expected.input_ids)
         assert torch.equal(got.response_mask, expected.response_mask), example.source
+
+
+TOOL_CALL_TEMPLATE = CHAT_TEMPLATE.replace(  # Qwen's way: the calls rendered inside the assistant turn
+    "{{- message['content'] + '<|im_end|>' }}",
+    "{{- message['content'] }}{%- for call in message.tool_calls or [] %}<call>{{ call.function.name }}"
+    "({{ call.function.arguments }})</call>{%- endfor %}{{- '<|im_end|>' }}")
+
+
+@pytest.mark.parametrize("generation_block", [True, False], ids=["generation_block", "prefix_renders"])
+def test_an_assistant_turn_that_calls_tools_trains_on_its_calls(tmp_path: Path, checkpoint: Path,
+                                                                generation_block: bool) -> None:
+    """OpenAI's tool-calling form: the call in 'tool_calls', content null; the template renders the call."""
+    assert TOOL_CALL_TEMPLATE != CHAT_TEMPLATE
+    template = TOOL_CALL_TEMPLATE if generation_block else TOOL_CALL_TEMPLATE.replace(
+        "{%- generation %}", "").replace("{%- endgeneration %}", "")
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    conversation = [{"role": "user", "content": "What is 2+2?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "4", "tool_call_id": "c1"},
+                    {"role": "assistant", "content": "It is 4."}]
+    (example,) = read_jsonl(write_jsonl(tmp_path / "tools.jsonl", [{"messages": conversation}]))
+    tokenizer = _tokenizer_with_template(checkpoint, template)
+    tokenized = tokenize_example(example, tokenizer)
+    sample = pad_example(tokenized, 96, tokenizer.pad_token_id)
+    assert trained_text(tokenizer, sample["labels"], sample["loss_mask"]) == [
+        '<call>add({"a": 2})</call><|im_end|>', "It is 4.<|im_end|>"]
+
+
+def test_a_conversation_the_chat_template_refuses_is_named_by_its_line(tmp_path: Path, checkpoint: Path) -> None:
+    """Gemma's and Mistral's templates raise_exception on a system turn or roles out of turn."""
+    refusing = _tokenizer_with_template(checkpoint, "{%- if messages[0]['role'] == 'system' %}"
+                                                    "{{ raise_exception('System role not supported') }}{%- endif %}"
+                                        + CHAT_TEMPLATE)
+    path = write_jsonl(tmp_path / "chat.jsonl", [PROMPT_RESPONSE, {"messages": CONVERSATION}])
+    with pytest.raises(DataValidationError, match=rf"1 of 2 rows are malformed:\n  {path}:2: the chat template "
+                                                  r"refuses this conversation \(TemplateError: System role not "
+                                                  r"supported\)"):
+        tokenize_examples(read_jsonl(path), refusing, max_tokens=128)
+
+
+def test_a_dict_of_named_chat_templates_renders_with_its_default(tmp_path: Path, checkpoint: Path,
+                                                                 tokenizer: Any) -> None:
+    """transformers keeps several templates as a dict (chat_template.jinja + additional_chat_templates/)."""
+    named = _tokenizer_with_template(checkpoint, {"default": CHAT_TEMPLATE, "tool_use": TOOL_CALL_TEMPLATE})
+    (example,) = read_jsonl(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}]))
+    expected, got = tokenize_example(example, tokenizer), tokenize_example(example, named)
+    assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.response_mask, expected.response_mask)
 
 
 # --- padding and packing -------------------------------------------------------------------------------------------
@@ -342,6 +393,23 @@ def test_overlong_rows_truncate_drop_or_error(tmp_path: Path, checkpoint: Path, 
     assert len(datamodule.datasets["train"]) == 1
 
 
+def test_truncated_rows_are_counted_and_reported_on_every_setup(tmp_path: Path, checkpoint: Path) -> None:
+    long_answer = {"prompt": "Hi", "response": "The quick brown fox jumps over the lazy dog. " * 4}
+    path = write_jsonl(tmp_path / "rows.jsonl", [GOOD, long_answer, GOOD, long_answer, GOOD])
+    for built in (True, False):  # tokenized now, then found in the cache: the same count
+        datamodule = SFTDataModule(path, hf_checkpoint=str(checkpoint), seq_length=24, micro_batch_size=1,
+                                   cache_dir=str(tmp_path / "cache"))
+        with pytest.warns(UserWarning, match=rf"{path}: cut 2 of 5 rows to their first seq_length=24 tokens "
+                                             r"\(overlong='truncate'\)"):
+            datamodule.setup("fit")
+        assert datamodule.cache_built == {"train": built} and len(datamodule.datasets["train"]) == 5
+    long_prompt = {"prompt": long_answer["response"]}
+    path = write_jsonl(tmp_path / "prompts.jsonl", [GOOD, long_prompt, GOOD])
+    prompts = SFTDataModule(predict_path=path, hf_checkpoint=str(checkpoint), seq_length=24, micro_batch_size=1)
+    with pytest.warns(UserWarning, match=rf"{path}: cut 1 of 3 rows to their last seq_length=24 tokens"):
+        prompts.setup("predict")
+
+
 # --- prediction and settings ---------------------------------------------------------------------------------------
 
 
@@ -365,6 +433,17 @@ def test_predict_batches_are_prompts_ending_at_the_assistant_header(tmp_path: Pa
     with pytest.raises(DataValidationError, match=rf"{bad}:1: .*must not end with an assistant turn"):
         SFTDataModule(good_file(tmp_path), predict_path=bad, hf_checkpoint=str(checkpoint),
                       micro_batch_size=1).setup("predict")
+
+
+def test_an_sft_row_as_a_prompt_is_prompted_without_its_response(tmp_path: Path, checkpoint: Path) -> None:
+    """The answer ContinuationWriter writes back replaces the response: the model must not see it first."""
+    prompts = {}
+    for name, row in (("answered", PROMPT_RESPONSE), ("prompt_only", {"prompt": PROMPT_RESPONSE["prompt"]})):
+        datamodule = SFTDataModule(predict_path=write_jsonl(tmp_path / f"{name}.jsonl", [row]),
+                                   hf_checkpoint=str(checkpoint), seq_length=128, micro_batch_size=1)
+        datamodule.setup("predict")
+        prompts[name] = next(iter(datamodule.predict_dataloader()))["input_ids"]
+    assert torch.equal(prompts["answered"], prompts["prompt_only"])
 
 
 def test_settings_the_strategy_owns_must_come_from_somewhere(tmp_path: Path, checkpoint: Path) -> None:
