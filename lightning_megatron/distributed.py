@@ -1,5 +1,5 @@
 """Distributed helpers every room shares: the parallel sizes as one object, agreeing on a failure, a one-process
-group.
+group, an exit that no gloo worker thread can abort.
 
 A leaf: it imports nothing of `lightning_megatron` at import time (Megatron-Core only inside functions), so the
 checkpoint writer, the bridges and the weight sync can use it without importing each other.
@@ -7,8 +7,12 @@ checkpoint writer, the bridges and the weight sync can use it without importing 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import socket
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,3 +191,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def exit_before_finalization(status: int) -> None:
+    """When Python exits, run its exit handlers (`atexit`: logging, `multiprocessing`'s children, the user's) as
+    always, then end the process with `status` (1 where an uncaught exception ended the program) before the
+    interpreter finalizes. For a process that is to end: one that goes on after it still ends with `status`.
+
+    Why not finalize: torch's gloo worker threads (`ProcessGroupGloo::runLoop`) destroy each collective's work after
+    the caller's wait returned, and releasing a tensor that has a Python object takes the GIL
+    (`TensorImpl::decref_pyobject`). A worker that asked for the GIL before the interpreter began finalizing and still
+    waits for it then is ended by CPython (`PyThread_exit_thread` in `take_gil`), which unwinds through that noexcept
+    destructor into `std::terminate`: the process dies of SIGABRT ("terminate called without an active exception")
+    instead of exiting with `status` (pytorch/pytorch#190489). It takes the worker being descheduled at the wrong
+    moment, for the few milliseconds the main thread needs from its last collective to the finalization: rare, but
+    on a busy machine it happens. Nothing in a process that ends now needs finalizing.
+    """
+    running = False
+
+    def exit_now() -> None:
+        nonlocal running
+        if running:
+            return  # called again by `_run_exitfuncs` below
+        running = True
+        atexit._run_exitfuncs()  # every other handler, once, in Python's order; then none is left
+        failed = getattr(sys, "last_exc", None) is not None  # set by an uncaught exception's traceback
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a stream may be closed, or replaced by one without flush
+                stream.flush()
+        os._exit(1 if failed else status)
+
+    # registered as Python begins to exit, when all other code has run: the handler registered last runs first
+    threading._register_atexit(lambda: atexit.register(exit_now))

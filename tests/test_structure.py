@@ -301,6 +301,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("data/tokenize.py", "chat_template"): TOKENIZER,
     ("data/datamodule.py", "sched_getaffinity"): "os: Linux has it, macOS does not",
     ("data/datamodule.py", "value"): "Lightning hands a stage as a TrainerFn or as a string",
+    ("distributed.py", "last_exc"): "sys: set only once an uncaught exception was printed",
     ("hf_io.py", "sched_getaffinity"): "os: Linux has it, macOS does not",
     ("hf_io.py", "staging"): "a threading.local, set by each thread's first write",
     ("lora.py", "p"): LIBRARY + " (an adapter's dropout is a Dropout, or an identity without p)",

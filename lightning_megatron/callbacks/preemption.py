@@ -12,6 +12,10 @@ ended by SIGTERM): schedulers treat it as "terminated, not finished", so SLURM w
 policy requeues it, and a Kubernetes/torchrun restart policy restarts it. Under Lightning's `SLURMEnvironment` with
 `auto_requeue` (its default), its requeue signal (SIGUSR1) is handled the same way and global rank 0 asks SLURM to
 requeue the job (`scontrol requeue`) before exiting, as Lightning does. Resume with `fit --ckpt_path last`.
+
+The process ends once Python's exit handlers ran, before the interpreter finalizes (`exit_before_finalization`): a
+rank that finalized right after the save's last collectives was now and then aborted (SIGABRT, not 143) by a gloo
+worker thread of torch, which releases each collective's tensors after the caller has moved on.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_megatron.contract import megatron_strategy
-from lightning_megatron.distributed import cpu_group
+from lightning_megatron.distributed import cpu_group, exit_before_finalization
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143
 
@@ -76,6 +80,7 @@ class PreemptionCheckpoint(pl.Callback):
             job_id = os.environ["SLURM_JOB_ID"]
             rank_zero_info(f"PreemptionCheckpoint: requeueing SLURM job {job_id}")
             subprocess.run(["scontrol", "requeue", job_id], check=False)
+        exit_before_finalization(PREEMPTED_EXIT_CODE)  # every rank has its checkpoint: nothing left to agree on
         raise SystemExit(PREEMPTED_EXIT_CODE)  # Lightning tears down (on_exception, teardown), then Python exits
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
