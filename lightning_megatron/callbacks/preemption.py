@@ -15,7 +15,8 @@ requeue the job (`scontrol requeue`) before exiting, as Lightning does. Resume w
 
 The process ends once Python's exit handlers ran, before the interpreter finalizes (`exit_before_finalization`): a
 rank that finalized right after the save's last collectives was now and then aborted (SIGABRT, not 143) by a gloo
-worker thread of torch, which releases each collective's tensors after the caller has moved on.
+worker thread of torch, which releases each collective's tensors after the caller has moved on. Only a job of several
+ranks: a one-process fit (a notebook, a script that catches the `SystemExit`) may go on after it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class PreemptionCheckpoint(pl.Callback):
             job_id = os.environ["SLURM_JOB_ID"]
             rank_zero_info(f"PreemptionCheckpoint: requeueing SLURM job {job_id}")
             subprocess.run(["scontrol", "requeue", job_id], check=False)
-        exit_before_finalization(PREEMPTED_EXIT_CODE)  # every rank has its checkpoint: nothing left to agree on
+        if dist.is_initialized() and dist.get_world_size() > 1:  # one rank of a job: it ends here
+            exit_before_finalization(PREEMPTED_EXIT_CODE)  # every rank has its checkpoint: nothing left to agree on
         raise SystemExit(PREEMPTED_EXIT_CODE)  # Lightning tears down (on_exception, teardown), then Python exits
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
