@@ -2,6 +2,8 @@
 
 MODE "sigterm": async saves every 2 steps and `PreemptionCheckpoint`; each step end writes `WORKDIR/rank{R}.step`
 and then sleeps, so that the test can send SIGTERM (to one rank) mid-epoch.
+MODE "sigterm_one_process": a one-process fit whose `PreemptionCheckpoint` gets SIGTERM after step 2; the script
+catches the `SystemExit(143)`, writes `WORKDIR/went_on` and ends normally (status 0). RANK and PORT are ignored.
 MODE "kill": async saves every 2 steps plus `last.ckpt`; rank 1 kills itself (SIGKILL) at the start of step 5,
 while `last.ckpt` of step 4 is still being written in the background.
 """
@@ -37,9 +39,25 @@ class KillWhileSaving(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SigtermAfterStep2(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(mode: str, workdir: Path, hf_checkpoint: str, rank: int, port: str) -> None:
     from lightning_megatron.callbacks import PreemptionCheckpoint
     from tests.test_long_runs import fit
+
+    if mode == "sigterm_one_process":
+        from tests.test_strategy import _fit
+
+        try:
+            _fit(workdir, Path(hf_checkpoint), STEPS, callbacks=(SigtermAfterStep2(), PreemptionCheckpoint()),
+                 trainer_kwargs=dict(enable_checkpointing=True))
+        except SystemExit as stopped:
+            (workdir / "went_on").write_text(str(stopped.code))
+        return
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_RANK=str(rank), RANK=str(rank),
                       WORLD_SIZE="2")

@@ -237,6 +237,20 @@ def test_sigterm_to_one_rank_saves_exits_143_and_resumes_bit_for_bit(runs: dict[
         assert result["sigterm_weights_equal"]
 
 
+def test_a_one_process_fit_preempted_raises_system_exit_that_the_caller_may_catch_and_go_on(tmp_path: Path) -> None:
+    """Ending the process before finalization is for the ranks of a job; a one-process fit (a notebook, a script)
+    that catches the `SystemExit(143)` keeps its own exit status."""
+    hf_checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    workdir = tmp_path / "one"
+    workdir.mkdir()
+    run = subprocess.run([sys.executable, "-m", "tests._long_run", "sigterm_one_process", str(workdir),
+                          str(hf_checkpoint), "0", "0"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert (workdir / "went_on").read_text() == str(PREEMPTED_EXIT_CODE)
+    assert megatron_checkpoint.is_complete(workdir / "checkpoints" / "last.ckpt")
+
+
 def test_background_writers_describe_their_shards_so_publishing_reads_only_the_rest(process_group: None,
                                                                                    tmp_path: Path) -> None:
     import json
