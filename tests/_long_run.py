@@ -3,7 +3,7 @@
 MODE "sigterm": async saves every 2 steps and `PreemptionCheckpoint`; each step end writes `WORKDIR/rank{R}.step`
 and then sleeps, so that the test can send SIGTERM (to one rank) mid-epoch.
 MODE "sigterm_one_process": a one-process fit whose `PreemptionCheckpoint` gets SIGTERM after step 2; the script
-catches the `SystemExit(143)`, writes `WORKDIR/went_on` and ends normally (status 0). RANK and PORT are ignored.
+catches the `SystemExit(143)`, writes `WORKDIR/went_on` and ends normally (status 0). RANK is ignored.
 MODE "kill": async saves every 2 steps plus `last.ckpt`; rank 1 kills itself (SIGKILL) at the start of step 5,
 while `last.ckpt` of step 4 is still being written in the background.
 """
@@ -51,6 +51,8 @@ def main(mode: str, workdir: Path, hf_checkpoint: str, rank: int, port: str) -> 
 
     if mode == "sigterm_one_process":
         from tests.test_strategy import _fit
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
 
         try:
             _fit(workdir, Path(hf_checkpoint), STEPS, callbacks=(SigtermAfterStep2(), PreemptionCheckpoint()),

@@ -244,7 +244,7 @@ def test_a_one_process_fit_preempted_raises_system_exit_that_the_caller_may_catc
     workdir = tmp_path / "one"
     workdir.mkdir()
     run = subprocess.run([sys.executable, "-m", "tests._long_run", "sigterm_one_process", str(workdir),
-                          str(hf_checkpoint), "0", "0"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          str(hf_checkpoint), "0", str(free_port())], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert (workdir / "went_on").read_text() == str(PREEMPTED_EXIT_CODE)

@@ -327,6 +327,8 @@ def _model_config(
         else:
             fields[key] = value
     config = json.loads(config_cls(**fields).to_json_string(use_diff=True))
+    if not mtp:  # transformers >= 5.17 defaults GLM-4.5's and DeepSeek-V3's `num_mtp_layers` to 1 (their configs)
+        config.update({key: 0 for key in MTP_CONFIG_KEYS if config.get(key)})
     if family == "mimo":
         config["model_type"] = "mimo"
         config["auto_map"] = {
