@@ -48,6 +48,16 @@ def safetensors_files(hf_path: Path) -> list[Path]:
     return sorted(Path(hf_path).glob("*.safetensors"))
 
 
+def rotary_position_ids(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """The ids an HF rotary embedding takes for text positions `[batch, positions]`: a multi-axis one (Qwen3.5's,
+    with `mrope_section`) one row per axis, as its model expands them (transformers >= 5.17 no longer expands 2-D
+    ids inside the rotary)."""
+    sections = getattr(rotary, "mrope_section", None)
+    if sections is None or position_ids.ndim != 2:
+        return position_ids
+    return position_ids.expand(len(sections), *position_ids.shape)
+
+
 def hf_module_state(state: Mapping[str, torch.Tensor], read: Any, prefix: str, stored: Collection[str]
                     ) -> dict[str, torch.Tensor]:
     """A transformers module's state dict (`state`: its own, for the names and shapes) read from a checkpoint's

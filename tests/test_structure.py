@@ -303,6 +303,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("data/datamodule.py", "value"): "Lightning hands a stage as a TrainerFn or as a string",
     ("distributed.py", "last_exc"): "sys: set only once an uncaught exception was printed",
     ("hf_io.py", "sched_getaffinity"): "os: Linux has it, macOS does not",
+    ("hf_io.py", "mrope_section"): "transformers: only a multi-axis rotary embedding (Qwen3.5's) has it",
     ("hf_io.py", "staging"): "a threading.local, set by each thread's first write",
     ("lora.py", "p"): LIBRARY + " (an adapter's dropout is a Dropout, or an identity without p)",
     ("mtp/draft_capture.py", "output_layer"): MEGATRON,

@@ -31,7 +31,7 @@ from lightning_megatron.families import (
     mtp_prefixes,
     quantization_refusal,
 )
-from lightning_megatron.hf_io import hf_module_state
+from lightning_megatron.hf_io import hf_module_state, rotary_position_ids
 
 
 class MTPDraftHead(nn.Module):
@@ -101,7 +101,7 @@ class MTPDraftHead(nn.Module):
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=cache is not None,
-            position_embeddings=self.rotary_emb(x, position_ids),
+            position_embeddings=self.rotary_emb(x, rotary_position_ids(self.rotary_emb, position_ids)),
         )
         return self.final_norm(x)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_megatron.families import LINEAR_ATTENTION_MODEL_TYPES, MODEL_FAMILIES, language_model, text_model_config
-from lightning_megatron.hf_io import hf_module_state
+from lightning_megatron.hf_io import hf_module_state, rotary_position_ids
 
 
 def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
@@ -134,10 +134,6 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
             parts.reverse()
         x = torch.nn.functional.linear(torch.cat(parts, dim=-1), weights[head["projection"]])
         position_ids = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
-        # Qwen3.5's rotary takes one row of ids per axis (temporal, height, width; the model expands text ids so,
-        # and transformers >= 5.17's rotary no longer does it itself)
-        rotary_ids = (position_ids.expand(3, *position_ids.shape) if model_type in LINEAR_ATTENTION_MODEL_TYPES
-                      else position_ids)
         mask = create_causal_mask(
             config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
         )
@@ -145,7 +141,7 @@ def hf_mtp_reference_logits(path: str | Path, input_ids: torch.Tensor) -> torch.
             x,
             attention_mask=mask,
             position_ids=position_ids,
-            position_embeddings=model.model.rotary_emb(x, rotary_ids),
+            position_embeddings=model.model.rotary_emb(x, rotary_position_ids(model.model.rotary_emb, position_ids)),
         )
         x = norm("final_norm")(x)
         return model.lm_head(x)
