@@ -15,12 +15,17 @@ convolution and the delta rule as four e_v x e_v products per value head and tok
 the calls added; `pytorch_over_fla` step time; and the largest difference between the paths of the output, the
 input gradient and the input projection's weight gradient, each beside the PyTorch value's largest magnitude
 (bf16: differences of a few 2^-8 of it are rounding). Without `fla` (no wheel installed, or no GPU: its kernels are
-Triton) only the PyTorch path runs and `fla` says why. `--tiny`: the tiny Qwen3.5's first layer in fp32 (a CPU).
+Triton) only the PyTorch path runs and `fla` says why. Where fla imports but refuses its backward on this machine
+(`_compat.gated_delta_net.fla_unusable`: Triton 3.4.0-3.7.1 on Hopper without tilelang, the GPU machine's torch 2.11),
+the forward alone is still compared (`forward_s` of both paths, `pytorch_over_fla_forward`, the output difference):
+its kernels are the ones a Triton upgrade would enable. `--tiny`: the tiny Qwen3.5's first layer in fp32 (a CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -88,6 +93,45 @@ def measure_path(layer: torch.nn.Module, hidden: torch.Tensor, grad_output: torc
     return {"forward_backward_s": seconds, "tflop_per_s": flops / seconds / 1e12, "peak_memory_gib": peak}, values
 
 
+def measure_forward(layer: torch.nn.Module, hidden: torch.Tensor, warmup: int, repeats: int,
+                    flops: float) -> tuple[dict[str, Any], torch.Tensor]:
+    """One path's forward alone (no autograd graph): its time, TFLOP/s on the forward's third of `flops`, output."""
+
+    @torch.no_grad()
+    def forward() -> torch.Tensor:
+        return layer(hidden, attention_mask=None)[0]
+
+    for _ in range(warmup):
+        forward()
+    seconds = median_seconds(forward, repeats)
+    return {"forward_s": seconds, "forward_tflop_per_s": flops / 3 / seconds / 1e12}, forward().float().clone()
+
+
+@contextlib.contextmanager
+def fla_kernels(layer: torch.nn.Module) -> Iterator[None]:
+    """fla's kernels within a block where the package put the PyTorch ones in (fla refuses its backward here, so the
+    `gated_delta_net_torch_kernels` adjustment is on): megatron-core's three fla names and the layer's bound rule
+    (gdn.py:59-62) back to fla's, undone after. Forward only: fla's backward raises on such a machine."""
+    from fla.modules.convolution import causal_conv1d
+    from fla.modules.l2norm import l2norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    from lightning_megatron._compat._adjustment import Patches
+
+    patches = Patches()
+    kernels = {"causal_conv1d": causal_conv1d, "l2norm": l2norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
+    for module in (common, gdn):
+        for name, value in kernels.items():
+            if name in vars(module):
+                patches.setattr(module, name, value)
+    patches.setattr(layer, "gated_delta_rule", chunk_gated_delta_rule)
+    try:
+        yield
+    finally:
+        patches.revert()
+
+
 def compare_kernels(config: dict[str, Any], workdir: Path, *, tiny: bool, micro_batch: int, seq: int, warmup: int,
                     repeats: int, dtype: torch.dtype) -> dict[str, Any]:
     """fla's kernels against the PyTorch path on one GatedDeltaNet layer of `config`'s shape (module docstring)."""
@@ -114,6 +158,17 @@ def compare_kernels(config: dict[str, Any], workdir: Path, *, tiny: bool, micro_
     with gated_delta_net.torch_kernels(layer):
         result["pytorch"], reference = measure_path(layer, hidden, grad_output, warmup, repeats, flops)
     skipped = fla_unavailable()
+    if skipped is not None and not gated_delta_net.fla_missing() and torch.cuda.is_available():
+        with gated_delta_net.torch_kernels(layer):
+            forward, reference_output = measure_forward(layer, hidden, warmup, repeats, flops)
+        result["pytorch"].update(forward)
+        with fla_kernels(layer):
+            result["fla"], fast_output = measure_forward(layer, hidden, warmup, repeats, flops)
+        result["fla"].update(version=metadata.version("fla-core"), backward_skipped=skipped)
+        result["pytorch_over_fla_forward"] = result["pytorch"]["forward_s"] / result["fla"]["forward_s"]
+        result["difference"] = {"output": {"max_abs": float((fast_output - reference_output).abs().max()),
+                                           "pytorch_max_abs": float(reference_output.abs().max())}}
+        return result
     if skipped is not None:
         result["fla"] = {"skipped": skipped}
         return result

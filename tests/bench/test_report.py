@@ -110,6 +110,19 @@ def test_report_tables_the_families_benchmark():
             "1.00e-02 of 4.00e+00 | 2.00e-02 of 8.00e+00 | 5.00e-01 of 1.00e+02 | [1] |") in lines
 
 
+
+def test_report_tables_a_forward_only_gated_delta_net_comparison():  # fla refuses its backward (bench/gdn.py)
+    gdn = {"layer": {"hidden": 2048, "key_heads": 16, "value_heads": 16, "value_head_dim": 128},
+           "micro_batch": 2, "seq": 2048, "dtype": "bfloat16",
+           "pytorch": {"forward_backward_s": 0.05, "forward_s": 0.02},
+           "fla": {"forward_s": 0.004, "backward_skipped": "fla refuses the backward"},
+           "pytorch_over_fla_forward": 5.0, "difference": {"output": {"max_abs": 0.01, "pytorch_max_abs": 4.0}}}
+    lines = report.render([("g.json", {"benchmark": "gdn", "command": "python3 -m bench.gdn",
+                                       "device": "NVIDIA H200", **gdn})]).splitlines()
+    assert ("| hidden 2048, 16/16 key/value heads of 128; 2 x 2048 tokens, bfloat16 | 0.050 s | forward only: 0.004 s "
+            "against PyTorch's 0.020 s (backward: fla refuses the backward) | 5.000x (forward) | 1.00e-02 of 4.00e+00 "
+            "| n/a | n/a | [1] |") in lines
+
 def test_report_tables_the_norms_benchmark():
     def arm(gpu_us: float) -> dict:
         return {"forward_backward_wall_us": 2 * gpu_us, "forward_backward_gpu_us": gpu_us,
