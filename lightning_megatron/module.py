@@ -188,6 +188,10 @@ class SFTModule(MegatronLightningModule):
                             ("mtp_sampling_temperature", mtp_sampling_temperature)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: {value} must be finite and > 0 (1.0: the target's own distribution)")
+        if not enable_mtp and mtp_sampling_temperature != 1.0:
+            raise ValueError(f"mtp_sampling_temperature: {mtp_sampling_temperature} is the temperature the MTP head's "
+                             "val_mtp_sampled_acceptance and the tv losses compare at, and this module has no MTP "
+                             "head; set enable_mtp: true, or leave mtp_sampling_temperature unset")
         self._depth_weights = normalized_depth_weights(mtp_depths, mtp_depth_weights)
         if mtp_depths > 1 and not self.enable_mtp_training:
             raise ValueError(f"mtp_depths: {mtp_depths} trains the MTP head at {mtp_depths} depths; it needs "

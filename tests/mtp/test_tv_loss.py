@@ -290,6 +290,8 @@ def test_options_that_do_not_fit_the_tv_losses_are_refused_naming_the_field() ->
                                                    r"does not train it; set enable_mtp: true \(enable_mtp_training"),
     ({"enable_mtp_training": False, "mtp_loss_type": "self_distill"}, "mtp_loss_type: self_distill sets how"),
     ({"enable_mtp": False, "mtp_depth_weights": [2.0]}, r"mtp_depth_weights: \[2.0\] sets how the MTP head trains"),
+    ({"enable_mtp": False, "mtp_sampling_temperature": 0.7}, "mtp_sampling_temperature: 0.7 is the temperature "
+                                                              "the MTP head's .*no MTP head; set enable_mtp: true"),
 ])
 def test_options_the_chosen_mtp_loss_would_ignore_are_refused_naming_the_field(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
