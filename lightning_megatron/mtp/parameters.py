@@ -90,7 +90,17 @@ def normalized_depth_weights(mtp_depths: int, weights: Sequence[float] | None) -
                          "is trained at; 1: its own depth only)")
     if weights is None:
         return (1.0 / mtp_depths,) * mtp_depths
-    weights = [float(weight) for weight in weights]
+    numbers = None
+    if not isinstance(weights, str | bytes):  # a string's characters are not the depths' weights
+        try:
+            numbers = [float(weight) for weight in weights]
+        except (TypeError, ValueError):
+            pass
+    if numbers is None:
+        raise ValueError(f"mtp_depth_weights: {weights!r} must be a list of numbers, one per depth (mtp_depths: "
+                         f"{mtp_depths}, e.g. {[float(mtp_depths - depth) for depth in range(mtp_depths)]}), or null "
+                         "for equal weights")
+    weights = numbers
     if len(weights) != mtp_depths:
         raise ValueError(f"mtp_depth_weights: {weights} has {len(weights)} entries; give one per depth "
                          f"(mtp_depths: {mtp_depths}), or leave it null for equal weights")

@@ -302,6 +302,11 @@ def test_restore_mtp_and_k_token_drafts_read_the_export(k_depth_export, tmp_path
      r"mtp_depth_weights: .* has 2 entries; give one per depth \(mtp_depths: 3\)"),
     ({"mtp_depths": 2, "mtp_depth_weights": [1.0, -1.0]}, "mtp_depth_weights: .* must be finite, >= 0"),
     ({"mtp_depths": 2, "mtp_depth_weights": [0.0, 0.0]}, "not all 0"),
+    ({"mtp_depths": 3, "mtp_depth_weights": "3,2,1"}, r"mtp_depth_weights: '3,2,1' must be a list of numbers, one "
+                                                     r"per depth \(mtp_depths: 3, e.g. \[3.0, 2.0, 1.0\]\)"),
+    ({"mtp_depths": 2, "mtp_depth_weights": "12"}, "mtp_depth_weights: '12' must be a list of numbers"),
+    ({"mtp_depth_weights": 2.0}, "mtp_depth_weights: 2.0 must be a list of numbers"),
+    ({"mtp_depths": 2, "mtp_depth_weights": [1.0, None]}, r"mtp_depth_weights: \[1.0, None\] must be a list of"),
     ({"mtp_depths": 2, "enable_mtp": False}, "mtp_depths: 2 trains the MTP head at 2 depths; it needs enable_mtp"),
     ({"mtp_depths": 2, "enable_mtp_training": False}, "it needs enable_mtp: true with MTP training"),
 ])
