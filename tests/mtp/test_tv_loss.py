@@ -261,15 +261,18 @@ def _sampled_acceptance(workdir: Path, hf_checkpoint: str, dataset: Dataset) -> 
     return float(trainer.callback_metrics["val_mtp_sampled_acceptance"])
 
 
-def test_one_minus_the_tv_loss_is_the_sampled_acceptance_metric(process_group, checkpoints, tmp_path):
+@pytest.mark.parametrize("depths", [1, 3])
+def test_one_minus_the_tv_loss_is_the_sampled_acceptance_metric(process_group, checkpoints, tmp_path, depths):
     """One packed row, one microbatch, uniform weights: the first step's `mtp_loss` (the mean TV over the trained
-    positions, before the step changes anything) is one minus validation's sampled acceptance at the same
-    temperature on the same row."""
+    positions, before the step changes anything; with several depths the first depth's) is one minus validation's
+    sampled acceptance at the same temperature on the same row."""
     row = SequencesDataset(True, alignment=4, rows=1)
-    fit = _fit(tmp_path / "fit", checkpoints["qwen3"], row, module_kwargs=_options("tv"), global_batch_size=1)
+    fit = _fit(tmp_path / "fit", checkpoints["qwen3"], row, module_kwargs=_options("tv") | {"mtp_depths": depths},
+               global_batch_size=1)
     acceptance = _sampled_acceptance(tmp_path / "validate", checkpoints["qwen3"], row)
     assert 0.05 < acceptance < 0.95
-    assert 1 - fit.metrics["mtp_loss"] == pytest.approx(acceptance, rel=0, abs=1e-6)
+    first_depth = fit.metrics["mtp_loss" if depths == 1 else "mtp_loss_depth_1"]
+    assert 1 - first_depth == pytest.approx(acceptance, rel=0, abs=1e-6)
 
 
 def test_options_that_do_not_fit_the_tv_losses_are_refused_naming_the_field() -> None:
