@@ -25,6 +25,7 @@ from lightning_megatron.mtp.draft_capture import DraftCapture, reduce_draft_tota
 from lightning_megatron.mtp.parameters import (
     check_mtp_loss_scaling_factor,
     clear_mtp_tracker,
+    is_finite_number,
     mtp_parameter_flags,
     normalized_depth_weights,
     read_and_reset_mtp_tracker,
@@ -186,8 +187,8 @@ class SFTModule(MegatronLightningModule):
                              f"{list(DISTILL_WEIGHTINGS)}")
         for name, value in (("mtp_distill_temperature", mtp_distill_temperature),
                             ("mtp_sampling_temperature", mtp_sampling_temperature)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: {value} must be finite and > 0 (1.0: the target's own distribution)")
+            if not (is_finite_number(value) and value > 0):
+                raise ValueError(f"{name}: {value!r} must be finite and > 0 (1.0: the target's own distribution)")
         if not enable_mtp and mtp_sampling_temperature != 1.0:
             raise ValueError(f"mtp_sampling_temperature: {mtp_sampling_temperature} is the temperature the MTP head's "
                              "val_mtp_sampled_acceptance and the tv losses compare at, and this module has no MTP "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from importlib import metadata
 
@@ -65,10 +66,16 @@ def freeze_non_mtp_parameters(chunks: list[torch.nn.Module], *, allow_missing_mt
     return trainable
 
 
+def is_finite_number(value: object) -> bool:
+    """A finite real number, not a bool or a string: what the MTP options' numbers must be before any arithmetic
+    (`math.isfinite` of a string raises its own error, which names no option)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_mtp_loss_scaling_factor(mtp_loss_scaling_factor: float) -> None:
     """The MTP loss's weight when the head trains: a finite positive number."""
-    if not math.isfinite(mtp_loss_scaling_factor) or mtp_loss_scaling_factor <= 0:
-        raise ValueError(f"mtp_loss_scaling_factor: {mtp_loss_scaling_factor} must be finite and > 0 "
+    if not is_finite_number(mtp_loss_scaling_factor) or mtp_loss_scaling_factor <= 0:
+        raise ValueError(f"mtp_loss_scaling_factor: {mtp_loss_scaling_factor!r} must be finite and > 0 "
                          "(DeepSeek-V3 uses 0.1)")
 
 

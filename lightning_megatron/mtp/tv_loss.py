@@ -35,7 +35,6 @@ blend and constant of vLLM speculators' `lk_hybrid`), trains a reset head (alpha
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -43,6 +42,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.mtp.parameters import is_finite_number
 from lightning_megatron.mtp.self_distill import (
     ChunkDivergence,
     KLDivergence,
@@ -55,8 +55,8 @@ DEFAULT_TV_KL_DECAY = 3.0
 
 
 def _check_temperature(temperature: float) -> None:
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"mtp_sampling_temperature: {temperature} must be finite and > 0 (the TV losses compare "
+    if not (is_finite_number(temperature) and temperature > 0):
+        raise ValueError(f"mtp_sampling_temperature: {temperature!r} must be finite and > 0 (the TV losses compare "
                          "the target and the draft at the temperature a server samples at; 1.0 by default)")
 
 
@@ -116,8 +116,8 @@ class TVKLHybrid:
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
-        if not (math.isfinite(self.decay) and self.decay >= 0):
-            raise ValueError(f"mtp_tv_kl_decay: {self.decay} must be finite and >= 0 (the KL share is "
+        if not (is_finite_number(self.decay) and self.decay >= 0):
+            raise ValueError(f"mtp_tv_kl_decay: {self.decay!r} must be finite and >= 0 (the KL share is "
                              f"exp(-decay * acceptance); {DEFAULT_TV_KL_DECAY} by default)")
 
     @property

@@ -325,7 +325,7 @@ def test_mtp_only_without_mtp_training_is_rejected(process_group, checkpoints, t
                       module_kwargs={"enable_mtp": False})
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf, "0.1"])
 def test_a_loss_scale_that_is_not_finite_and_positive_is_rejected(scale):
     with pytest.raises(ValueError, match="mtp_loss_scaling_factor: .* must be finite and > 0"):
         SFTModule(enable_mtp=True, mtp_loss_scaling_factor=scale)

@@ -280,6 +280,11 @@ def test_options_that_do_not_fit_the_tv_losses_are_refused_naming_the_field() ->
         SFTModule(enable_mtp=True, mtp_loss_type="tv", mtp_distill_temperature=0.5)
     with pytest.raises(ValueError, match="mtp_tv_kl_decay: -1.0 must be finite and >= 0"):
         SFTModule(enable_mtp=True, mtp_loss_type="tv_kl", mtp_tv_kl_decay=-1.0)
+    # a number given as a string (Python callers; the CLI converts by the type hints) is named, not float's TypeError
+    with pytest.raises(ValueError, match="mtp_tv_kl_decay: '2' must be finite and >= 0"):
+        SFTModule(enable_mtp=True, mtp_loss_type="tv_kl", mtp_tv_kl_decay="2")
+    with pytest.raises(ValueError, match="mtp_sampling_temperature: '0.7' must be finite and > 0"):
+        SFTModule(enable_mtp=True, mtp_loss_type="tv", mtp_sampling_temperature="0.7")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
