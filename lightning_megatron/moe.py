@@ -94,6 +94,13 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     }
     if model_type == "qwen3_5_moe_text":  # its router (Qwen3_5MoeTopKRouter) always renormalises the top k
         settings["moe_router_pre_softmax"] = False
+    if settings["moe_router_topk"] == 1 and not settings["moe_router_pre_softmax"]:
+        qwen3_5 = model_type == "qwen3_5_moe_text"
+        renormalised = "Qwen3.5-MoE's router always renormalises it" if qwen3_5 else "norm_topk_prob: true"
+        raise ValueError(f"hf_checkpoint: num_experts_per_tok: 1 renormalised ({renormalised}: every token's one "
+                         "expert weighted 1) is refused by Megatron-Core, which routes top-1 only after a softmax over "
+                         "all experts (transformer_config.py: moe_router_pre_softmax); use a checkpoint with "
+                         "num_experts_per_tok > 1" + ("" if qwen3_5 else " or norm_topk_prob: false"))
     if model_type in ("qwen2_moe", "qwen3_5_moe_text"):
         settings["moe_shared_expert_intermediate_size"] = int(hf_config["shared_expert_intermediate_size"])
         settings["moe_shared_expert_gate"] = True
@@ -101,11 +108,16 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
-    top_k = int(hf_config["num_experts_per_tok"])
-    if top_k > 1 and not hf_config.get("norm_topk_prob", True):
+    top_k, renormalised = int(hf_config["num_experts_per_tok"]), bool(hf_config.get("norm_topk_prob", True))
+    if top_k > 1 and not renormalised:
         raise ValueError("hf_checkpoint: norm_topk_prob: false with sigmoid routing is not expressible in Megatron-Core "
                          "(moe_utils.topk_routing_with_score_function always renormalises the top-k sigmoids); use a "
                          "checkpoint with norm_topk_prob: true")
+    if top_k == 1 and renormalised:
+        raise ValueError("hf_checkpoint: num_experts_per_tok: 1 with norm_topk_prob: true (every token's one expert "
+                         "weighted 1) is not expressible in Megatron-Core, which weights a lone top-1 sigmoid as it is "
+                         "(moe_utils.topk_routing_with_score_function); use a checkpoint with num_experts_per_tok > 1 "
+                         "or norm_topk_prob: false")
     if int(hf_config.get("n_group") or 1) != 1 or int(hf_config.get("topk_group") or 1) != 1:
         raise ValueError(f"hf_checkpoint: group-limited routing (n_group: {hf_config.get('n_group')}, topk_group: "
                          f"{hf_config.get('topk_group')}) is not supported; use a checkpoint with n_group: 1")

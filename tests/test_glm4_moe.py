@@ -140,6 +140,34 @@ def test_router_settings_refuse_what_megatron_cannot_route():
         router_settings({**base, "n_group": 2, "topk_group": 1})
 
 
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_a_top_1_router_is_hfs_exactly_where_router_settings_accept_it(norm_topk_prob):
+    """Megatron-Core weights a lone top-1 sigmoid as it is (moe_utils.topk_routing_with_score_function), HF with
+    norm_topk_prob divides it by itself: the same weights without it; refused, naming both fields, with it."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    hf = Glm4MoeMoE(Glm4MoeConfig(hidden_size=8, moe_intermediate_size=4, n_routed_experts=4, num_experts_per_tok=1,
+                                  norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5))
+    logits = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    hf_experts, hf_weights = hf.route_tokens_to_experts(logits)
+    weights, experts = topk_routing_with_score_function(logits, 1, use_pre_softmax=False, scaling_factor=2.5,
+                                                        score_function="sigmoid",
+                                                        expert_bias=hf.gate.e_score_correction_bias, dense_output=True)
+    assert torch.equal(experts, hf_experts)
+    config = {"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 4,
+              "num_hidden_layers": 2, "first_k_dense_replace": 1, "norm_topk_prob": norm_topk_prob}
+    if norm_topk_prob:
+        assert not torch.allclose(weights, hf_weights)
+        with pytest.raises(ValueError, match=r"num_experts_per_tok: 1 with norm_topk_prob: true .* use a checkpoint "
+                                             r"with num_experts_per_tok > 1 or norm_topk_prob: false"):
+            router_settings(config)
+    else:
+        torch.testing.assert_close(weights, hf_weights, rtol=0, atol=1e-6)
+        assert router_settings(config)["moe_router_topk"] == 1
+
+
 def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
     with pytest.raises(BridgeError, match=r"bridge_type: mbridge does not map the experts of 'glm4_moe' checkpoints "
                                           r".*; set bridge_type: megatron-bridge"):
