@@ -122,6 +122,7 @@ def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hf_checkpoint: group-limited routing (n_group: {hf_config.get('n_group')}, topk_group: "
                          f"{hf_config.get('topk_group')}) is not supported; use a checkpoint with n_group: 1")
     num_layers, first_dense = int(hf_config["num_hidden_layers"]), int(hf_config.get("first_k_dense_replace", 0))
+    shared_experts = int(hf_config.get("n_shared_experts", 1))  # 0: HF's shared MLP has no channels, adds nothing
     return {
         "num_moe_experts": checkpoint_num_experts(hf_config),
         "moe_router_topk": top_k,
@@ -133,9 +134,9 @@ def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         "moe_router_topk_scaling_factor": float(hf_config.get("routed_scaling_factor", 1.0)),
         # HF's shared experts are one MLP of this size (modeling_glm4_moe.py:378-380, modeling_deepseek_v3.py:204-206);
         # megatron-bridge's GLM-4.5 bridge (glm/glm45_bridge.py:88) and mbridge's (models/glm4moe.py:148) size it
-        # moe_intermediate_size alone: a checkpoint with n_shared_experts: 2 would not load (a shape error)
-        "moe_shared_expert_intermediate_size": int(hf_config["moe_intermediate_size"])
-        * int(hf_config.get("n_shared_experts", 1)),
+        # moe_intermediate_size alone: a checkpoint with n_shared_experts: 2 would not load (a shape error). With
+        # n_shared_experts: 0 HF's MLP has no channels (it adds zero), Megatron's None builds none (0 is refused)
+        "moe_shared_expert_intermediate_size": int(hf_config["moe_intermediate_size"]) * shared_experts or None,
         "moe_shared_expert_gate": False,
         "moe_shared_expert_overlap": False,  # overlaps the shared expert on a second CUDA stream
         "moe_layer_freq": [0] * first_dense + [1] * (num_layers - first_dense),

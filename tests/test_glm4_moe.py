@@ -134,6 +134,8 @@ def test_router_settings_refuse_what_megatron_cannot_route():
     # megatron-bridge's GLM-4.5 bridge sizes it moe_intermediate_size alone (glm/glm45_bridge.py:88), and a checkpoint
     # with two would fail to load (a shape error) without the size from here
     assert router_settings({**base, "n_shared_experts": 2})["moe_shared_expert_intermediate_size"] == 64
+    # none: HF's shared MLP of no channels adds zero; Megatron-Core refuses a size of 0 and builds none for None
+    assert router_settings({**base, "n_shared_experts": 0})["moe_shared_expert_intermediate_size"] is None
     with pytest.raises(ValueError, match="norm_topk_prob: false with sigmoid routing"):
         router_settings({**base, "norm_topk_prob": False})
     with pytest.raises(ValueError, match=r"group-limited routing \(n_group: 2"):
