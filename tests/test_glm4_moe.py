@@ -54,7 +54,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             # shared experts, one MLP of 2 x moe_intermediate_size (every published GLM checkpoint has one)
             "variant": make_tiny_checkpoint(root / "variant", "glm4_moe", mtp=True, moe=GLM, head_dim=32,
                                             config={"use_qk_norm": True, "partial_rotary_factor": 1.0,
-                                                    "n_shared_experts": 2})}
+                                                    "n_shared_experts": 2}),
+            # the LM head tied to the embedding (no lm_head.weight; megatron-bridge's GLM-4.5 provider unties it)
+            "tied": make_tiny_checkpoint(root / "tied", "glm4_moe", mtp=True, moe=GLM, tied=True)}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -67,8 +69,9 @@ def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
     chunk.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
     input_ids = _input_ids()
     _logits_difference(chunk, hf_checkpoint)  # the forward that fills `captured`
+    weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
     with torch.no_grad():
-        logits, _ = chunk.output_layer(captured["hidden"][SEQ:])
+        logits, _ = chunk.output_layer(captured["hidden"][SEQ:], weight)
     return float((logits.transpose(0, 1)[:, :-1] - hf_mtp_reference_logits(hf_checkpoint, input_ids)).abs().max())
 
 
@@ -97,6 +100,11 @@ def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, m
 def test_qk_norms_wide_heads_full_rotary_and_two_shared_experts_logits_mtp_head_and_round_trip(model_parallel,
                                                                                                checkpoints, tmp_path):
     assert_logits_mtp_head_and_round_trip(checkpoints["variant"], tmp_path, True)
+
+
+def test_tied_embeddings_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+    """The output layer is the embedding, and the export writes the MTP layer's copy of the LM head from it."""
+    assert_logits_mtp_head_and_round_trip(checkpoints["tied"], tmp_path, True)
 
 
 def assert_logits_mtp_head_and_round_trip(path: Path, tmp_path: Path, mtp: bool) -> None:
