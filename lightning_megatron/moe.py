@@ -162,6 +162,20 @@ def _deepseek_v3_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def check_mtp_layer_experts(hf_config: dict[str, Any]) -> None:
+    """GLM-4.5's and DeepSeek-V3's MTP layer is decoder layer `num_hidden_layers`, past the `first_k_dense_replace`
+    dense ones, so it has routed experts; Megatron-Core builds the MTP layer with the last decoder layer's spec
+    (megatron/core/models/gpt/gpt_layer_specs.py:769), so a checkpoint whose decoder layers are all dense would get a
+    dense MTP layer that leaves the stored experts unloaded."""
+    config = text_model_config(hf_config)
+    first_dense, num_layers = int(config.get("first_k_dense_replace") or 0), int(config.get("num_hidden_layers") or 0)
+    if checkpoint_num_experts(hf_config) and first_dense >= num_layers:
+        raise ValueError(f"hf_checkpoint: first_k_dense_replace: {first_dense} makes all {num_layers} decoder layers "
+                         "dense, and Megatron-Core builds the MTP layer as the last decoder layer, while the "
+                         f"checkpoint's MTP layer (decoder layer {num_layers}) has routed experts; set mtp: false, or "
+                         "use a checkpoint with first_k_dense_replace < num_hidden_layers")
+
+
 def moe_config_overrides(hf_config: dict[str, Any], config_overrides: dict[str, Any]) -> dict[str, Any]:
     """`config_overrides` with the checkpoint's router settings added; refuses overrides that contradict it."""
     settings = router_settings(hf_config)

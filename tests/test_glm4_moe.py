@@ -178,6 +178,17 @@ def test_a_top_1_router_is_hfs_exactly_where_router_settings_accept_it(norm_topk
         assert router_settings(config)["moe_router_topk"] == 1
 
 
+def test_an_mtp_layer_after_dense_layers_only_is_refused_before_the_build(model_parallel, tmp_path):
+    """first_k_dense_replace: num_hidden_layers: HF's MTP layer (past the dense ones) has routed experts, Megatron-Core
+    would build it as the last (dense) decoder layer; without the MTP layer the checkpoint builds."""
+    path = make_tiny_checkpoint(tmp_path / "dense", "glm4_moe", mtp=True, moe=MoEShape(first_dense_layers=2))
+    bridge = create_bridge("megatron-bridge", path)
+    with pytest.raises(BridgeError, match=r"first_k_dense_replace: 2 makes all 2 decoder layers dense.*set mtp: "
+                                          r"false, or use a checkpoint with first_k_dense_replace < num_hidden_layers"):
+        bridge.validate(ModelOptions(mtp=True))
+    bridge.validate(ModelOptions(mtp=False))
+
+
 def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):
     with pytest.raises(BridgeError, match=r"bridge_type: mbridge does not map the experts of 'glm4_moe' checkpoints "
                                           r".*; set bridge_type: megatron-bridge"):

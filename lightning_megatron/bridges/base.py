@@ -51,6 +51,7 @@ from lightning_megatron.hf_io import (
 from lightning_megatron.moe import (
     check_expert_parallel,
     check_moe_sequence_parallel,
+    check_mtp_layer_experts,
     check_router_matches,
     checkpoint_num_experts,
     moe_config_overrides,
@@ -244,6 +245,8 @@ class Bridge(ABC):
                               f"(it maps {', '.join(self.moe_model_types)}); {fix}")
         try:
             moe_config_overrides(self.hf_config, options.config_overrides)
+            if options.mtp:
+                check_mtp_layer_experts(self.hf_config)
         except ValueError as error:
             raise BridgeError(str(error)) from None
         if parallel_state.model_parallel_is_initialized():
