@@ -33,6 +33,15 @@ CHECKPOINT_ROUTER_FIELDS = (
 LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 
 
+# transformers' class defaults of the router fields a GLM-4.5 or DeepSeek-V3 config.json may leave out
+# (configuration_glm4_moe.py:97-103, configuration_deepseek_v3.py:78-90): an absent field means what it means there
+SIGMOID_ROUTER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                 "first_k_dense_replace": 1, "norm_topk_prob": True},
+    "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                    "first_k_dense_replace": 3, "norm_topk_prob": True},
+}
+
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers 5 writes num_local_experts
 
 
@@ -73,9 +82,9 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hf_checkpoint: MoE model_type {model_type!r} is not supported; the MoE families are "
                          f"{', '.join(MOE_MODEL_TYPES)}")
     if model_type == "glm4_moe":
-        return _glm4_moe_router_settings(hf_config)
+        return _glm4_moe_router_settings(_with_router_defaults(hf_config))
     if model_type == "deepseek_v3":
-        return _deepseek_v3_router_settings(hf_config)
+        return _deepseek_v3_router_settings(_with_router_defaults(hf_config))
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError("hf_checkpoint: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
                          "are not mapped by the bridges; use a checkpoint whose every layer is MoE")
@@ -105,6 +114,11 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         settings["moe_shared_expert_intermediate_size"] = int(hf_config["shared_expert_intermediate_size"])
         settings["moe_shared_expert_gate"] = True
     return settings
+
+
+def _with_router_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A GLM-4.5 or DeepSeek-V3 text config with the router fields it leaves out at transformers' defaults."""
+    return {**SIGMOID_ROUTER_DEFAULTS.get(hf_config.get("model_type"), {}), **hf_config}
 
 
 def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +181,7 @@ def check_mtp_layer_experts(hf_config: dict[str, Any]) -> None:
     dense ones, so it has routed experts; Megatron-Core builds the MTP layer with the last decoder layer's spec
     (megatron/core/models/gpt/gpt_layer_specs.py:769), so a checkpoint whose decoder layers are all dense would get a
     dense MTP layer that leaves the stored experts unloaded."""
-    config = text_model_config(hf_config)
+    config = _with_router_defaults(text_model_config(hf_config))
     first_dense, num_layers = int(config.get("first_k_dense_replace") or 0), int(config.get("num_hidden_layers") or 0)
     if checkpoint_num_experts(hf_config) and first_dense >= num_layers:
         raise ValueError(f"hf_checkpoint: first_k_dense_replace: {first_dense} makes all {num_layers} decoder layers "

@@ -21,7 +21,7 @@ from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.families import is_hf_mtp_tensor, mtp_names
 from lightning_megatron.module import SFTModule
-from lightning_megatron.moe import router_settings
+from lightning_megatron.moe import SIGMOID_ROUTER_DEFAULTS, router_settings
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
@@ -148,6 +148,24 @@ def test_router_settings_refuse_what_megatron_cannot_route():
         router_settings({**base, "norm_topk_prob": False})
     with pytest.raises(ValueError, match=r"group-limited routing \(n_group: 2"):
         router_settings({**base, "n_group": 2, "topk_group": 1})
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_router_fields_a_config_leaves_out_mean_what_they_mean_in_transformers(model_type):
+    """A config.json without first_k_dense_replace, routed_scaling_factor, ... gets transformers' class defaults
+    (GLM-4.5: one dense layer; DeepSeek-V3: three, scaled by 2.5, 8 groups), not 0 dense layers and a scale of 1."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    assert {key: getattr(defaults, key) for key in SIGMOID_ROUTER_DEFAULTS[model_type]} == \
+        SIGMOID_ROUTER_DEFAULTS[model_type]
+    settings = router_settings({"model_type": model_type, "n_routed_experts": 16, "num_experts_per_tok": 8,
+                                "moe_intermediate_size": 4, "num_hidden_layers": 4})
+    dense = defaults.first_k_dense_replace
+    assert settings["moe_layer_freq"] == [0] * dense + [1] * (4 - dense)
+    assert settings["moe_router_topk_scaling_factor"] == defaults.routed_scaling_factor
+    assert settings["moe_shared_expert_intermediate_size"] == 4 * defaults.n_shared_experts
+    assert settings.get("moe_router_num_groups", 1) == defaults.n_group
 
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
