@@ -201,6 +201,12 @@ def tensor_parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: st
     result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, Path(tmp) / "tp2_export", mtp=True)}
     chunk = create_bridge("megatron-bridge", checkpoint).build(ModelOptions(mtp=True))[0]
     result["tp2"]["mtp_head"] = _mtp_head_difference(chunk, checkpoint)
+    # one DeltaNet key head for two ranks: named before any build (Megatron-Core asserts it in TransformerConfig)
+    one_key_head = make_tiny_checkpoint(Path(tmp) / f"one_key_head{rank}", "qwen3_5_text",
+                                        config={"linear_num_key_heads": 1})
+    with pytest.raises(BridgeError) as refused:
+        create_bridge("megatron-bridge", one_key_head).validate(ModelOptions())
+    result["one_key_head"] = str(refused.value)
     parallel_state.destroy_model_parallel()
     return result
 
@@ -210,6 +216,8 @@ def assert_tensor_parallel(result: dict[str, Any], checkpoint: Path) -> None:
     assert result["tp2"]["mtp_head"] <= 1e-5
     assert result["tp2"]["export_unequal"] == []
     assert result["tp2"]["exported"] == set(_tensors(checkpoint))
+    assert result["one_key_head"].startswith("tensor_model_parallel_size x context_parallel_size = 2 x 1 must divide "
+                                             "the checkpoint's linear_num_key_heads (1, ")
 
 
 def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:

@@ -176,6 +176,7 @@ class Bridge(ABC):
         self._validate_moe(options)
         self._validate_linear_attention(options)
         self._validate_vocabulary()
+        self._validate_heads()
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
         """Whether the model `options` asks for updates its MoE router's expert bias every step (outside the
@@ -214,6 +215,27 @@ class Bridge(ABC):
                 f"tensor_model_parallel_size: {tensor_parallel} must divide the checkpoint's vocab_size "
                 f"({vocab_size}, {self.hf_path / 'config.json'}): the embedding and output rows are split evenly "
                 f"and the bridges do not pad them; {fix}")
+
+    def _validate_heads(self) -> None:
+        """Tensor parallelism splits the attention heads evenly (KV heads fewer than the ranks are replicated), and
+        Qwen3.5's DeltaNet key and value heads over tensor x context parallelism: Megatron-Core asserts both only as
+        the model is built (megatron/core/transformer/transformer_config.py)."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        sizes, config = ParallelSizes.current(), text_model_config(self.hf_config)
+        parts = {"num_attention_heads": (sizes.tensor, f"tensor_model_parallel_size: {sizes.tensor}")}
+        if self.hf_config.get("model_type") in LINEAR_ATTENTION_MODEL_TYPES:
+            option = f"tensor_model_parallel_size x context_parallel_size = {sizes.tensor} x {sizes.context}"
+            parts.update({key: (sizes.tensor * sizes.context, option)
+                          for key in ("linear_num_key_heads", "linear_num_value_heads")})
+        for key, (size, option) in parts.items():
+            heads = int(config.get(key) or 0)
+            if heads % size:
+                raise BridgeError(f"{option} must divide the checkpoint's {key} ({heads}, "
+                                  f"{self.hf_path / 'config.json'}): the heads are split evenly over those ranks; "
+                                  f"use parallel sizes whose product divides {heads}")
 
     def _validate_linear_attention(self, options: ModelOptions) -> None:
         """Linear-attention layers (Qwen3.5's gated DeltaNet) need a backend that maps them, and an MTP layer (full
