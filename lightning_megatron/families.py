@@ -324,6 +324,22 @@ def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {**hf_config["text_config"], "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False))}
 
 
+def layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """The kind of each decoder layer of a checkpoint's text model, as transformers reads config.json: its
+    `layer_types`, or for a linear-attention family (Qwen3.5) the pattern `full_attention_interval` (4 when absent)
+    implies, every interval-th layer full attention (`Qwen3_5TextConfig.__post_init__`); empty for other configs
+    without `layer_types`."""
+    config = text_model_config(hf_config)
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    entry = MODEL_FAMILIES.get(hf_config.get("model_type"))
+    if entry is None or not entry.linear_attention:
+        return []
+    interval = int(config.get("full_attention_interval") or 4)
+    return ["linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(int(config["num_hidden_layers"]))]
+
+
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The RoPE of a checkpoint's text model in transformers 5's `rope_parameters` form (`rope_type`, `rope_theta`,
     `partial_rotary_factor`, the scaling fields), whichever form its config.json has: `rope_parameters`, or

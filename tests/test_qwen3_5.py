@@ -103,6 +103,20 @@ def test_a_decoder_ending_in_deltanet_refuses_an_mtp_layer_and_restores_it_from_
     create_bridge("megatron-bridge", restored).validate(ModelOptions(mtp=False))
 
 
+def test_a_pattern_declared_by_full_attention_interval_alone_is_read_as_transformers_reads_it(tmp_path):
+    """A config.json with `full_attention_interval` and no `layer_types` (transformers derives them: every 2nd layer
+    full attention here): the MTP layer on a decoder ending in DeltaNet is refused, and restore-MTP copies layer 1."""
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen3_5_text", num_layers=3)
+    config = json.loads((plain / "config.json").read_text())
+    assert config.pop("layer_types") == ["linear_attention", "full_attention", "linear_attention"]
+    (plain / "config.json").write_text(json.dumps({**config, "full_attention_interval": 2}))
+    restored = restore_mtp_head(plain, tmp_path / "restored", init="copy-last-layer")
+    written = _tensors(restored)
+    assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
+    with pytest.raises(BridgeError, match=r"layer_types ends with 'linear_attention'.* set mtp: false"):
+        create_bridge("megatron-bridge", restored).validate(ModelOptions(mtp=True))
+
+
 def test_the_layers_are_gated_deltanet_and_gated_attention(model_parallel, checkpoints):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.utils import get_model_config

@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     family,
     is_hf_mtp_tensor,
     language_model,
+    layer_types,
     quantization_refusal,
     text_model_config,
     with_text_model_fields,
@@ -248,10 +249,10 @@ class Bridge(ABC):
             capable = capable_backends(lambda backend: model_type in backend.linear_attention_model_types)
             raise BridgeError(f"bridge_type: {self.name} does not map the gated DeltaNet (linear-attention) layers of "
                               f"{model_type!r} checkpoints; set bridge_type: {capable}")
-        layer_types = text_model_config(self.hf_config).get("layer_types") or ["full_attention"]
-        if options.mtp and layer_types[-1] != "full_attention":
+        kinds = layer_types(self.hf_config) or ["full_attention"]
+        if options.mtp and kinds[-1] != "full_attention":
             raise BridgeError(
-                f"{self.hf_path}: layer_types ends with {layer_types[-1]!r}, and Megatron-Core builds the MTP layer as "
+                f"{self.hf_path}: layer_types ends with {kinds[-1]!r}, and Megatron-Core builds the MTP layer as "
                 f"the last decoder layer, while {model_type!r}'s MTP layer is full attention (Qwen3.5's published "
                 "checkpoints end every 4 layers with one, full_attention_interval: 4); set mtp: false, or use a "
                 "checkpoint whose last decoder layer is full_attention")
