@@ -107,11 +107,22 @@ class MTPNames:
         index = self.index(i, hf_config)
         return {main: copy.format(i=index) for main, copy in self.copies}
 
+    def copy_sources(self, i: int, hf_config: dict[str, Any]) -> dict[str, str]:
+        """MTP layer `i`'s copies of main-model tensors: the copy's HF name -> the tensor it is written from, which is
+        the input embedding for the LM head's copy where the checkpoint ties them (`tie_word_embeddings`: it stores
+        no `lm_head.weight`)."""
+        tied = bool(text_model_config(hf_config).get("tie_word_embeddings"))
+        return {copy: _EMBEDDING if tied and main == _LM_HEAD else main
+                for main, copy in self.copy_names(i, hf_config).items()}
+
     def layer_prefixes(self, hf_config: dict[str, Any]) -> tuple[str, ...]:
         """The name prefix of every MTP tensor of a checkpoint with this config (its declared MTP layers)."""
         if not self.after_decoder:
             return (self.prefix,)
         return tuple(self.prefix.format(i=self.index(i, hf_config)) for i in range(checkpoint_mtp_layers(hf_config)))
+
+
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -169,8 +180,8 @@ _GLM4_MOE_MTP = MTPNames(
     hidden_norm=_GLM4_MOE_LAYER + "hnorm.weight",
     final_norm=_GLM4_MOE_LAYER + "shared_head.norm.weight",
     after_decoder=True,
-    copies=(("model.embed_tokens.weight", _GLM4_MOE_LAYER + "embed_tokens.weight"),
-            ("lm_head.weight", _GLM4_MOE_LAYER + "shared_head.head.weight")),
+    copies=((_EMBEDDING, _GLM4_MOE_LAYER + "embed_tokens.weight"),
+            (_LM_HEAD, _GLM4_MOE_LAYER + "shared_head.head.weight")),
 )
 # DeepSeek-V3 (and Kimi-K2, Moonlight; megatron-bridge deepseek/deepseek_v3_bridge.py, deepseek/common.py) is the
 # layout GLM-4.5 took over: DeepSeek-V3's index lists model.layers.61.{enorm, hnorm, eh_proj, shared_head.norm,
@@ -311,6 +322,22 @@ def text_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     if language_model(hf_config) is None:
         return hf_config
     return {**hf_config["text_config"], "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False))}
+
+
+def layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """The kind of each decoder layer of a checkpoint's text model, as transformers reads config.json: its
+    `layer_types`, or for a linear-attention family (Qwen3.5) the pattern `full_attention_interval` (4 when absent)
+    implies, every interval-th layer full attention (`Qwen3_5TextConfig.__post_init__`); empty for other configs
+    without `layer_types`."""
+    config = text_model_config(hf_config)
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    entry = MODEL_FAMILIES.get(hf_config.get("model_type"))
+    if entry is None or not entry.linear_attention:
+        return []
+    interval = int(config.get("full_attention_interval") or 4)
+    return ["linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(int(config["num_hidden_layers"]))]
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:

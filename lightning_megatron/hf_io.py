@@ -64,12 +64,16 @@ def hf_module_state(state: Mapping[str, torch.Tensor], read: Any, prefix: str, s
     tensors under `prefix` (`read(name)` returns one; `stored`: the checkpoint's tensor names). Most checkpoints store
     routed experts one by one (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`); transformers 5 fuses them into
     `experts.gate_up_proj` [experts, 2 x ffn, hidden] (gate rows first) and `experts.down_proj`, which some
-    checkpoints store as they are (Qwen3.5-MoE's decoder layers)."""
+    checkpoints store as they are (Qwen3.5-MoE's decoder layers). A tensor without elements that the checkpoint does
+    not store keeps the module's own: GLM-4.5's and DeepSeek-V3's shared MLP with `n_shared_experts: 0`, whose
+    checkpoints have no shared-expert tensors."""
     loaded = {}
     for name, value in state.items():
         experts = prefix + name.rsplit(".", 1)[0] + "."
         if prefix + name in stored:
             loaded[name] = read(prefix + name)
+        elif value.numel() == 0:
+            loaded[name] = value
         elif name.endswith("experts.gate_up_proj"):
             loaded[name] = torch.stack([torch.cat([read(f"{experts}{e}.gate_proj.weight"),
                                                    read(f"{experts}{e}.up_proj.weight")]) for e in range(len(value))])

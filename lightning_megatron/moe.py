@@ -33,6 +33,15 @@ CHECKPOINT_ROUTER_FIELDS = (
 LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 
 
+# transformers' class defaults of the router fields a GLM-4.5 or DeepSeek-V3 config.json may leave out
+# (configuration_glm4_moe.py:97-103, configuration_deepseek_v3.py:78-90): an absent field means what it means there
+SIGMOID_ROUTER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                 "first_k_dense_replace": 1, "norm_topk_prob": True},
+    "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                    "first_k_dense_replace": 3, "norm_topk_prob": True},
+}
+
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers 5 writes num_local_experts
 
 
@@ -73,9 +82,9 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hf_checkpoint: MoE model_type {model_type!r} is not supported; the MoE families are "
                          f"{', '.join(MOE_MODEL_TYPES)}")
     if model_type == "glm4_moe":
-        return _glm4_moe_router_settings(hf_config)
+        return _glm4_moe_router_settings(_with_router_defaults(hf_config))
     if model_type == "deepseek_v3":
-        return _deepseek_v3_router_settings(hf_config)
+        return _deepseek_v3_router_settings(_with_router_defaults(hf_config))
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError("hf_checkpoint: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
                          "are not mapped by the bridges; use a checkpoint whose every layer is MoE")
@@ -94,22 +103,40 @@ def router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     }
     if model_type == "qwen3_5_moe_text":  # its router (Qwen3_5MoeTopKRouter) always renormalises the top k
         settings["moe_router_pre_softmax"] = False
+    if settings["moe_router_topk"] == 1 and not settings["moe_router_pre_softmax"]:
+        qwen3_5 = model_type == "qwen3_5_moe_text"
+        renormalised = "Qwen3.5-MoE's router always renormalises it" if qwen3_5 else "norm_topk_prob: true"
+        raise ValueError(f"hf_checkpoint: num_experts_per_tok: 1 renormalised ({renormalised}: every token's one "
+                         "expert weighted 1) is refused by Megatron-Core, which routes top-1 only after a softmax over "
+                         "all experts (transformer_config.py: moe_router_pre_softmax); use a checkpoint with "
+                         "num_experts_per_tok > 1" + ("" if qwen3_5 else " or norm_topk_prob: false"))
     if model_type in ("qwen2_moe", "qwen3_5_moe_text"):
         settings["moe_shared_expert_intermediate_size"] = int(hf_config["shared_expert_intermediate_size"])
         settings["moe_shared_expert_gate"] = True
     return settings
 
 
+def _with_router_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A GLM-4.5 or DeepSeek-V3 text config with the router fields it leaves out at transformers' defaults."""
+    return {**SIGMOID_ROUTER_DEFAULTS.get(hf_config.get("model_type"), {}), **hf_config}
+
+
 def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
-    top_k = int(hf_config["num_experts_per_tok"])
-    if top_k > 1 and not hf_config.get("norm_topk_prob", True):
+    top_k, renormalised = int(hf_config["num_experts_per_tok"]), bool(hf_config.get("norm_topk_prob", True))
+    if top_k > 1 and not renormalised:
         raise ValueError("hf_checkpoint: norm_topk_prob: false with sigmoid routing is not expressible in Megatron-Core "
                          "(moe_utils.topk_routing_with_score_function always renormalises the top-k sigmoids); use a "
                          "checkpoint with norm_topk_prob: true")
+    if top_k == 1 and renormalised:
+        raise ValueError("hf_checkpoint: num_experts_per_tok: 1 with norm_topk_prob: true (every token's one expert "
+                         "weighted 1) is not expressible in Megatron-Core, which weights a lone top-1 sigmoid as it is "
+                         "(moe_utils.topk_routing_with_score_function); use a checkpoint with num_experts_per_tok > 1 "
+                         "or norm_topk_prob: false")
     if int(hf_config.get("n_group") or 1) != 1 or int(hf_config.get("topk_group") or 1) != 1:
         raise ValueError(f"hf_checkpoint: group-limited routing (n_group: {hf_config.get('n_group')}, topk_group: "
                          f"{hf_config.get('topk_group')}) is not supported; use a checkpoint with n_group: 1")
     num_layers, first_dense = int(hf_config["num_hidden_layers"]), int(hf_config.get("first_k_dense_replace", 0))
+    shared_experts = int(hf_config.get("n_shared_experts", 1))  # 0: HF's shared MLP has no channels, adds nothing
     return {
         "num_moe_experts": checkpoint_num_experts(hf_config),
         "moe_router_topk": top_k,
@@ -121,9 +148,9 @@ def _glm4_moe_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         "moe_router_topk_scaling_factor": float(hf_config.get("routed_scaling_factor", 1.0)),
         # HF's shared experts are one MLP of this size (modeling_glm4_moe.py:378-380, modeling_deepseek_v3.py:204-206);
         # megatron-bridge's GLM-4.5 bridge (glm/glm45_bridge.py:88) and mbridge's (models/glm4moe.py:148) size it
-        # moe_intermediate_size alone: a checkpoint with n_shared_experts: 2 would not load (a shape error)
-        "moe_shared_expert_intermediate_size": int(hf_config["moe_intermediate_size"])
-        * int(hf_config.get("n_shared_experts", 1)),
+        # moe_intermediate_size alone: a checkpoint with n_shared_experts: 2 would not load (a shape error). With
+        # n_shared_experts: 0 HF's MLP has no channels (it adds zero), Megatron's None builds none (0 is refused)
+        "moe_shared_expert_intermediate_size": int(hf_config["moe_intermediate_size"]) * shared_experts or None,
         "moe_shared_expert_gate": False,
         "moe_shared_expert_overlap": False,  # overlaps the shared expert on a second CUDA stream
         "moe_layer_freq": [0] * first_dense + [1] * (num_layers - first_dense),
@@ -147,6 +174,20 @@ def _deepseek_v3_router_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
                     moe_router_load_balancing_type="seq_aux_loss",
                     moe_aux_loss_coeff=float(hf_config.get("aux_loss_alpha") or 0.0))
     return settings
+
+
+def check_mtp_layer_experts(hf_config: dict[str, Any]) -> None:
+    """GLM-4.5's and DeepSeek-V3's MTP layer is decoder layer `num_hidden_layers`, past the `first_k_dense_replace`
+    dense ones, so it has routed experts; Megatron-Core builds the MTP layer with the last decoder layer's spec
+    (megatron/core/models/gpt/gpt_layer_specs.py:769), so a checkpoint whose decoder layers are all dense would get a
+    dense MTP layer that leaves the stored experts unloaded."""
+    config = _with_router_defaults(text_model_config(hf_config))
+    first_dense, num_layers = int(config.get("first_k_dense_replace") or 0), int(config.get("num_hidden_layers") or 0)
+    if checkpoint_num_experts(hf_config) and first_dense >= num_layers:
+        raise ValueError(f"hf_checkpoint: first_k_dense_replace: {first_dense} makes all {num_layers} decoder layers "
+                         "dense, and Megatron-Core builds the MTP layer as the last decoder layer, while the "
+                         f"checkpoint's MTP layer (decoder layer {num_layers}) has routed experts; set mtp: false, or "
+                         "use a checkpoint with first_k_dense_replace < num_hidden_layers")
 
 
 def moe_config_overrides(hf_config: dict[str, Any], config_overrides: dict[str, Any]) -> dict[str, Any]:

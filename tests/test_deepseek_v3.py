@@ -48,7 +48,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             # expert group, plain RoPE
             "moonlight": make_tiny_checkpoint(root / "moonlight", "deepseek_v3", mtp=True, moe=MoEShape(
                 routed_scaling_factor=2.446), config={"q_lora_rank": None, "n_shared_experts": 2, "rope_parameters": {
-                    "rope_type": "default", "rope_theta": 5e4}})}
+                    "rope_type": "default", "rope_theta": 5e4}}),
+            # routed experts alone: no shared-expert tensors (HF builds a shared MLP of no channels)
+            "unshared": make_tiny_checkpoint(root / "unshared", "deepseek_v3", mtp=True, moe=DEEPSEEK,
+                                             config={"n_shared_experts": 0})}
 
 
 # one process ----------------------------------------------------------------------------------------------------
@@ -61,6 +64,22 @@ def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, m
 
 def test_a_query_without_lora_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
     assert_logits_mtp_head_and_round_trip(checkpoints["moonlight"], tmp_path, True)
+
+
+def test_no_shared_experts_logits_mtp_head_round_trip_and_draft_head(model_parallel, checkpoints, tmp_path):
+    """n_shared_experts: 0 builds no shared expert (Megatron-Core refuses a size of 0), and the reference and the
+    speculative evaluator's target and draft head load the checkpoint without the shared MLP's empty tensors."""
+    from lightning_megatron.speculative import load_mtp_head, load_target
+
+    path = checkpoints["unshared"]
+    assert_logits_mtp_head_and_round_trip(path, tmp_path, True)
+    target = load_target(path)
+    input_ids = _input_ids()
+    positions = torch.arange(input_ids.shape[1] - 1).expand(input_ids.shape[0], -1)
+    with torch.no_grad():
+        hidden = target.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        draft = load_mtp_head(path, target)(hidden, input_ids[:, 1:], positions)
+    assert float((draft - hf_mtp_reference_logits(path, input_ids)).abs().max()) <= 1e-5
 
 
 def test_mla_yarn_and_the_router_are_the_checkpoints(model_parallel, checkpoints):

@@ -114,6 +114,17 @@ def test_layouts_after_the_decoder_need_the_config_to_name_a_tensor() -> None:
         "lm_head.weight": "model.layers.46.shared_head.head.weight"}
 
 
+def test_a_tied_checkpoints_copy_of_the_lm_head_is_written_from_the_embedding() -> None:
+    """A checkpoint with tied embeddings stores no `lm_head.weight`: its MTP layer's copy of it comes from the
+    embedding (in an export, and in the names a delta weight sync sends after the embedding changed)."""
+    names = mtp_names("deepseek_v3")
+    untied = {"num_hidden_layers": 3, "tie_word_embeddings": False}
+    assert names.copy_sources(0, untied) == {"model.layers.3.embed_tokens.weight": "model.embed_tokens.weight",
+                                             "model.layers.3.shared_head.head.weight": "lm_head.weight"}
+    assert set(names.copy_sources(0, {**untied, "tie_word_embeddings": True}).values()) == {
+        "model.embed_tokens.weight"}
+
+
 @pytest.mark.parametrize("name", MTP_MODEL_TYPES)
 def test_the_restore_tool_writes_the_tables_names(tiny: dict, tmp_path: Path, name: str) -> None:
     source = tiny[name, True]

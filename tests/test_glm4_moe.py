@@ -21,7 +21,7 @@ from lightning_megatron.bridges import BridgeError, create_bridge
 from lightning_megatron.callbacks import MTPOnlyCallback
 from lightning_megatron.families import is_hf_mtp_tensor, mtp_names
 from lightning_megatron.module import SFTModule
-from lightning_megatron.moe import router_settings
+from lightning_megatron.moe import SIGMOID_ROUTER_DEFAULTS, router_settings
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoint
@@ -54,7 +54,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             # shared experts, one MLP of 2 x moe_intermediate_size (every published GLM checkpoint has one)
             "variant": make_tiny_checkpoint(root / "variant", "glm4_moe", mtp=True, moe=GLM, head_dim=32,
                                             config={"use_qk_norm": True, "partial_rotary_factor": 1.0,
-                                                    "n_shared_experts": 2})}
+                                                    "n_shared_experts": 2}),
+            # the LM head tied to the embedding (no lm_head.weight; megatron-bridge's GLM-4.5 provider unties it)
+            "tied": make_tiny_checkpoint(root / "tied", "glm4_moe", mtp=True, moe=GLM, tied=True)}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -67,8 +69,9 @@ def _mtp_head_difference(chunk: torch.nn.Module, hf_checkpoint: Path) -> float:
     chunk.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output.detach().clone()))
     input_ids = _input_ids()
     _logits_difference(chunk, hf_checkpoint)  # the forward that fills `captured`
+    weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
     with torch.no_grad():
-        logits, _ = chunk.output_layer(captured["hidden"][SEQ:])
+        logits, _ = chunk.output_layer(captured["hidden"][SEQ:], weight)
     return float((logits.transpose(0, 1)[:, :-1] - hf_mtp_reference_logits(hf_checkpoint, input_ids)).abs().max())
 
 
@@ -97,6 +100,11 @@ def test_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path, m
 def test_qk_norms_wide_heads_full_rotary_and_two_shared_experts_logits_mtp_head_and_round_trip(model_parallel,
                                                                                                checkpoints, tmp_path):
     assert_logits_mtp_head_and_round_trip(checkpoints["variant"], tmp_path, True)
+
+
+def test_tied_embeddings_logits_mtp_head_and_round_trip(model_parallel, checkpoints, tmp_path):
+    """The output layer is the embedding, and the export writes the MTP layer's copy of the LM head from it."""
+    assert_logits_mtp_head_and_round_trip(checkpoints["tied"], tmp_path, True)
 
 
 def assert_logits_mtp_head_and_round_trip(path: Path, tmp_path: Path, mtp: bool) -> None:
@@ -134,10 +142,69 @@ def test_router_settings_refuse_what_megatron_cannot_route():
     # megatron-bridge's GLM-4.5 bridge sizes it moe_intermediate_size alone (glm/glm45_bridge.py:88), and a checkpoint
     # with two would fail to load (a shape error) without the size from here
     assert router_settings({**base, "n_shared_experts": 2})["moe_shared_expert_intermediate_size"] == 64
+    # none: HF's shared MLP of no channels adds zero; Megatron-Core refuses a size of 0 and builds none for None
+    assert router_settings({**base, "n_shared_experts": 0})["moe_shared_expert_intermediate_size"] is None
     with pytest.raises(ValueError, match="norm_topk_prob: false with sigmoid routing"):
         router_settings({**base, "norm_topk_prob": False})
     with pytest.raises(ValueError, match=r"group-limited routing \(n_group: 2"):
         router_settings({**base, "n_group": 2, "topk_group": 1})
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_router_fields_a_config_leaves_out_mean_what_they_mean_in_transformers(model_type):
+    """A config.json without first_k_dense_replace, routed_scaling_factor, ... gets transformers' class defaults
+    (GLM-4.5: one dense layer; DeepSeek-V3: three, scaled by 2.5, 8 groups), not 0 dense layers and a scale of 1."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    assert {key: getattr(defaults, key) for key in SIGMOID_ROUTER_DEFAULTS[model_type]} == \
+        SIGMOID_ROUTER_DEFAULTS[model_type]
+    settings = router_settings({"model_type": model_type, "n_routed_experts": 16, "num_experts_per_tok": 8,
+                                "moe_intermediate_size": 4, "num_hidden_layers": 4})
+    dense = defaults.first_k_dense_replace
+    assert settings["moe_layer_freq"] == [0] * dense + [1] * (4 - dense)
+    assert settings["moe_router_topk_scaling_factor"] == defaults.routed_scaling_factor
+    assert settings["moe_shared_expert_intermediate_size"] == 4 * defaults.n_shared_experts
+    assert settings.get("moe_router_num_groups", 1) == defaults.n_group
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_a_top_1_router_is_hfs_exactly_where_router_settings_accept_it(norm_topk_prob):
+    """Megatron-Core weights a lone top-1 sigmoid as it is (moe_utils.topk_routing_with_score_function), HF with
+    norm_topk_prob divides it by itself: the same weights without it; refused, naming both fields, with it."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    hf = Glm4MoeMoE(Glm4MoeConfig(hidden_size=8, moe_intermediate_size=4, n_routed_experts=4, num_experts_per_tok=1,
+                                  norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5))
+    logits = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    hf_experts, hf_weights = hf.route_tokens_to_experts(logits)
+    weights, experts = topk_routing_with_score_function(logits, 1, use_pre_softmax=False, scaling_factor=2.5,
+                                                        score_function="sigmoid",
+                                                        expert_bias=hf.gate.e_score_correction_bias, dense_output=True)
+    assert torch.equal(experts, hf_experts)
+    config = {"model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 4,
+              "num_hidden_layers": 2, "first_k_dense_replace": 1, "norm_topk_prob": norm_topk_prob}
+    if norm_topk_prob:
+        assert not torch.allclose(weights, hf_weights)
+        with pytest.raises(ValueError, match=r"num_experts_per_tok: 1 with norm_topk_prob: true .* use a checkpoint "
+                                             r"with num_experts_per_tok > 1 or norm_topk_prob: false"):
+            router_settings(config)
+    else:
+        torch.testing.assert_close(weights, hf_weights, rtol=0, atol=1e-6)
+        assert router_settings(config)["moe_router_topk"] == 1
+
+
+def test_an_mtp_layer_after_dense_layers_only_is_refused_before_the_build(model_parallel, tmp_path):
+    """first_k_dense_replace: num_hidden_layers: HF's MTP layer (past the dense ones) has routed experts, Megatron-Core
+    would build it as the last (dense) decoder layer; without the MTP layer the checkpoint builds."""
+    path = make_tiny_checkpoint(tmp_path / "dense", "glm4_moe", mtp=True, moe=MoEShape(first_dense_layers=2))
+    bridge = create_bridge("megatron-bridge", path)
+    with pytest.raises(BridgeError, match=r"first_k_dense_replace: 2 makes all 2 decoder layers dense.*set mtp: "
+                                          r"false, or use a checkpoint with first_k_dense_replace < num_hidden_layers"):
+        bridge.validate(ModelOptions(mtp=True))
+    bridge.validate(ModelOptions(mtp=False))
 
 
 def test_mbridge_is_refused_before_the_build_naming_megatron_bridge(model_parallel, checkpoints):

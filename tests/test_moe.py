@@ -136,6 +136,20 @@ def test_router_settings_follow_the_hf_config():
         router_settings({**base, "model_type": "mixtral"})
 
 
+def test_a_renormalised_top_1_router_is_refused_before_megatron_core_refuses_it():
+    """HF weights a renormalised top-1 expert 1; Megatron-Core refuses top-1 without a softmax over all experts (in
+    TransformerConfig, deep in the build): refused here, naming the fields. Without renormalising it routes as HF."""
+    base = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+            "norm_topk_prob": True}
+    assert router_settings({**base, "norm_topk_prob": False})["moe_router_pre_softmax"] is True
+    with pytest.raises(ValueError, match=r"num_experts_per_tok: 1 renormalised \(norm_topk_prob: true.* "
+                                         r"num_experts_per_tok > 1 or norm_topk_prob: false"):
+        router_settings(base)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok: 1 renormalised \(Qwen3.5-MoE's router always "
+                                         r"renormalises it.* use a checkpoint with num_experts_per_tok > 1$"):
+        router_settings({**base, "model_type": "qwen3_5_moe_text", "shared_expert_intermediate_size": 32})
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"moe_router_topk": 3}, "moe_router_topk"),
     ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax"),

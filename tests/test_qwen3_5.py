@@ -103,6 +103,20 @@ def test_a_decoder_ending_in_deltanet_refuses_an_mtp_layer_and_restores_it_from_
     create_bridge("megatron-bridge", restored).validate(ModelOptions(mtp=False))
 
 
+def test_a_pattern_declared_by_full_attention_interval_alone_is_read_as_transformers_reads_it(tmp_path):
+    """A config.json with `full_attention_interval` and no `layer_types` (transformers derives them: every 2nd layer
+    full attention here): the MTP layer on a decoder ending in DeltaNet is refused, and restore-MTP copies layer 1."""
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen3_5_text", num_layers=3)
+    config = json.loads((plain / "config.json").read_text())
+    assert config.pop("layer_types") == ["linear_attention", "full_attention", "linear_attention"]
+    (plain / "config.json").write_text(json.dumps({**config, "full_attention_interval": 2}))
+    restored = restore_mtp_head(plain, tmp_path / "restored", init="copy-last-layer")
+    written = _tensors(restored)
+    assert torch.equal(written["mtp.layers.0.self_attn.q_proj.weight"], written["model.layers.1.self_attn.q_proj.weight"])
+    with pytest.raises(BridgeError, match=r"layer_types ends with 'linear_attention'.* set mtp: false"):
+        create_bridge("megatron-bridge", restored).validate(ModelOptions(mtp=True))
+
+
 def test_the_layers_are_gated_deltanet_and_gated_attention(model_parallel, checkpoints):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.utils import get_model_config
@@ -201,6 +215,12 @@ def tensor_parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: st
     result: dict[str, Any] = {"tp2": _build_check_and_export(checkpoint, Path(tmp) / "tp2_export", mtp=True)}
     chunk = create_bridge("megatron-bridge", checkpoint).build(ModelOptions(mtp=True))[0]
     result["tp2"]["mtp_head"] = _mtp_head_difference(chunk, checkpoint)
+    # one DeltaNet key head for two ranks: named before any build (Megatron-Core asserts it in TransformerConfig)
+    one_key_head = make_tiny_checkpoint(Path(tmp) / f"one_key_head{rank}", "qwen3_5_text",
+                                        config={"linear_num_key_heads": 1})
+    with pytest.raises(BridgeError) as refused:
+        create_bridge("megatron-bridge", one_key_head).validate(ModelOptions())
+    result["one_key_head"] = str(refused.value)
     parallel_state.destroy_model_parallel()
     return result
 
@@ -210,6 +230,8 @@ def assert_tensor_parallel(result: dict[str, Any], checkpoint: Path) -> None:
     assert result["tp2"]["mtp_head"] <= 1e-5
     assert result["tp2"]["export_unequal"] == []
     assert result["tp2"]["exported"] == set(_tensors(checkpoint))
+    assert result["one_key_head"].startswith("tensor_model_parallel_size x context_parallel_size = 2 x 1 must divide "
+                                             "the checkpoint's linear_num_key_heads (1, ")
 
 
 def _parallel_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str) -> dict[str, Any]:

@@ -277,6 +277,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("_compat/mbridge.py", "encoder_and_decoder"): UPSTREAM,
     ("_compat/mbridge.py", "rope_theta"): UPSTREAM,
     ("_compat/peft.py", "_convert_peft_config_moe"): UPSTREAM,
+    ("_compat/mtp_stage.py", "mtp_process"): MEGATRON,
     ("_compat/no_te.py", "mtp_num_layers"): MEGATRON,
     ("_compat/no_te.py", "layer_specs"): MEGATRON,
     ("_compat/vl.py", "rope_parameters"): "an HF text config: transformers 5 names it rope_parameters",

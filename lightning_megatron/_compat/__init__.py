@@ -20,6 +20,7 @@ from lightning_megatron._compat import (
     grouped_experts,
     mbridge,
     moe,
+    mtp_stage,
     no_te,
     packed_mtp_roll,
     packed_rope,
@@ -40,7 +41,7 @@ def prepare_megatron_core() -> list[str]:
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
-                   *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
+                   *packed_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS, *mtp_stage.ADJUSTMENTS,
                    *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS, *fast_rms_norm.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 

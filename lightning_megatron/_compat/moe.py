@@ -268,12 +268,13 @@ def install_mtp_copies(patches: Patches, bridge_class: type, model_type: str) ->
                         ) -> dict[str, torch.Tensor]:
         converted = modify(bridge, task, converted, hf_state_dict)
         names = mtp_names(model_type)
-        config = {"num_hidden_layers": bridge.hf_config.num_hidden_layers}
+        config = {"num_hidden_layers": bridge.hf_config.num_hidden_layers,
+                  "tie_word_embeddings": bool(bridge.hf_config.tie_word_embeddings)}
         # the HF MTP layers the registry maps (a repeated MTP layer, `mtp_depths` > 1, is still one of them)
         for i in range(bridge.hf_config.num_nextn_predict_layers if bridge._exports_mtp else 0):
-            for main, copy in names.copy_names(i, config).items():
-                if main in converted and copy not in converted:
-                    converted[copy] = converted[main].clone()
+            for copy, source in names.copy_sources(i, config).items():
+                if source in converted and copy not in converted:
+                    converted[copy] = converted[source].clone()
         return converted
 
     patches.setattr(bridge_class, "stream_weights_megatron_to_hf", stream_noting_mtp)

@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     family,
     is_hf_mtp_tensor,
     language_model,
+    layer_types,
     quantization_refusal,
     text_model_config,
     with_text_model_fields,
@@ -51,6 +52,7 @@ from lightning_megatron.hf_io import (
 from lightning_megatron.moe import (
     check_expert_parallel,
     check_moe_sequence_parallel,
+    check_mtp_layer_experts,
     check_router_matches,
     checkpoint_num_experts,
     moe_config_overrides,
@@ -175,6 +177,7 @@ class Bridge(ABC):
         self._validate_moe(options)
         self._validate_linear_attention(options)
         self._validate_vocabulary()
+        self._validate_heads()
 
     def router_updates_expert_bias(self, options: ModelOptions) -> bool:
         """Whether the model `options` asks for updates its MoE router's expert bias every step (outside the
@@ -214,6 +217,27 @@ class Bridge(ABC):
                 f"({vocab_size}, {self.hf_path / 'config.json'}): the embedding and output rows are split evenly "
                 f"and the bridges do not pad them; {fix}")
 
+    def _validate_heads(self) -> None:
+        """Tensor parallelism splits the attention heads evenly (KV heads fewer than the ranks are replicated), and
+        Qwen3.5's DeltaNet key and value heads over tensor x context parallelism: Megatron-Core asserts both only as
+        the model is built (megatron/core/transformer/transformer_config.py)."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        sizes, config = ParallelSizes.current(), text_model_config(self.hf_config)
+        parts = {"num_attention_heads": (sizes.tensor, f"tensor_model_parallel_size: {sizes.tensor}")}
+        if self.hf_config.get("model_type") in LINEAR_ATTENTION_MODEL_TYPES:
+            option = f"tensor_model_parallel_size x context_parallel_size = {sizes.tensor} x {sizes.context}"
+            parts.update({key: (sizes.tensor * sizes.context, option)
+                          for key in ("linear_num_key_heads", "linear_num_value_heads")})
+        for key, (size, option) in parts.items():
+            heads = int(config.get(key) or 0)
+            if heads % size:
+                raise BridgeError(f"{option} must divide the checkpoint's {key} ({heads}, "
+                                  f"{self.hf_path / 'config.json'}): the heads are split evenly over those ranks; "
+                                  f"use parallel sizes whose product divides {heads}")
+
     def _validate_linear_attention(self, options: ModelOptions) -> None:
         """Linear-attention layers (Qwen3.5's gated DeltaNet) need a backend that maps them, and an MTP layer (full
         attention) needs a decoder that ends with a full-attention layer: Megatron-Core builds the MTP layer with the
@@ -225,10 +249,10 @@ class Bridge(ABC):
             capable = capable_backends(lambda backend: model_type in backend.linear_attention_model_types)
             raise BridgeError(f"bridge_type: {self.name} does not map the gated DeltaNet (linear-attention) layers of "
                               f"{model_type!r} checkpoints; set bridge_type: {capable}")
-        layer_types = text_model_config(self.hf_config).get("layer_types") or ["full_attention"]
-        if options.mtp and layer_types[-1] != "full_attention":
+        kinds = layer_types(self.hf_config) or ["full_attention"]
+        if options.mtp and kinds[-1] != "full_attention":
             raise BridgeError(
-                f"{self.hf_path}: layer_types ends with {layer_types[-1]!r}, and Megatron-Core builds the MTP layer as "
+                f"{self.hf_path}: layer_types ends with {kinds[-1]!r}, and Megatron-Core builds the MTP layer as "
                 f"the last decoder layer, while {model_type!r}'s MTP layer is full attention (Qwen3.5's published "
                 "checkpoints end every 4 layers with one, full_attention_interval: 4); set mtp: false, or use a "
                 "checkpoint whose last decoder layer is full_attention")
@@ -244,6 +268,8 @@ class Bridge(ABC):
                               f"(it maps {', '.join(self.moe_model_types)}); {fix}")
         try:
             moe_config_overrides(self.hf_config, options.config_overrides)
+            if options.mtp:
+                check_mtp_layer_experts(self.hf_config)
         except ValueError as error:
             raise BridgeError(str(error)) from None
         if parallel_state.model_parallel_is_initialized():

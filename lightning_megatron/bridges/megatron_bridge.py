@@ -94,6 +94,7 @@ class MegatronBridge(Bridge):
         rope = rope_parameters(self.hf_config)
         provider.rotary_percent = _rotary_percent(rope, provider)
         _fill_yarn_defaults(rope, provider)
+        provider.share_embeddings_and_output_weights = _ties_embeddings(self.hf_config, provider)
         for key, value in options.config_overrides.items():
             setattr(provider, key, value)
         # The MTP block spec is built from this layer spec, so the MTP layer gets the same attention.
@@ -149,7 +150,7 @@ class MegatronBridge(Bridge):
             return set()
         layout = mtp_names(model_type)
         return {copy for i in range(self.checkpoint_mtp_layers)
-                for main, copy in layout.copy_names(i, self.hf_config).items() if main in names}
+                for copy, source in layout.copy_sources(i, self.hf_config).items() if source in names}
 
     def _conversion_tasks(self, chunks: list[torch.nn.Module]) -> list[Any]:
         """megatron-bridge's conversion tasks of these chunks (one per Megatron parameter, in the same order on every
@@ -158,6 +159,21 @@ class MegatronBridge(Bridge):
         if self._tasks is None or self._tasks[0] != key:
             self._tasks = (key, [task for task in self.auto_bridge.get_conversion_tasks(chunks) if task is not None])
         return self._tasks[1]
+
+
+# The families whose megatron-bridge provider shares no embedding whatever the checkpoint says
+# (glm/glm45_bridge.py:67, deepseek/deepseek_v3_bridge.py:61 set share_embeddings_and_output_weights = False).
+_TIES_IGNORED = ("glm4_moe", "deepseek_v3")
+
+
+def _ties_embeddings(hf_config: dict[str, Any], provider: Any) -> bool:
+    """Whether the output layer is the input embedding: the checkpoint's `tie_word_embeddings` (False when absent, as
+    transformers' Glm4MoeConfig and DeepseekV3Config default it) where the provider ignores it, since a tied
+    checkpoint stores no `lm_head.weight` and its output layer would be left uninitialised; the provider's own
+    elsewhere."""
+    if hf_config.get("model_type") in _TIES_IGNORED:
+        return bool(hf_config.get("tie_word_embeddings", False))
+    return bool(provider.share_embeddings_and_output_weights)
 
 
 def _rotary_percent(rope: dict[str, Any], provider: Any) -> float:

@@ -30,6 +30,7 @@ from lightning_megatron.families import (
     checkpoint_mtp_layers,
     checkpoint_name,
     family,
+    layer_types,
     quantization_refusal,
     text_model_config,
     with_text_model_fields,
@@ -215,10 +216,10 @@ def _mtp_shapes(
     """
     text_config = text_model_config(config)
     hidden, num_layers = text_config["hidden_size"], text_config["num_hidden_layers"]
-    layer_types = text_config.get("layer_types") or []
+    kinds = layer_types(config)
     template = num_layers - 1
-    if "linear_attention" in layer_types and "full_attention" in layer_types:
-        template = len(layer_types) - 1 - layer_types[::-1].index("full_attention")
+    if "linear_attention" in kinds and "full_attention" in kinds:
+        template = len(kinds) - 1 - kinds[::-1].index("full_attention")
     last = checkpoint_name(config, f"model.layers.{template}.")
     decoder_layer = {name.removeprefix(last): name for name in shapes if name.startswith(last)}
     if not decoder_layer:

@@ -164,9 +164,11 @@ def load_target(
         else:
             model, info = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype, output_loading_info=True)
     not_mtp = [name for name in info["unexpected_keys"] if not name.startswith(mtp_prefixes(raw_config))]
-    if info["missing_keys"] or info["mismatched_keys"] or not_mtp:
+    state = model.state_dict()  # tensors without elements (a shared MLP of n_shared_experts: 0) are in no checkpoint
+    missing = sorted(name for name in info["missing_keys"] if name not in state or state[name].numel())
+    if missing or info["mismatched_keys"] or not_mtp:
         raise ValueError(
-            f"{hf_path}: the target model does not load cleanly: missing={sorted(info['missing_keys'])}, "
+            f"{hf_path}: the target model does not load cleanly: missing={missing}, "
             f"mismatched={info['mismatched_keys']}, unexpected={sorted(not_mtp)}"
         )
     return model.to(device).eval()
