@@ -23,7 +23,13 @@ from lightning_megatron.serving.protocol import post_json
 from lightning_megatron.serving.receiver import spawn_receiver
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
-from tests.callbacks._engine import MIB, assert_every_sync_matched, fit_with_syncs, receiver_tensors
+from tests.callbacks._engine import (
+    MIB,
+    assert_every_sync_matched,
+    fit_with_syncs,
+    receiver_tensors,
+    unequal_to_export,
+)
 
 MTP_BRIDGE = dict(bridge_type="megatron-bridge")
 
@@ -191,6 +197,25 @@ def test_an_engine_restarted_between_syncs_gets_a_full_sync(process_group, check
         restart.process.wait()
     assert [report.base_version for report in sync.reports] == [None, 1, None]  # version 3: in full
     assert_every_sync_matched(result["compared"], [1, 2, 3])
+
+
+@pytest.mark.parametrize("mode", ["colocated", "collective"])
+def test_a_full_sync_after_a_delta_of_the_same_sender_sends_every_tensor(process_group, checkpoint, engine, tmp_path,
+                                                                         mode):
+    """A fit's sender is new (the last fit's closed at teardown), so its first sync may be a delta (on demand after
+    the fit, or a round resumed at the synced step): its staging buffer, sized for that delta, grows for a full sync
+    (it stayed delta-sized: the full sync failed copying a tensor past its end)."""
+    sync = _sync(mode, engine, tmp_path)
+    result = fit_with_syncs(tmp_path, checkpoint, [sync], None, steps=1, extra_callbacks=(MTPOnlyCallback(),),
+                            **MTP_BRIDGE)
+    trainer = result["trainer"]
+    try:
+        reports = [sync.sync(trainer), sync.sync(trainer, full=True)]
+    finally:
+        sync.teardown(trainer, trainer.lightning_module, "fit")
+    assert [report.base_version for report in reports] == [1, None]
+    assert _sent(reports[1]) == sorted(checkpoint_tensor_specs(checkpoint))
+    assert unequal_to_export(engine, trainer.strategy.export_hf(tmp_path / "export")) == []
 
 
 @pytest.mark.parametrize("resumed", [True, False], ids=["resumed_past_the_sync", "fresh_fit"])
