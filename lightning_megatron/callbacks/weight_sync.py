@@ -39,10 +39,12 @@ fused, Qwen3.5-MoE's, has no tensor per expert) are refused when the fit starts,
 from __future__ import annotations
 
 import json
+import math
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, override
+from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
 import torch
@@ -115,7 +117,7 @@ class WeightSync(pl.Callback):
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
         _check_positive_integer("every_n_steps", every_n_steps, "optimizer steps between two syncs")
         _check_positive_integer("keep_last", keep_last, "versions kept on the disk, the one `latest` names included")
-        if mode == "disk" and root is None:
+        if mode == "disk" and (root is None or str(root) == ""):
             raise ValueError("root: mode 'disk' writes versioned HF folders under root; set root to a folder")
         if mode != "disk" and root is not None:
             raise ValueError(f"root: mode {mode!r} sends the weights to the engine and writes nothing under root; "
@@ -124,10 +126,20 @@ class WeightSync(pl.Callback):
             raise ValueError(f"engine_url: mode {mode!r} sends to a running engine; set engine_url "
                              "(e.g. http://127.0.0.1:30000)")
         if engine_url is not None and not (isinstance(engine_url, str)
-                                           and engine_url.startswith(("http://", "https://"))):
+                                           and engine_url.startswith(("http://", "https://"))
+                                           and urlsplit(engine_url).hostname):
             raise ValueError(f"engine_url: {engine_url!r} is not an HTTP address; write it as http://HOST:PORT")
-        if not (bucket_mb > 0 and timeout_s > 0):
-            raise ValueError(f"bucket_mb ({bucket_mb}) and timeout_s ({timeout_s}) must be positive")
+        _check_positive_number("bucket_mb", bucket_mb, "the most MiB one request carries, e.g. 1024")
+        if int(bucket_mb * 1024**2) < 1:
+            raise ValueError(f"bucket_mb: {bucket_mb!r} is less than one byte; give the MiB one request carries, "
+                             "e.g. 1024")
+        _check_positive_number("timeout_s", timeout_s, "the seconds one request or broadcast may take, e.g. 300")
+        if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 <= master_port <= 65535:
+            raise ValueError(f"master_port: {master_port!r} is not a TCP port; give an integer in 1..65535, or 0 "
+                             "for a free one")
+        if not (isinstance(master_address, str) and master_address):
+            raise ValueError(f"master_address: {master_address!r} is not a host; give the address the engine "
+                             "reaches this process at, e.g. 127.0.0.1")
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
         if backend not in ("auto", "nccl", "gloo"):
@@ -389,6 +401,11 @@ class WeightSync(pl.Callback):
             return self._sender.engine_version()
         except WeightSyncError:  # an engine that cannot say: a full sync (which reports what is wrong)
             return None
+
+
+def _check_positive_number(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: {value!r} must be a finite number > 0 ({meaning})")
 
 
 def _check_positive_integer(name: str, value: object, meaning: str) -> None:

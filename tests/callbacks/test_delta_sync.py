@@ -352,11 +352,23 @@ def test_adapters_the_peft_form_cannot_name_are_refused_before_the_first_step(pr
     (dict(mode="collective", engine_url="http://127.0.0.1:1", backend="mpi"), r"backend: 'mpi' is not one of"),
     (dict(delta="no"), r"delta: 'no' must be true or false"),
     (dict(probe={"batches": 2}), r"probe: \{'batches': 2\} is not a DraftProbe"),
+    # refused here, not at the first sync after training steps (an OverflowError, a zero-byte bucket, no rendezvous)
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", timeout_s=float("inf")),
+     r"timeout_s: inf must be a finite number > 0 \(the seconds one request or broadcast may take"),
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", bucket_mb=1e-9),
+     r"bucket_mb: 1e-09 is less than one byte; give the MiB one request carries"),
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", bucket_mb="1024"),
+     r"bucket_mb: '1024' must be a finite number > 0"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", master_port=70000),
+     r"master_port: 70000 is not a TCP port; give an integer in 1..65535, or 0 for a free one"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", master_address=""), r"master_address: '' is not a host"),
+    (dict(mode="colocated", engine_url="http://"), r"engine_url: 'http://' is not an HTTP address"),
+    (dict(root=""), r"root: mode 'disk' writes versioned HF folders under root; set root to a folder"),
 ])
 def test_bad_options_are_refused_naming_the_field_and_the_fix(options, message):
     options = {"mode": "disk", **options}
     with pytest.raises(ValueError, match=message):
-        WeightSync(**({"root": "versions"} if options["mode"] == "disk" else {}), **options)
+        WeightSync(**({"root": "versions"} if options["mode"] == "disk" else {}) | options)
 
 
 @pytest.mark.parametrize(("module_kwargs", "options", "message"), [
