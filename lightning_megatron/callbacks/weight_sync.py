@@ -6,7 +6,8 @@ Three modes (see `lightning_megatron.serving` and the README section "Serving th
 - `colocated`: the engine shares the machine (and GPU): buckets go over CUDA IPC (shared memory on the CPU).
 - `collective`: a separate process group with the engine (NCCL on GPU, gloo on CPU), SGLang's request shapes.
 
-The version is the global step, saved with the callback's state so that it keeps increasing across a resume.
+The version is the global step, saved with the callback's state so that it keeps increasing across a resume; a fit
+resumed at a multiple of `every_n_steps` that its checkpoint records no sync of syncs when training starts.
 Tensors go out under the source checkpoint's HF names and in its dtypes (whatever the training precision), the
 MTP head included when the model has one, a tied embedding once (as the checkpoint stores it).
 
@@ -228,6 +229,10 @@ class WeightSync(pl.Callback):
         # the weights are `version`'s only when training starts at that very step (resumed from a checkpoint taken
         # at the sync, or a fit continuing the last one); steps trained since in another fit or process are unknown
         self._holds_version = trainer.global_step == self.version
+        if trainer.global_step > 0 and trainer.global_step % self.every_n_steps == 0 and not self._holds_version:
+            # resumed at a step whose sync the checkpoint does not record (a callback before this one saved it and
+            # ended the run, as PreemptionCheckpoint does): that version is sent now, not skipped
+            self.sync(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -24,6 +24,7 @@ from lightning_megatron.callbacks import WeightSync
 from lightning_megatron.hf_io import checkpoint_tensor_specs
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.serving import CollectiveSender, ColocatedSender, WeightReceiver, WeightSyncError, read_latest
+from lightning_megatron.serving.disk import versions
 from lightning_megatron.serving.protocol import post_json
 from lightning_megatron.serving.receiver import spawn_receiver
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
@@ -275,6 +276,36 @@ def test_latest_names_a_complete_folder_after_kill_9_and_versions_increase_acros
     assert all(result["unequal"] == [] for result in resumed["compared"])
     assert read_latest(root) == root / "v00000004"
     assert sorted(path.name for path in root.iterdir()) == ["latest", "v00000002", "v00000003", "v00000004"]
+
+
+class PreemptAt(pl.Callback):
+    """SIGTERM to this process during the step that ends at `step` (PreemptionCheckpoint acts on it at its end)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_fit_preempted_before_its_sync_at_a_due_step_syncs_that_version_when_resumed(process_group, checkpoints,
+                                                                                      tmp_path):
+    """PreemptionCheckpoint listed before WeightSync saves step 2 and ends the run before version 2 is synced; the
+    resumed fit starts at step 2 and sends it then (it went on to version 4: 2 was skipped)."""
+    from lightning_megatron.callbacks import PreemptionCheckpoint
+
+    root = tmp_path / "versions"
+    sync = WeightSync("disk", every_n_steps=2, root=str(root))
+    with pytest.raises(SystemExit):
+        fit_with_syncs(tmp_path, checkpoints["tied"], [], None, steps=4,
+                       extra_callbacks=(PreemptAt(2), PreemptionCheckpoint(str(tmp_path / "ckpts")), sync))
+    assert sync.reports == []
+    resumed = WeightSync("disk", every_n_steps=2, root=str(root), keep_last=3)
+    fit_with_syncs(tmp_path / "resumed", checkpoints["tied"], [resumed], None, steps=4,
+                   ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
+    assert [report.version for report in resumed.reports] == [2, 4]
+    assert sorted(versions(root)) == [2, 4]
 
 
 @pytest.mark.gpu
