@@ -150,15 +150,20 @@ def delta_base(root: Path, version: int | None, changed: Collection[str],
     """The folder a delta onto `version` can share files with, or None when a full version must be written: the
     version is gone or is not the one `latest` names (an engine would not hold it), one of its files mixes tensors
     that changed with tensors that did not (its layout was made for another set of changing tensors), or its
-    tensors are not `specs` (the model's names, shapes and dtypes now) as their files' headers read, or a file is
-    missing or unreadable: a delta would link them into the new version as they are (other tensors of the folder,
+    tensors are not `specs` (the model's names, shapes and dtypes now) as their files' headers read, or a file (the
+    index included) is missing or unreadable: a delta would link them into the new version as they are (other tensors of the folder,
     e.g. a multimodal checkpoint's vision tower, go along unchecked)."""
     if version is None or read_latest(root) != version_folder(root, version):
         return None
     folder = version_folder(root, version)
     if not (folder / INDEX_FILE).is_file():
         return None
-    files_of = weight_map(folder)
+    try:
+        files_of = weight_map(folder)
+        if not all(isinstance(file, str) for file in files_of.values()):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged index: written in full instead
+        return None
     if not set(changed) <= set(files_of):
         return None
     touched = {files_of[name] for name in changed}

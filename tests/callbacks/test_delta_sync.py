@@ -158,6 +158,12 @@ def test_a_disk_delta_is_written_only_onto_a_base_whose_files_hold_the_tensors_a
     for name, changed in (("trunk.weight", TensorSpec("trunk.weight", (4, 2), torch.bfloat16)),
                           ("trunk.weight", TensorSpec("trunk.weight", (2, 4), torch.float32))):
         assert delta_base(tmp_path, 3, {"mtp.weight"}, {**specs, name: changed}) is None
+    index = (folder / INDEX_FILE).read_text()
+    for damaged in ("{not json", '{"metadata": {}}', "", "[]", '{"weight_map": {"mtp.weight": 3}}'):
+        (folder / INDEX_FILE).write_text(damaged)  # every later sync raised reading it (and could never write again)
+        assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
+    (folder / INDEX_FILE).write_text(index)
+    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) == folder
     trunk = folder / "trunk.safetensors"
     trunk.write_bytes(trunk.read_bytes()[:-4])  # truncated
     assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
