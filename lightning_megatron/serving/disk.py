@@ -23,6 +23,7 @@ files of their own (`Bridge.save_hf(separate=...)`), so the next version rewrite
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,7 +36,7 @@ import torch
 
 from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
 from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, write_shard_files
-from lightning_megatron.serving.protocol import get_json, post_json
+from lightning_megatron.serving.protocol import WeightSyncError, get_json, post_json
 
 Engine = Literal["sglang", "vllm"]
 _VERSION_FOLDER = re.compile(r"^v(\d{8,})$")
@@ -100,16 +101,20 @@ def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep
                  adapter: bool = False) -> Path:
     """One disk sync: `save` writes the HF folder of `version` atomically (every rank calls it), then the leader
     points `latest` at it, prunes old versions and tells the engine (to reload the model, or with `adapter`, to
-    load the PEFT folder as the LoRA adapter named like the folder); returns the folder.
+    load the PEFT folder as the LoRA adapter named like the folder and unload those of the pruned folders); returns
+    the folder.
 
     Errors of the leader's part are raised there only; the caller makes every rank agree on them.
     """
     folder = save(version_folder(root, version))
     if is_leader:
         publish_latest(root, folder)
-        prune(root, keep_last)
+        pruned = prune(root, keep_last)
         if engine_url is not None and adapter:
             load_adapter(engine_url, engine, folder, timeout_s)
+            for gone in pruned:  # the engine serves no adapter whose folder is gone (nor holds it for ever)
+                with contextlib.suppress(WeightSyncError):  # one it never loaded (an earlier run's, a restart)
+                    unload_adapter(engine_url, engine, gone.name, timeout_s)
         elif engine_url is not None:
             notify_engine(engine_url, engine, folder, version, timeout_s)
     return folder
@@ -231,3 +236,10 @@ def load_adapter(url: str, engine: Engine, folder: Path, timeout_s: float) -> No
     route = {"sglang": "load_lora_adapter", "vllm": "v1/load_lora_adapter"}[engine]
     post_json(f"{url.rstrip('/')}/{route}", {"lora_name": folder.name, "lora_path": str(folder.resolve())},
               timeout_s)
+
+
+def unload_adapter(url: str, engine: Engine, name: str, timeout_s: float) -> None:
+    """Have an engine drop the LoRA adapter `name` (SGLang's `/unload_lora_adapter`, vLLM's
+    `/v1/unload_lora_adapter`)."""
+    route = {"sglang": "unload_lora_adapter", "vllm": "v1/unload_lora_adapter"}[engine]
+    post_json(f"{url.rstrip('/')}/{route}", {"lora_name": name}, timeout_s)

@@ -285,7 +285,7 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     engines = [spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30) for _ in range(2)]
     (_, url), (_, adapter_url) = engines  # the second keeps the base weights and is told to load each adapter
     merged = _sync("colocated", url, tmp_path)
-    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter",
+    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=2, lora_form="adapter",
                          engine_url=adapter_url)
     try:
         result = fit_with_syncs(tmp_path, checkpoint, [merged, adapter], url, module_kwargs={"enable_mtp": False},
@@ -296,6 +296,9 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
                                      for engine, extra in ((adapter_url, {"lora_path": "v00000003"}), (url, {})))
         with pytest.raises(WeightSyncError, match="does not load as a PEFT adapter of this model"):
             post_json(f"{adapter_url}/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)}, 60)
+        # version 1's folder was pruned: the engine was told to unload its adapter (it served a deleted folder)
+        with pytest.raises(WeightSyncError, match="no LoRA adapter 'v00000001' is loaded"):
+            post_json(f"{adapter_url}/generate", {**request, "lora_path": "v00000001"}, 60)
     finally:
         for process, _ in engines:
             process.kill()
