@@ -86,6 +86,9 @@ class WeightReceiver:
         """The checkpoint's `transformers` model in its own dtypes, on `device`."""
         import transformers
 
+        if not (Path(checkpoint) / "config.json").is_file():  # not a name to look up on a hub: a local folder
+            raise ValueError(f"checkpoint: {str(checkpoint)!r} is not an HF checkpoint folder (no config.json in it); "
+                             "give the local folder the engine starts from (e.g. a disk sync's version folder)")
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto").to(device)
         return cls(model, checkpoint, **kwargs)
 

@@ -278,6 +278,15 @@ def test_latest_names_a_complete_folder_after_kill_9_and_versions_increase_acros
     assert sorted(path.name for path in root.iterdir()) == ["latest", "v00000002", "v00000003", "v00000004"]
 
 
+def test_the_receiver_refuses_a_checkpoint_that_is_no_local_folder_by_name(tmp_path):
+    """`--checkpoint` is read from the disk (its safetensors headers); transformers took a missing path for a hub
+    name and answered about repo ids."""
+    for checkpoint in (tmp_path / "missing", "Qwen/Qwen3-0.6B"):
+        with pytest.raises(ValueError, match=r"checkpoint: .* is not an HF checkpoint folder \(no config.json in it\); "
+                                             r"give the local folder"):
+            WeightReceiver.from_pretrained(checkpoint)
+
+
 class PreemptAt(pl.Callback):
     """SIGTERM to this process during the step that ends at `step` (PreemptionCheckpoint acts on it at its end)."""
 
