@@ -46,7 +46,7 @@ from safetensors import safe_open
 
 from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.hf_io import SAFETENSORS_DTYPES, TensorSpec, checkpoint_tensor_specs, safetensors_files
-from lightning_megatron.serving.disk import read_version_record
+from lightning_megatron.serving.disk import VERSION_FILE, read_version_record
 from lightning_megatron.serving.protocol import (
     WeightSyncError,
     broadcast,
@@ -183,13 +183,18 @@ class WeightReceiver:
         missing = sorted(set(checkpoint_tensor_specs(self.checkpoint)) - names)
         if missing:
             raise WeightSyncError(f"{path} lacks {len(missing)} tensor(s) the engine serves, e.g. {missing[:5]}")
+        try:  # read before any weight is loaded: the weights and the version that names them change together
+            record = read_version_record(path)
+        except (OSError, ValueError) as error:
+            raise WeightSyncError(f"{path / VERSION_FILE} cannot be read as JSON ({error}); nothing was loaded") \
+                from error
         device = next(self.model.parameters()).device
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
                 self._load((name, reader.get_tensor(name)) for name in reader.keys())
         self.checkpoint = path
         self._delta = {}
-        return self._updated({**request, "weight_version_metadata": read_version_record(path)}, len(names))
+        return self._updated({**request, "weight_version_metadata": record}, len(names))
 
     def _read_headers(self, path: Path) -> dict[Path, list[TensorSpec]]:
         """Each safetensors file of `path` and its tensors, from the headers: a file that cannot be opened (missing

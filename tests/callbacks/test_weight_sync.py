@@ -342,9 +342,13 @@ def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tm
 
 def _corrupt(folder: Path, how: str) -> Path:
     """Break the last safetensors file of `folder` (the others are fine: a receiver that loaded file by file would
-    already have changed weights when it reached it)."""
+    already have changed weights when it reached it), or its version record (read after the weights were loaded,
+    it left them loaded under the old version)."""
     from safetensors.torch import save_file
 
+    if how == "version record":
+        (folder / "weight_version.json").write_text('{"version": 8, ')
+        return folder / "weight_version.json"
     file = sorted(folder.glob("*.safetensors"))[-1]
     tensors = load_file(file)
     name = sorted(tensors)[0]
@@ -359,7 +363,7 @@ def _corrupt(folder: Path, how: str) -> Path:
     return file
 
 
-@pytest.mark.parametrize("how", ["truncated", "zero-length", "wrong dtype", "wrong shape"])
+@pytest.mark.parametrize("how", ["truncated", "zero-length", "wrong dtype", "wrong shape", "version record"])
 def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_the_last_version(
         checkpoints, receivers, tmp_path, how):
     from lightning_megatron.hf_io import write_safetensors
