@@ -10,7 +10,8 @@ it is also a small, honest engine for a notebook.
 
 A delta (requests carrying `base_weight_version`, this package's extension: only the tensors that changed since
 that version) is staged until its last request (the one with `weight_version`) and then applied at once; one whose
-base is not the version held here is refused, naming both versions, and nothing changes. Each version keeps the
+base is not the version held here is refused, naming both versions, and nothing changes. What a delta left staged
+when its trainer died before the last request is dropped when the next update starts (its `/validate_weights`). Each version keeps the
 `weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read back by
 `/model_info`: a rollout worker learns the quality of the draft head it serves.
 
@@ -137,6 +138,9 @@ class WeightReceiver:
         return {"success": True, "message": "destroyed"}
 
     def validate_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The manifest of the update about to start: it also drops what an update that never finished staged (a
+        delta whose trainer died before its last request), so that it is not applied with this one."""
+        self._delta = {}
         self._check(specs_from_payload(request))
         return {"success": True, "message": "names, dtypes and shapes match"}
 

@@ -272,6 +272,44 @@ def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes
         receiver.close()
 
 
+def test_a_delta_left_half_sent_by_a_dead_trainer_does_not_leak_into_the_next_trainers_delta(checkpoint):
+    """A trainer dies after the first bucket of a delta onto version 2 (its requests are staged, not applied); the
+    run resumed at step 2 sends its own delta onto 2, of other tensors: the engine applies that one alone (it applied
+    the dead trainer's staged tensors with it, weights no sync of this run carried)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    receiver = WeightReceiver(transformers.AutoModelForCausalLM.from_pretrained(checkpoint), checkpoint,
+                              timeout_s=20).start()
+    specs = checkpoint_tensor_specs(checkpoint)
+    held = load_file(checkpoint / "model.safetensors")
+    norms = [name for name in sorted(specs) if name.endswith("layernorm.weight") and not is_hf_mtp_tensor(name)][:3]
+    mtp = {name: specs[name] for name in specs if is_hf_mtp_tensor(name)}
+
+    def dies_after_the_first_bucket():
+        for name in norms[:2]:
+            yield name, held[name] * 2
+        yield norms[2], held[norms[2]] * 2  # the first bucket (two norms) goes out as this one is staged
+        raise RuntimeError("the trainer died")
+
+    bucket = 2 * specs[norms[0]].nbytes
+    try:
+        first, resumed = (ColocatedSender(receiver.url, bucket_bytes=bucket, timeout_s=20, device=torch.device("cpu"))
+                          for _ in range(2))
+        first.sync(iter(held.items()), specs, 2, is_sender=True)
+        with pytest.raises(RuntimeError, match="the trainer died"):
+            first.sync(dies_after_the_first_bucket(), {name: specs[name] for name in norms}, 3, is_sender=True,
+                       base_version=2)
+        resumed.sync(((name, held[name] + 1) for name in mtp), mtp, 3, is_sender=True, base_version=2)
+        served = receiver_tensors(receiver.url, [*norms, *mtp])
+        assert [name for name in norms if not torch.equal(served[name], held[name])] == []
+        assert all(torch.equal(served[name], held[name] + 1) for name in mtp)
+    finally:
+        first.close()
+        resumed.close()
+        receiver.close()
+
+
 def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(process_group, tmp_path_factory,
                                                                          tmp_path):
     """Merged (colocated): after the first sync only the wrapped linears go, merged, and the engine equals the merged
