@@ -11,7 +11,8 @@ it is also a small, honest engine for a notebook.
 A delta (requests carrying `base_weight_version`, this package's extension: only the tensors that changed since
 that version) is staged until its last request (the one with `weight_version`) and then applied at once; one whose
 base is not the version held here is refused, naming both versions, and nothing changes. What a delta left staged
-when its trainer died before the last request is dropped when the next update starts (its `/validate_weights`). Each version keeps the
+when its trainer died before the last request is dropped when the next update starts (its `/validate_weights`); a
+full update's first request leaves the engine at no version (`weight_version` None) until its last one. Each version keeps the
 `weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read back by
 `/model_info`: a rollout worker learns the quality of the draft head it serves.
 
@@ -193,6 +194,7 @@ class WeightReceiver:
             raise WeightSyncError(f"{path / VERSION_FILE} cannot be read as JSON ({error}); nothing was loaded") \
                 from error
         device = next(self.model.parameters()).device
+        self._no_version()
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
                 self._load((name, reader.get_tensor(name)) for name in reader.keys())
@@ -302,6 +304,7 @@ class WeightReceiver:
         base = request.get("base_weight_version")
         if base is None:
             self._delta = {}
+            self._no_version()
             self._load(named)
             return
         if str(base) != self.weight_version:
@@ -312,6 +315,12 @@ class WeightReceiver:
         if request.get("weight_version") is not None:
             delta, self._delta = self._delta, {}
             self._load(delta.items())
+
+    def _no_version(self) -> None:
+        """Weights are being replaced in place: until the update's last request they are no version's (an update
+        whose trainer dies half-way leaves a mix; claiming the old version would let a delta onto it apply)."""
+        self.weight_version = None
+        self.version_metadata = None
 
     def _updated(self, request: dict[str, Any], count: int) -> dict[str, Any]:
         if request.get("weight_version") is not None:

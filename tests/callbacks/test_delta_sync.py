@@ -272,10 +272,12 @@ def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes
         receiver.close()
 
 
-def test_a_delta_left_half_sent_by_a_dead_trainer_does_not_leak_into_the_next_trainers_delta(checkpoint):
-    """A trainer dies after the first bucket of a delta onto version 2 (its requests are staged, not applied); the
-    run resumed at step 2 sends its own delta onto 2, of other tensors: the engine applies that one alone (it applied
-    the dead trainer's staged tensors with it, weights no sync of this run carried)."""
+@pytest.mark.parametrize("aborted", ["delta", "full"])
+def test_an_update_left_half_sent_by_a_dead_trainer_leaves_no_trace_in_the_next_one(checkpoint, aborted):
+    """A trainer dies after the first bucket of an update of version 2's engine, the run resumed at step 2 sends a
+    delta onto 2 of other tensors. A half delta was staged, not applied: the engine applies the new delta alone (it
+    applied the staged tensors with it). A half full sync was applied: the engine holds no version any more, so the
+    delta is refused (it kept claiming version 2 and took the delta: a mix of weights no sync carried)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -287,26 +289,31 @@ def test_a_delta_left_half_sent_by_a_dead_trainer_does_not_leak_into_the_next_tr
     mtp = {name: specs[name] for name in specs if is_hf_mtp_tensor(name)}
 
     def dies_after_the_first_bucket():
-        for name in norms[:2]:
+        for name in norms:  # the first bucket (two norms) goes out as the third is staged
             yield name, held[name] * 2
-        yield norms[2], held[norms[2]] * 2  # the first bucket (two norms) goes out as this one is staged
         raise RuntimeError("the trainer died")
 
-    bucket = 2 * specs[norms[0]].nbytes
+    senders = [ColocatedSender(receiver.url, bucket_bytes=2 * specs[norms[0]].nbytes, timeout_s=20,
+                               device=torch.device("cpu")) for _ in range(2)]
     try:
-        first, resumed = (ColocatedSender(receiver.url, bucket_bytes=bucket, timeout_s=20, device=torch.device("cpu"))
-                          for _ in range(2))
-        first.sync(iter(held.items()), specs, 2, is_sender=True)
+        senders[0].sync(iter(held.items()), specs, 2, is_sender=True)
         with pytest.raises(RuntimeError, match="the trainer died"):
-            first.sync(dies_after_the_first_bucket(), {name: specs[name] for name in norms}, 3, is_sender=True,
-                       base_version=2)
-        resumed.sync(((name, held[name] + 1) for name in mtp), mtp, 3, is_sender=True, base_version=2)
-        served = receiver_tensors(receiver.url, [*norms, *mtp])
-        assert [name for name in norms if not torch.equal(served[name], held[name])] == []
-        assert all(torch.equal(served[name], held[name] + 1) for name in mtp)
+            senders[0].sync(dies_after_the_first_bucket(), {name: specs[name] for name in norms}, 3, is_sender=True,
+                            base_version=2 if aborted == "delta" else None)
+        delta = (((name, held[name] + 1) for name in mtp), mtp, 3)
+        if aborted == "delta":
+            senders[1].sync(*delta, is_sender=True, base_version=2)
+            served = receiver_tensors(receiver.url, [*norms, *mtp])
+            assert [name for name in norms if not torch.equal(served[name], held[name])] == []
+            assert all(torch.equal(served[name], held[name] + 1) for name in mtp)
+        else:
+            assert post_json(f"{receiver.url}/model_info", {}, 60)["weight_version"] is None
+            with pytest.raises(WeightSyncError, match="a delta onto weight version 2 cannot apply: this engine holds "
+                                                      "version None"):
+                senders[1].sync(*delta, is_sender=True, base_version=2)
     finally:
-        first.close()
-        resumed.close()
+        for sender in senders:
+            sender.close()
         receiver.close()
 
 
