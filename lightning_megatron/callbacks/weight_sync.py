@@ -143,6 +143,9 @@ class WeightSync(pl.Callback):
                              "reaches this process at, e.g. 127.0.0.1")
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
+        if engine == "vllm" and mode != "disk":  # it would be ignored: a vLLM engine answers SGLang's routes with 404
+            raise ValueError(f"engine: 'vllm' shapes the disk mode's requests; mode {mode!r} sends SGLang's "
+                             "requests (or the package's receiver); use mode='disk' for a vLLM engine")
         if backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"backend: {backend!r} is not one of 'auto', 'nccl', 'gloo'")
         _check_positive_integer("engine_world_size", engine_world_size, "the engine's processes in the update group")

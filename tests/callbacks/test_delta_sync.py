@@ -418,6 +418,8 @@ def test_adapters_the_peft_form_cannot_name_are_refused_before_the_first_step(pr
     (dict(mode="collective", engine_url="http://127.0.0.1:1", master_address=""), r"master_address: '' is not a host"),
     (dict(mode="colocated", engine_url="http://"), r"engine_url: 'http://' is not an HTTP address"),
     (dict(root=""), r"root: mode 'disk' writes versioned HF folders under root; set root to a folder"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", engine="vllm"),
+     r"engine: 'vllm' shapes the disk mode's requests; mode 'collective' sends SGLang's .* use mode='disk'"),
 ])
 def test_bad_options_are_refused_naming_the_field_and_the_fix(options, message):
     options = {"mode": "disk", **options}
