@@ -89,8 +89,10 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 
 def remove_partials(root: Path) -> None:
-    """Staging folders and pointer files a killed run left behind (hidden: no reader ever looked at them)."""
-    for leftover in root.glob(".v*.partial-*") if root.is_dir() else ():
+    """Staging folders, replaced versions and pointer files a killed run left behind (hidden: no reader ever looked
+    at them; a version written again, as a resumed run does, retires the old folder under `.vNNNNNNNN.old-PID`
+    before deleting it)."""
+    for leftover in [*root.glob(".v*.partial-*"), *root.glob(".v*.old-*")] if root.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob(".latest.*.partial") if root.is_dir() else ():
         leftover.unlink(missing_ok=True)

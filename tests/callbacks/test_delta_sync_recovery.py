@@ -55,6 +55,19 @@ def test_a_disk_delta_is_written_only_onto_a_base_whose_files_hold_the_tensors_a
     assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
 
 
+def test_what_a_killed_run_left_hidden_in_the_root_goes_when_the_next_one_starts(tmp_path):
+    """A version written again (a resumed run) retires the old folder as `.vNNNNNNNN.old-PID` and deletes it: a run
+    killed in that deletion left a whole checkpoint there for ever."""
+    from lightning_megatron.serving.disk import remove_partials, version_folder
+
+    leftovers = [tmp_path / ".v00000004.partial-123", tmp_path / ".v00000004.old-123"]
+    for folder in [*leftovers, version_folder(tmp_path, 2)]:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"weights")
+    remove_partials(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["v00000002"]
+
+
 @pytest.mark.parametrize("mode", ["colocated", "collective"])
 def test_a_full_sync_after_a_delta_of_the_same_sender_sends_every_tensor(process_group, checkpoint, engine, tmp_path,
                                                                          mode):
