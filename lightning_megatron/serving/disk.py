@@ -103,16 +103,20 @@ def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep
                  adapter: bool = False) -> Path:
     """One disk sync: `save` writes the HF folder of `version` atomically (every rank calls it), then the leader
     points `latest` at it, prunes old versions and tells the engine (to reload the model, or with `adapter`, to
-    load the PEFT folder as the LoRA adapter named like the folder and unload those of the pruned folders); returns
-    the folder.
+    load the PEFT folder as the LoRA adapter named like the folder, in place of one loaded under that name, and unload
+    those of the pruned folders); returns the folder.
 
     Errors of the leader's part are raised there only; the caller makes every rank agree on them.
     """
+    rewritten = version_folder(root, version).is_dir()  # a resumed run writes its versions again
     folder = save(version_folder(root, version))
     if is_leader:
         publish_latest(root, folder)
         pruned = prune(root, keep_last)
         if engine_url is not None and adapter:
+            if rewritten:  # the engine may hold the earlier adapter of that name: engines refuse a second (vLLM)
+                with contextlib.suppress(WeightSyncError):
+                    unload_adapter(engine_url, engine, folder.name, timeout_s)
             load_adapter(engine_url, engine, folder, timeout_s)
             for gone in pruned:  # the engine serves no adapter whose folder is gone (nor holds it for ever)
                 with contextlib.suppress(WeightSyncError):  # one it never loaded (an earlier run's, a restart)
@@ -158,8 +162,8 @@ def delta_base(root: Path, version: int | None, changed: Collection[str],
     version is gone or is not the one `latest` names (an engine would not hold it), one of its files mixes tensors
     that changed with tensors that did not (its layout was made for another set of changing tensors), or its
     tensors are not `specs` (the model's names, shapes and dtypes now) as their files' headers read, or a file (the
-    index included) is missing or unreadable: a delta would link them into the new version as they are (other tensors of the folder,
-    e.g. a multimodal checkpoint's vision tower, go along unchecked)."""
+    index included) is missing or unreadable: a delta would link them into the new version as they are (other
+    tensors of the folder, e.g. a multimodal checkpoint's vision tower, go along unchecked)."""
     if version is None or read_latest(root) != version_folder(root, version):
         return None
     folder = version_folder(root, version)

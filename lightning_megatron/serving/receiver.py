@@ -12,9 +12,9 @@ A delta (requests carrying `base_weight_version`, this package's extension: only
 that version) is staged until its last request (the one with `weight_version`) and then applied at once; one whose
 base is not the version held here is refused, naming both versions, and nothing changes. What a delta left staged
 when its trainer died before the last request is dropped when the next update starts (its `/validate_weights`); a
-full update's first request leaves the engine at no version (`weight_version` None) until its last one. Each version keeps the
-`weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read back by
-`/model_info`: a rollout worker learns the quality of the draft head it serves.
+full update's first request leaves the engine at no version (`weight_version` None) until its last one. Each
+version keeps the `weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read
+back by `/model_info`: a rollout worker learns the quality of the draft head it serves.
 
 Tensors are copied by HF name into the model's own tensors (a tied head follows its embedding); a checkpoint
 tensor the model has no parameter for (an MTP head: a plain `transformers` model has none) is kept as a draft
@@ -252,8 +252,11 @@ class WeightReceiver:
     def load_lora_adapter(self, request: dict[str, Any]) -> dict[str, Any]:
         """SGLang's `/load_lora_adapter` (vLLM's `/v1/load_lora_adapter`): the PEFT folder `lora_path`, served as
         `lora_name` over the weights held (merged into a copy at each generation); one that does not load onto this
-        model is refused and nothing changes."""
+        model, or a name already loaded, is refused and nothing changes."""
         name, path = request["lora_name"], Path(request["lora_path"])
+        if name in self.lora_adapters:  # as vLLM answers (without load_inplace): one adapter per name until unloaded
+            raise WeightSyncError(f"lora_name: an adapter {name!r} is loaded already (from "
+                                  f"{self.lora_adapters[name]}); unload it first (/unload_lora_adapter)")
         self._adapted(path)
         self.lora_adapters[name] = path
         return {"success": True, "message": f"loaded LoRA adapter {name!r} from {path}"}

@@ -215,6 +215,30 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     assert all(report.bytes < merged.reports[0].bytes / 10 for report in adapter.reports)
 
 
+def test_a_resumed_run_writing_an_adapter_version_again_has_the_engine_load_it_in_place_of_the_old_one(
+        process_group, tmp_path):
+    """Syncs every step, checkpoints every step: the run resumed at step 1 writes version 2 again, whose adapter the
+    engine still holds under that name from the first run (vLLM refuses a second adapter under a loaded name, as the
+    package's receiver does): the sync unloads it first (the resumed fit failed at that sync)."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    process, url = spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30)
+    try:
+        for run, resume in (("first", None), ("resumed", str(tmp_path / "ckpts" / "epoch=0-step=1.ckpt"))):
+            sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3,
+                              lora_form="adapter", engine_url=url)
+            savers = [] if resume else [pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1,
+                                                                     save_top_k=-1)]
+            fit_with_syncs(tmp_path / run, checkpoint, [sync], None, steps=2, ckpt_path=resume,
+                           module_kwargs={"enable_mtp": False}, **MTP_BRIDGE,
+                           extra_callbacks=(LoRACallback(target_modules=["linear_qkv"], rank=4, alpha=8), *savers))
+        assert [report.version for report in sync.reports] == [2]
+        request = {"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 4}, "lora_path": "v00000002"}
+        assert len(post_json(f"{url}/generate", request, 60)["output_ids"]) == 4
+    finally:
+        process.kill()
+        process.wait()
+
+
 class CountSteps(pl.Callback):
     """How many training steps began: a refusal at setup leaves it at 0."""
 
