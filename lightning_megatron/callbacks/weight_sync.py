@@ -6,7 +6,8 @@ Three modes (see `lightning_megatron.serving` and the README section "Serving th
 - `colocated`: the engine shares the machine (and GPU): buckets go over CUDA IPC (shared memory on the CPU).
 - `collective`: a separate process group with the engine (NCCL on GPU, gloo on CPU), SGLang's request shapes.
 
-The version is the global step, saved with the callback's state so that it keeps increasing across a resume.
+The version is the global step, saved with the callback's state so that it keeps increasing across a resume; a fit
+resumed at a multiple of `every_n_steps` that its checkpoint records no sync of syncs when training starts.
 Tensors go out under the source checkpoint's HF names and in its dtypes (whatever the training precision), the
 MTP head included when the model has one, a tied embedding once (as the checkpoint stores it).
 
@@ -39,10 +40,12 @@ fused, Qwen3.5-MoE's, has no tensor per expert) are refused when the fit starts,
 from __future__ import annotations
 
 import json
+import math
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, override
+from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
 import torch
@@ -115,7 +118,7 @@ class WeightSync(pl.Callback):
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(map(repr, MODES))}")
         _check_positive_integer("every_n_steps", every_n_steps, "optimizer steps between two syncs")
         _check_positive_integer("keep_last", keep_last, "versions kept on the disk, the one `latest` names included")
-        if mode == "disk" and root is None:
+        if mode == "disk" and (root is None or str(root) == ""):
             raise ValueError("root: mode 'disk' writes versioned HF folders under root; set root to a folder")
         if mode != "disk" and root is not None:
             raise ValueError(f"root: mode {mode!r} sends the weights to the engine and writes nothing under root; "
@@ -124,12 +127,25 @@ class WeightSync(pl.Callback):
             raise ValueError(f"engine_url: mode {mode!r} sends to a running engine; set engine_url "
                              "(e.g. http://127.0.0.1:30000)")
         if engine_url is not None and not (isinstance(engine_url, str)
-                                           and engine_url.startswith(("http://", "https://"))):
+                                           and engine_url.startswith(("http://", "https://"))
+                                           and urlsplit(engine_url).hostname):
             raise ValueError(f"engine_url: {engine_url!r} is not an HTTP address; write it as http://HOST:PORT")
-        if not (bucket_mb > 0 and timeout_s > 0):
-            raise ValueError(f"bucket_mb ({bucket_mb}) and timeout_s ({timeout_s}) must be positive")
+        _check_positive_number("bucket_mb", bucket_mb, "the most MiB one request carries, e.g. 1024")
+        if int(bucket_mb * 1024**2) < 1:
+            raise ValueError(f"bucket_mb: {bucket_mb!r} is less than one byte; give the MiB one request carries, "
+                             "e.g. 1024")
+        _check_positive_number("timeout_s", timeout_s, "the seconds one request or broadcast may take, e.g. 300")
+        if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 <= master_port <= 65535:
+            raise ValueError(f"master_port: {master_port!r} is not a TCP port; give an integer in 1..65535, or 0 "
+                             "for a free one")
+        if not (isinstance(master_address, str) and master_address):
+            raise ValueError(f"master_address: {master_address!r} is not a host; give the address the engine "
+                             "reaches this process at, e.g. 127.0.0.1")
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine: {engine!r} is not one of 'sglang', 'vllm'")
+        if engine == "vllm" and mode != "disk":  # it would be ignored: a vLLM engine answers SGLang's routes with 404
+            raise ValueError(f"engine: 'vllm' shapes the disk mode's requests; mode {mode!r} sends SGLang's "
+                             "requests (or the package's receiver); use mode='disk' for a vLLM engine")
         if backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"backend: {backend!r} is not one of 'auto', 'nccl', 'gloo'")
         _check_positive_integer("engine_world_size", engine_world_size, "the engine's processes in the update group")
@@ -216,6 +232,10 @@ class WeightSync(pl.Callback):
         # the weights are `version`'s only when training starts at that very step (resumed from a checkpoint taken
         # at the sync, or a fit continuing the last one); steps trained since in another fit or process are unknown
         self._holds_version = trainer.global_step == self.version
+        if trainer.global_step > 0 and trainer.global_step % self.every_n_steps == 0 and not self._holds_version:
+            # resumed at a step whose sync the checkpoint does not record (a callback before this one saved it and
+            # ended the run, as PreemptionCheckpoint does): that version is sent now, not skipped
+            self.sync(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -389,6 +409,11 @@ class WeightSync(pl.Callback):
             return self._sender.engine_version()
         except WeightSyncError:  # an engine that cannot say: a full sync (which reports what is wrong)
             return None
+
+
+def _check_positive_number(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: {value!r} must be a finite number > 0 ({meaning})")
 
 
 def _check_positive_integer(name: str, value: object, meaning: str) -> None:

@@ -23,6 +23,7 @@ files of their own (`Bridge.save_hf(separate=...)`), so the next version rewrite
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,7 +36,7 @@ import torch
 
 from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
 from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, write_shard_files
-from lightning_megatron.serving.protocol import get_json, post_json
+from lightning_megatron.serving.protocol import WeightSyncError, get_json, post_json
 
 Engine = Literal["sglang", "vllm"]
 _VERSION_FOLDER = re.compile(r"^v(\d{8,})$")
@@ -88,8 +89,10 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 
 def remove_partials(root: Path) -> None:
-    """Staging folders and pointer files a killed run left behind (hidden: no reader ever looked at them)."""
-    for leftover in root.glob(".v*.partial-*") if root.is_dir() else ():
+    """Staging folders, replaced versions and pointer files a killed run left behind (hidden: no reader ever looked
+    at them; a version written again, as a resumed run does, retires the old folder under `.vNNNNNNNN.old-PID`
+    before deleting it)."""
+    for leftover in [*root.glob(".v*.partial-*"), *root.glob(".v*.old-*")] if root.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob(".latest.*.partial") if root.is_dir() else ():
         leftover.unlink(missing_ok=True)
@@ -100,16 +103,24 @@ def sync_to_disk(save: Callable[[Path], Path], root: Path, version: int, *, keep
                  adapter: bool = False) -> Path:
     """One disk sync: `save` writes the HF folder of `version` atomically (every rank calls it), then the leader
     points `latest` at it, prunes old versions and tells the engine (to reload the model, or with `adapter`, to
-    load the PEFT folder as the LoRA adapter named like the folder); returns the folder.
+    load the PEFT folder as the LoRA adapter named like the folder, in place of one loaded under that name, and unload
+    those of the pruned folders); returns the folder.
 
     Errors of the leader's part are raised there only; the caller makes every rank agree on them.
     """
+    rewritten = version_folder(root, version).is_dir()  # a resumed run writes its versions again
     folder = save(version_folder(root, version))
     if is_leader:
         publish_latest(root, folder)
-        prune(root, keep_last)
+        pruned = prune(root, keep_last)
         if engine_url is not None and adapter:
+            if rewritten:  # the engine may hold the earlier adapter of that name: engines refuse a second (vLLM)
+                with contextlib.suppress(WeightSyncError):
+                    unload_adapter(engine_url, engine, folder.name, timeout_s)
             load_adapter(engine_url, engine, folder, timeout_s)
+            for gone in pruned:  # the engine serves no adapter whose folder is gone (nor holds it for ever)
+                with contextlib.suppress(WeightSyncError):  # one it never loaded (an earlier run's, a restart)
+                    unload_adapter(engine_url, engine, gone.name, timeout_s)
         elif engine_url is not None:
             notify_engine(engine_url, engine, folder, version, timeout_s)
     return folder
@@ -150,15 +161,20 @@ def delta_base(root: Path, version: int | None, changed: Collection[str],
     """The folder a delta onto `version` can share files with, or None when a full version must be written: the
     version is gone or is not the one `latest` names (an engine would not hold it), one of its files mixes tensors
     that changed with tensors that did not (its layout was made for another set of changing tensors), or its
-    tensors are not `specs` (the model's names, shapes and dtypes now) as their files' headers read, or a file is
-    missing or unreadable: a delta would link them into the new version as they are (other tensors of the folder,
-    e.g. a multimodal checkpoint's vision tower, go along unchecked)."""
+    tensors are not `specs` (the model's names, shapes and dtypes now) as their files' headers read, or a file (the
+    index included) is missing or unreadable: a delta would link them into the new version as they are (other
+    tensors of the folder, e.g. a multimodal checkpoint's vision tower, go along unchecked)."""
     if version is None or read_latest(root) != version_folder(root, version):
         return None
     folder = version_folder(root, version)
     if not (folder / INDEX_FILE).is_file():
         return None
-    files_of = weight_map(folder)
+    try:
+        files_of = weight_map(folder)
+        if not all(isinstance(file, str) for file in files_of.values()):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged index: written in full instead
+        return None
     if not set(changed) <= set(files_of):
         return None
     touched = {files_of[name] for name in changed}
@@ -226,3 +242,10 @@ def load_adapter(url: str, engine: Engine, folder: Path, timeout_s: float) -> No
     route = {"sglang": "load_lora_adapter", "vllm": "v1/load_lora_adapter"}[engine]
     post_json(f"{url.rstrip('/')}/{route}", {"lora_name": folder.name, "lora_path": str(folder.resolve())},
               timeout_s)
+
+
+def unload_adapter(url: str, engine: Engine, name: str, timeout_s: float) -> None:
+    """Have an engine drop the LoRA adapter `name` (SGLang's `/unload_lora_adapter`, vLLM's
+    `/v1/unload_lora_adapter`)."""
+    route = {"sglang": "unload_lora_adapter", "vllm": "v1/unload_lora_adapter"}[engine]
+    post_json(f"{url.rstrip('/')}/{route}", {"lora_name": name}, timeout_s)

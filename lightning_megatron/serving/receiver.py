@@ -10,9 +10,11 @@ it is also a small, honest engine for a notebook.
 
 A delta (requests carrying `base_weight_version`, this package's extension: only the tensors that changed since
 that version) is staged until its last request (the one with `weight_version`) and then applied at once; one whose
-base is not the version held here is refused, naming both versions, and nothing changes. Each version keeps the
-`weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read back by
-`/model_info`: a rollout worker learns the quality of the draft head it serves.
+base is not the version held here is refused, naming both versions, and nothing changes. What a delta left staged
+when its trainer died before the last request is dropped when the next update starts (its `/validate_weights`); a
+full update's first request leaves the engine at no version (`weight_version` None) until its last one. Each
+version keeps the `weight_version_metadata` its last request carried (or its folder's `weight_version.json`), read
+back by `/model_info`: a rollout worker learns the quality of the draft head it serves.
 
 Tensors are copied by HF name into the model's own tensors (a tied head follows its embedding); a checkpoint
 tensor the model has no parameter for (an MTP head: a plain `transformers` model has none) is kept as a draft
@@ -46,7 +48,7 @@ from safetensors import safe_open
 
 from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.hf_io import SAFETENSORS_DTYPES, TensorSpec, checkpoint_tensor_specs, safetensors_files
-from lightning_megatron.serving.disk import read_version_record
+from lightning_megatron.serving.disk import VERSION_FILE, read_version_record
 from lightning_megatron.serving.protocol import (
     WeightSyncError,
     broadcast,
@@ -86,6 +88,9 @@ class WeightReceiver:
         """The checkpoint's `transformers` model in its own dtypes, on `device`."""
         import transformers
 
+        if not (Path(checkpoint) / "config.json").is_file():  # not a name to look up on a hub: a local folder
+            raise ValueError(f"checkpoint: {str(checkpoint)!r} is not an HF checkpoint folder (no config.json in it); "
+                             "give the local folder the engine starts from (e.g. a disk sync's version folder)")
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto").to(device)
         return cls(model, checkpoint, **kwargs)
 
@@ -134,6 +139,9 @@ class WeightReceiver:
         return {"success": True, "message": "destroyed"}
 
     def validate_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The manifest of the update about to start: it also drops what an update that never finished staged (a
+        delta whose trainer died before its last request), so that it is not applied with this one."""
+        self._delta = {}
         self._check(specs_from_payload(request))
         return {"success": True, "message": "names, dtypes and shapes match"}
 
@@ -180,13 +188,19 @@ class WeightReceiver:
         missing = sorted(set(checkpoint_tensor_specs(self.checkpoint)) - names)
         if missing:
             raise WeightSyncError(f"{path} lacks {len(missing)} tensor(s) the engine serves, e.g. {missing[:5]}")
+        try:  # read before any weight is loaded: the weights and the version that names them change together
+            record = read_version_record(path)
+        except (OSError, ValueError) as error:
+            raise WeightSyncError(f"{path / VERSION_FILE} cannot be read as JSON ({error}); nothing was loaded") \
+                from error
         device = next(self.model.parameters()).device
+        self._no_version()
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as reader:  # read onto the engine's device
                 self._load((name, reader.get_tensor(name)) for name in reader.keys())
         self.checkpoint = path
         self._delta = {}
-        return self._updated({**request, "weight_version_metadata": read_version_record(path)}, len(names))
+        return self._updated({**request, "weight_version_metadata": record}, len(names))
 
     def _read_headers(self, path: Path) -> dict[Path, list[TensorSpec]]:
         """Each safetensors file of `path` and its tensors, from the headers: a file that cannot be opened (missing
@@ -238,8 +252,11 @@ class WeightReceiver:
     def load_lora_adapter(self, request: dict[str, Any]) -> dict[str, Any]:
         """SGLang's `/load_lora_adapter` (vLLM's `/v1/load_lora_adapter`): the PEFT folder `lora_path`, served as
         `lora_name` over the weights held (merged into a copy at each generation); one that does not load onto this
-        model is refused and nothing changes."""
+        model, or a name already loaded, is refused and nothing changes."""
         name, path = request["lora_name"], Path(request["lora_path"])
+        if name in self.lora_adapters:  # as vLLM answers (without load_inplace): one adapter per name until unloaded
+            raise WeightSyncError(f"lora_name: an adapter {name!r} is loaded already (from "
+                                  f"{self.lora_adapters[name]}); unload it first (/unload_lora_adapter)")
         self._adapted(path)
         self.lora_adapters[name] = path
         return {"success": True, "message": f"loaded LoRA adapter {name!r} from {path}"}
@@ -290,6 +307,7 @@ class WeightReceiver:
         base = request.get("base_weight_version")
         if base is None:
             self._delta = {}
+            self._no_version()
             self._load(named)
             return
         if str(base) != self.weight_version:
@@ -300,6 +318,12 @@ class WeightReceiver:
         if request.get("weight_version") is not None:
             delta, self._delta = self._delta, {}
             self._load(delta.items())
+
+    def _no_version(self) -> None:
+        """Weights are being replaced in place: until the update's last request they are no version's (an update
+        whose trainer dies half-way leaves a mix; claiming the old version would let a delta onto it apply)."""
+        self.weight_version = None
+        self.version_metadata = None
 
     def _updated(self, request: dict[str, Any], count: int) -> dict[str, Any]:
         if request.get("weight_version") is not None:

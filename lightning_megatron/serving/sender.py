@@ -138,6 +138,9 @@ class BucketSender(ABC):
 
     def close(self) -> None:
         self._reset()
+        self._release_staging()
+
+    def _release_staging(self) -> None:
         if isinstance(self._staging, SharedBuffer):
             self._staging.close()
         self._staging = None
@@ -145,6 +148,8 @@ class BucketSender(ABC):
     # ------------------------------------------------------------------ buckets
 
     def _stage(self, tensor: torch.Tensor, offset: int) -> None:
+        if self._staging is not None and _capacity(self._staging) < self._staging_size:
+            self._release_staging()  # sized for a smaller sync (a delta) than this one (a full sync)
         if self._staging is None:
             self._staging = self._new_buffer(self._staging_size)
         staging = self._staging.tensor if isinstance(self._staging, SharedBuffer) else self._staging
@@ -312,6 +317,10 @@ class _Background:
         if error is not None:
             raise error
         return value
+
+
+def _capacity(staging: Any) -> int:
+    return staging.nbytes if isinstance(staging, SharedBuffer) else staging.numel()
 
 
 def _as_sync_error(error: BaseException) -> WeightSyncError:

@@ -1,6 +1,6 @@
 """Delta weight syncs: after MTP-only or LoRA steps a sync sends only the tensors that changed, and the engine ends
-bit-equal to a full sync of the same step; an engine that does not hold the base version gets a full sync or, sent
-a delta anyway, refuses it and keeps what it had; a disk delta shares every unchanged file with the version before."""
+bit-equal to a full sync of the same step; an engine that does not hold the base version gets a full sync; a disk
+delta shares every unchanged file with the version before (what goes wrong: test_delta_sync_recovery.py)."""
 
 from __future__ import annotations
 
@@ -12,35 +12,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_megatron.bridges import create_bridge
 from lightning_megatron.callbacks import LoRACallback, MTPOnlyCallback, WeightSync
 from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.hf_io import checkpoint_tensor_specs
-from lightning_megatron.options import ModelOptions
-from lightning_megatron.serving import ColocatedSender, WeightReceiver, WeightSyncError, read_latest, served_version
+from lightning_megatron.serving import WeightSyncError, read_latest, served_version
 from lightning_megatron.serving.disk import VERSION_FILE, read_version_record, weight_map
 from lightning_megatron.serving.protocol import post_json
 from lightning_megatron.serving.receiver import spawn_receiver
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
-from tests.callbacks._engine import MIB, assert_every_sync_matched, fit_with_syncs, receiver_tensors
+from tests.callbacks._engine import assert_every_sync_matched, fit_with_syncs, unequal_to_export
 
 MTP_BRIDGE = dict(bridge_type="megatron-bridge")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("delta_sync") / "qwen3_mtp", "qwen3", mtp=True)
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One engine for the module's fits: each fit's first sync is full, so what an earlier test left does not
-    matter."""
-    process, url = spawn_receiver(checkpoint, log=tmp_path_factory.mktemp("engine") / "receiver.log", timeout_s=30)
-    yield url
-    process.kill()
-    process.wait()
 
 
 def _sync(mode: str, url: str | None, root: Path) -> WeightSync:
@@ -130,35 +113,6 @@ def test_pruning_keeps_this_runs_versions_and_drops_the_newer_ones_an_earlier_ru
     assert sorted(versions(tmp_path)) == [2]
 
 
-def test_a_disk_delta_is_written_only_onto_a_base_whose_files_hold_the_tensors_as_the_model_has_them(tmp_path):
-    """A base whose tensors differ in dtype or shape from the model's now, or whose file is truncated or gone, would be
-    linked into the new version as it is: a full version is written instead."""
-    from safetensors.torch import save_file
-
-    from lightning_megatron.hf_io import TensorSpec
-    from lightning_megatron.serving.disk import INDEX_FILE, delta_base, publish_latest, version_folder
-
-    folder = version_folder(tmp_path, 3)
-    folder.mkdir()
-    save_file({"trunk.weight": torch.zeros(4, 2)}, folder / "trunk.safetensors")
-    save_file({"mtp.weight": torch.zeros(2)}, folder / "mtp.safetensors")
-    (folder / INDEX_FILE).write_text(json.dumps({"weight_map": {"trunk.weight": "trunk.safetensors",
-                                                                "mtp.weight": "mtp.safetensors"}}))
-    publish_latest(tmp_path, folder)
-    specs = {"trunk.weight": TensorSpec("trunk.weight", (4, 2), torch.float32),
-             "mtp.weight": TensorSpec("mtp.weight", (2,), torch.float32)}
-    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) == folder
-    assert delta_base(tmp_path, 2, {"mtp.weight"}, specs) is None  # not the version latest names
-    for name, changed in (("trunk.weight", TensorSpec("trunk.weight", (4, 2), torch.bfloat16)),
-                          ("trunk.weight", TensorSpec("trunk.weight", (2, 4), torch.float32))):
-        assert delta_base(tmp_path, 3, {"mtp.weight"}, {**specs, name: changed}) is None
-    trunk = folder / "trunk.safetensors"
-    trunk.write_bytes(trunk.read_bytes()[:-4])  # truncated
-    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
-    trunk.unlink()
-    assert delta_base(tmp_path, 3, {"mtp.weight"}, specs) is None
-
-
 class RestartEngine(pl.Callback):
     """Replace the engine by a fresh one (same port, the checkpoint's weights, no version) after `after_version`."""
 
@@ -211,36 +165,6 @@ def test_a_fit_that_does_not_start_at_the_synced_step_syncs_in_full_first(proces
     assert _unequal_folders(read_latest(tmp_path / "versions"), export) == []
 
 
-def test_a_delta_onto_another_version_is_refused_naming_both_and_nothing_changes(model_parallel, checkpoint):
-    import transformers
-
-    bridge = create_bridge("megatron-bridge", checkpoint)
-    chunks = bridge.build(ModelOptions(mtp=True))
-    with torch.no_grad():
-        for chunk in chunks:
-            for parameter in chunk.parameters():
-                parameter.add_(0.5)  # unlike what the engine holds
-    receiver = WeightReceiver(transformers.AutoModelForCausalLM.from_pretrained(checkpoint), checkpoint,
-                              timeout_s=20).start()
-    sender = ColocatedSender(receiver.url, bucket_bytes=MIB // 64, timeout_s=20, device=torch.device("cpu"))
-    specs = bridge.hf_tensor_specs()
-    mtp = {name: spec for name, spec in specs.items() if is_hf_mtp_tensor(name)}
-    try:
-        sender.sync(bridge.export_hf_tensors(chunks), specs, 2, is_sender=True, metadata={"note": "full"})
-        before = receiver_tensors(receiver.url, sorted(specs))
-        with pytest.raises(WeightSyncError, match="a delta onto weight version 1 cannot apply: this engine holds "
-                                                  "version 2; nothing was changed"):
-            sender.sync(bridge.export_hf_tensors(chunks, only=set(mtp)), mtp, 3, is_sender=True, base_version=1)
-        after = receiver_tensors(receiver.url, sorted(specs))
-        assert all(torch.equal(before[name], after[name]) for name in specs)
-        info = post_json(f"{receiver.url}/model_info", {}, 60)
-        assert info["weight_version"] == "2"
-        assert info["weight_version_metadata"] == {"version": 2, "base_version": None, "note": "full"}
-    finally:
-        sender.close()
-        receiver.close()
-
-
 def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(process_group, tmp_path_factory,
                                                                          tmp_path):
     """Merged (colocated): after the first sync only the wrapped linears go, merged, and the engine equals the merged
@@ -254,7 +178,7 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     engines = [spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30) for _ in range(2)]
     (_, url), (_, adapter_url) = engines  # the second keeps the base weights and is told to load each adapter
     merged = _sync("colocated", url, tmp_path)
-    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3, lora_form="adapter",
+    adapter = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=2, lora_form="adapter",
                          engine_url=adapter_url)
     try:
         result = fit_with_syncs(tmp_path, checkpoint, [merged, adapter], url, module_kwargs={"enable_mtp": False},
@@ -265,6 +189,9 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
                                      for engine, extra in ((adapter_url, {"lora_path": "v00000003"}), (url, {})))
         with pytest.raises(WeightSyncError, match="does not load as a PEFT adapter of this model"):
             post_json(f"{adapter_url}/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)}, 60)
+        # version 1's folder was pruned: the engine was told to unload its adapter (it served a deleted folder)
+        with pytest.raises(WeightSyncError, match="no LoRA adapter 'v00000001' is loaded"):
+            post_json(f"{adapter_url}/generate", {**request, "lora_path": "v00000001"}, 60)
     finally:
         for process, _ in engines:
             process.kill()
@@ -286,6 +213,30 @@ def test_lora_syncs_send_the_adapted_linears_merged_or_the_adapters_alone(proces
     ours, theirs = (load_file(path / "adapter_model.safetensors") for path in (folder, expected))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
     assert all(report.bytes < merged.reports[0].bytes / 10 for report in adapter.reports)
+
+
+def test_a_resumed_run_writing_an_adapter_version_again_has_the_engine_load_it_in_place_of_the_old_one(
+        process_group, tmp_path):
+    """Syncs every step, checkpoints every step: the run resumed at step 1 writes version 2 again, whose adapter the
+    engine still holds under that name from the first run (vLLM refuses a second adapter under a loaded name, as the
+    package's receiver does): the sync unloads it first (the resumed fit failed at that sync)."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    process, url = spawn_receiver(checkpoint, log=tmp_path / "receiver.log", timeout_s=30)
+    try:
+        for run, resume in (("first", None), ("resumed", str(tmp_path / "ckpts" / "epoch=0-step=1.ckpt"))):
+            sync = WeightSync("disk", every_n_steps=1, root=str(tmp_path / "adapters"), keep_last=3,
+                              lora_form="adapter", engine_url=url)
+            savers = [] if resume else [pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1,
+                                                                     save_top_k=-1)]
+            fit_with_syncs(tmp_path / run, checkpoint, [sync], None, steps=2, ckpt_path=resume,
+                           module_kwargs={"enable_mtp": False}, **MTP_BRIDGE,
+                           extra_callbacks=(LoRACallback(target_modules=["linear_qkv"], rank=4, alpha=8), *savers))
+        assert [report.version for report in sync.reports] == [2]
+        request = {"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 4}, "lora_path": "v00000002"}
+        assert len(post_json(f"{url}/generate", request, 60)["output_ids"]) == 4
+    finally:
+        process.kill()
+        process.wait()
 
 
 class CountSteps(pl.Callback):
@@ -327,11 +278,25 @@ def test_adapters_the_peft_form_cannot_name_are_refused_before_the_first_step(pr
     (dict(mode="collective", engine_url="http://127.0.0.1:1", backend="mpi"), r"backend: 'mpi' is not one of"),
     (dict(delta="no"), r"delta: 'no' must be true or false"),
     (dict(probe={"batches": 2}), r"probe: \{'batches': 2\} is not a DraftProbe"),
+    # refused here, not at the first sync after training steps (an OverflowError, a zero-byte bucket, no rendezvous)
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", timeout_s=float("inf")),
+     r"timeout_s: inf must be a finite number > 0 \(the seconds one request or broadcast may take"),
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", bucket_mb=1e-9),
+     r"bucket_mb: 1e-09 is less than one byte; give the MiB one request carries"),
+    (dict(mode="colocated", engine_url="http://127.0.0.1:1", bucket_mb="1024"),
+     r"bucket_mb: '1024' must be a finite number > 0"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", master_port=70000),
+     r"master_port: 70000 is not a TCP port; give an integer in 1..65535, or 0 for a free one"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", master_address=""), r"master_address: '' is not a host"),
+    (dict(mode="colocated", engine_url="http://"), r"engine_url: 'http://' is not an HTTP address"),
+    (dict(root=""), r"root: mode 'disk' writes versioned HF folders under root; set root to a folder"),
+    (dict(mode="collective", engine_url="http://127.0.0.1:1", engine="vllm"),
+     r"engine: 'vllm' shapes the disk mode's requests; mode 'collective' sends SGLang's .* use mode='disk'"),
 ])
 def test_bad_options_are_refused_naming_the_field_and_the_fix(options, message):
     options = {"mode": "disk", **options}
     with pytest.raises(ValueError, match=message):
-        WeightSync(**({"root": "versions"} if options["mode"] == "disk" else {}), **options)
+        WeightSync(**({"root": "versions"} if options["mode"] == "disk" else {}) | options)
 
 
 @pytest.mark.parametrize(("module_kwargs", "options", "message"), [
@@ -434,7 +399,6 @@ def _distributed_delta_syncs(rank: int, world_size: int, workdir: str, checkpoin
                              urls: dict[str, str]) -> dict[str, Any]:
     """MTP-only fits at TP=2, then PP=2, each syncing every step in the three modes; at the end every engine and the
     last disk version against a full export of the same weights."""
-    from tests.callbacks._engine import unequal_to_export
 
     results = {}
     for case, parallel in (("tp2", dict(tensor_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2))):

@@ -24,6 +24,7 @@ from lightning_megatron.callbacks import WeightSync
 from lightning_megatron.hf_io import checkpoint_tensor_specs
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.serving import CollectiveSender, ColocatedSender, WeightReceiver, WeightSyncError, read_latest
+from lightning_megatron.serving.disk import versions
 from lightning_megatron.serving.protocol import post_json
 from lightning_megatron.serving.receiver import spawn_receiver
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
@@ -277,6 +278,45 @@ def test_latest_names_a_complete_folder_after_kill_9_and_versions_increase_acros
     assert sorted(path.name for path in root.iterdir()) == ["latest", "v00000002", "v00000003", "v00000004"]
 
 
+def test_the_receiver_refuses_a_checkpoint_that_is_no_local_folder_by_name(tmp_path):
+    """`--checkpoint` is read from the disk (its safetensors headers); transformers took a missing path for a hub
+    name and answered about repo ids."""
+    for checkpoint in (tmp_path / "missing", "Qwen/Qwen3-0.6B"):
+        with pytest.raises(ValueError, match=r"checkpoint: .* is not an HF checkpoint folder \(no config.json in it\); "
+                                             r"give the local folder"):
+            WeightReceiver.from_pretrained(checkpoint)
+
+
+class PreemptAt(pl.Callback):
+    """SIGTERM to this process during the step that ends at `step` (PreemptionCheckpoint acts on it at its end)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_fit_preempted_before_its_sync_at_a_due_step_syncs_that_version_when_resumed(process_group, checkpoints,
+                                                                                      tmp_path):
+    """PreemptionCheckpoint listed before WeightSync saves step 2 and ends the run before version 2 is synced; the
+    resumed fit starts at step 2 and sends it then (it went on to version 4: 2 was skipped)."""
+    from lightning_megatron.callbacks import PreemptionCheckpoint
+
+    root = tmp_path / "versions"
+    sync = WeightSync("disk", every_n_steps=2, root=str(root))
+    with pytest.raises(SystemExit):
+        fit_with_syncs(tmp_path, checkpoints["tied"], [], None, steps=4,
+                       extra_callbacks=(PreemptAt(2), PreemptionCheckpoint(str(tmp_path / "ckpts")), sync))
+    assert sync.reports == []
+    resumed = WeightSync("disk", every_n_steps=2, root=str(root), keep_last=3)
+    fit_with_syncs(tmp_path / "resumed", checkpoints["tied"], [resumed], None, steps=4,
+                   ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
+    assert [report.version for report in resumed.reports] == [2, 4]
+    assert sorted(versions(root)) == [2, 4]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["colocated", "collective"])
 def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tmp_path, mode):
@@ -302,9 +342,13 @@ def test_gpu_hand_over_through_cuda_ipc_and_nccl(model_parallel, checkpoints, tm
 
 def _corrupt(folder: Path, how: str) -> Path:
     """Break the last safetensors file of `folder` (the others are fine: a receiver that loaded file by file would
-    already have changed weights when it reached it)."""
+    already have changed weights when it reached it), or its version record (read after the weights were loaded,
+    it left them loaded under the old version)."""
     from safetensors.torch import save_file
 
+    if how == "version record":
+        (folder / "weight_version.json").write_text('{"version": 8, ')
+        return folder / "weight_version.json"
     file = sorted(folder.glob("*.safetensors"))[-1]
     tensors = load_file(file)
     name = sorted(tensors)[0]
@@ -319,7 +363,7 @@ def _corrupt(folder: Path, how: str) -> Path:
     return file
 
 
-@pytest.mark.parametrize("how", ["truncated", "zero-length", "wrong dtype", "wrong shape"])
+@pytest.mark.parametrize("how", ["truncated", "zero-length", "wrong dtype", "wrong shape", "version record"])
 def test_the_engine_refuses_an_unreadable_sync_folder_by_file_and_keeps_serving_the_last_version(
         checkpoints, receivers, tmp_path, how):
     from lightning_megatron.hf_io import write_safetensors
