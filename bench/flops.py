@@ -23,7 +23,8 @@ backbone forward only (p_b = 1), the MTP layer with its projection and norms ful
 only (p_o = 1, `MTP_ONLY`) on the steps that log `lm_loss` and not at all on the others (p_o = 0,
 `MTP_ONLY_WITHOUT_MAIN_HEAD`: `MTPOnlyCallback` skips it there), and the MTP LM head forward plus its input gradient
 (p_mo = 2: the shared output weight is frozen). A dense Qwen3 layer's A_i + M_i is h (q + 2 k) + q h + 3 h f.
-MFU = F / step time / peak; the peak is the H200's dense bf16 989.4 TFLOP/s (no MFU elsewhere unless
+MFU = F / step time / peak; the peak is the card's dense bf16 figure from NVIDIA's data sheets
+(`DENSE_BF16_TFLOPS`: H200 and H100 SXM 989.4, H100 NVL 835.5, H100 PCIe 756.5 TFLOP/s; no MFU on another card unless
 `--peak-tflops` says what the peak is).
 """
 
@@ -36,7 +37,9 @@ from typing import Any
 
 import torch
 
-H200_DENSE_BF16_TFLOPS = 989.4
+# (marker in torch.cuda.get_device_name(), dense bf16 TFLOP/s), the first marker found wins: the H100's SXM card
+# names itself "NVIDIA H100 80GB HBM3", the others say PCIe or NVL.
+DENSE_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.5), ("H100 NVL", 835.5), ("H100", 989.4))
 
 
 @dataclass(frozen=True)
@@ -202,13 +205,19 @@ def model_flops(shape: ModelShape, sequences: int, seq_length: int, passes: Pass
     return 2.0 * (tokens * linear + attention)
 
 
+def dense_bf16_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of the card `device_name` names (`DENSE_BF16_TFLOPS`), None for a card not listed."""
+    return next((tflops for marker, tflops in DENSE_BF16_TFLOPS if marker in device_name), None)
+
+
 def peak_flops(override_tflops: float | None) -> float | None:
-    """The accelerator's dense bf16 peak in FLOP/s: `override_tflops` if given, the H200's on an H200, else None."""
+    """The accelerator's dense bf16 peak in FLOP/s: `override_tflops` if given, else the listed card's, else None."""
     if override_tflops is not None:
         return override_tflops * 1e12
-    if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name():
-        return H200_DENSE_BF16_TFLOPS * 1e12
-    return None
+    if not torch.cuda.is_available():
+        return None
+    tflops = dense_bf16_tflops(torch.cuda.get_device_name())
+    return None if tflops is None else tflops * 1e12
 
 
 def throughput(step_s: float, tokens_per_step: int, flops_per_step: float, peak: float | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench.common import GLM4_5_AIR, QWEN3_5_2B, make_config_only_checkpoint
-from bench.flops import JOINT, MTP_ONLY, ModelShape, Passes, model_flops
+from bench.flops import JOINT, MTP_ONLY, ModelShape, Passes, dense_bf16_tflops, model_flops
 
 QWEN3_0_6B = ModelShape(layers=28, hidden=1024, heads=16, kv_groups=8, head_dim=128, ffn=3072, vocab=151936,
                         mtp_layers=1)
@@ -79,3 +79,11 @@ def test_mtp_only_flops_count_only_the_passes_it_needs():
     assert model_flops(QWEN3_0_6B, 8, 2048, Passes(1, 1, 1, 1)) == pytest.approx(joint / 3)
     assert joint / 3 < mtp_only < joint / 2  # the forward of everything plus the MTP layer's backward
     assert model_flops(QWEN3_0_6B, 8, 2048, JOINT) == joint
+
+
+def test_the_peak_is_the_named_cards_dense_bf16_figure():
+    assert dense_bf16_tflops("NVIDIA H200") == 989.4
+    assert dense_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4  # the SXM card
+    assert dense_bf16_tflops("NVIDIA H100 PCIe") == 756.5
+    assert dense_bf16_tflops("NVIDIA H100 NVL") == 835.5
+    assert dense_bf16_tflops("NVIDIA A100-SXM4-80GB") is None
