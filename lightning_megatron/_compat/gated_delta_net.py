@@ -194,16 +194,26 @@ def torch_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """megatron-core's `torch_chunk_gated_delta_rule` (transformers' chunked rule), packed sequences (`cu_seqlens`)
-    each by itself, as `fla.ops.gated_delta_rule.chunk_gated_delta_rule` computes them."""
+    each by itself, as `fla.ops.gated_delta_rule.chunk_gated_delta_rule` computes them. Without a state given, the
+    zero state is made on the inputs' device: upstream makes it on the host and copies it over (common.py:870), a
+    pageable host-to-device copy per layer call, which synchronises the GPU and fails inside a CUDA graph capture."""
     from megatron.core.ssm.gated_delta_net import common
 
     if cu_seqlens is None:
+        if kwargs.get("initial_state") is None:
+            kwargs["initial_state"] = _zero_state(k, v)
         return common.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **kwargs)
     if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
         raise NotImplementedError("the PyTorch gated delta rule (no fla) runs packed sequences from a zero state and "
                                   "returns none; install fla-core for a carried state")
-    return _per_sequence(lambda *args: common.torch_chunk_gated_delta_rule(*args[:3], g=args[3], beta=args[4]),
-                         cu_seqlens, q, k, v, g, beta)
+    return _per_sequence(lambda *args: common.torch_chunk_gated_delta_rule(
+        *args[:3], g=args[3], beta=args[4], initial_state=_zero_state(args[1], args[2])), cu_seqlens, q, k, v, g, beta)
+
+
+def _zero_state(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The recurrent state a sequence starts from, [batch, heads, key dim, value dim] in float32 (the dtype the rule
+    computes in) on `v`'s device; `k` and `v` are [batch, seq, heads, dim]."""
+    return torch.zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[3], dtype=torch.float32, device=v.device)
 
 
 def _install_torch_gated_delta_net_kernels(patches: Patches) -> None:

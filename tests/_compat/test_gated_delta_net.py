@@ -130,6 +130,37 @@ def test_packed_sequences_run_each_from_a_zero_state():
         assert torch.equal(packed_rule[:, part], alone)
 
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_torch_rule_makes_no_host_tensor_for_device_inputs(packed):
+    """The rule on device inputs (here `meta`, which no host copy can reach unnoticed) creates every tensor on that
+    device: upstream's zero state is made on the host and copied (common.py:870), a synchronising copy per layer call
+    that a CUDA graph capture refuses. (A packed row's `cu_seqlens` is read on the host by design.)"""
+    from megatron.core.ssm.gated_delta_net import common
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostTensors(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs = out if isinstance(out, (tuple, list)) else [out]
+            if any(isinstance(value, torch.Tensor) and value.device.type == "cpu" for value in outputs):
+                self.ops.append(str(func))
+            return out
+
+    q, k, v = (torch.empty(1, 70, 3, 8, device="meta") for _ in range(3))
+    g, beta = torch.empty(1, 70, 3, device="meta"), torch.empty(1, 70, 3, device="meta")
+    packed_kwargs = {"cu_seqlens": torch.tensor([0, 30, 70])} if packed else {}
+    with HostTensors() as upstream:
+        common.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
+    assert upstream.ops  # what the adjustment's rule avoids
+    with HostTensors() as ours:
+        output, _ = gated_delta_net.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **packed_kwargs)
+    assert ours.ops == [] and output.shape == (1, 70, 3, 8)
+
 def test_torch_kernels_put_the_pytorch_path_in_place_for_a_block_only():
     """`torch_kernels` (a benchmark's PyTorch side beside fla's): megatron-core's three kernels and the given layer's
     rule, bound when it was built, are the PyTorch ones inside the block and what they were after it."""
