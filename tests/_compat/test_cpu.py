@@ -50,7 +50,7 @@ def test_all_apply_once_and_are_idempotent(process_group):
                                                                     *moe.MEGATRON_CORE_ADJUSTMENTS,
                                                                     *packed_rope.ADJUSTMENTS,
                                                                     *packed_mtp_roll.ADJUSTMENTS,
-                                                                        *mtp_stage.ADJUSTMENTS,
+                                                                    *mtp_stage.ADJUSTMENTS,
                                                                     *quiet.SAVE_ADJUSTMENTS,
                                                                     *gated_delta_net.ADJUSTMENTS))]
     assert prepare_megatron_core() == expected
