@@ -87,6 +87,15 @@ def megatron_strategy(trainer: pl.Trainer, user: str) -> MegatronStrategyContrac
     return strategy
 
 
+def logs_this_step(trainer: pl.Trainer, every_n_steps: int | None = None) -> bool:
+    """Whether the metrics of the training step about to run (or running) reach the loggers, by Lightning's rule
+    for `log_every_n_steps` (`every_n_steps` instead when given; a stop already asked for logs that step too). One
+    Lightning batch is one optimizer step under `MegatronStrategy`, so `global_step + 1` is the step the logger
+    connector checks; the same on every rank. What is read from the device only to be logged waits for these."""
+    every = every_n_steps or trainer.log_every_n_steps
+    return trainer.should_stop or (every > 0 and (trainer.global_step + 1) % every == 0)
+
+
 class MegatronLightningModule(pl.LightningModule):
     """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
 

@@ -12,17 +12,18 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, override
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_megatron.contract import MegatronLightningModule
+from lightning_megatron.contract import MegatronLightningModule, logs_this_step
 from lightning_megatron.generate import eos_token_ids, greedy_continuations
 from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs
 from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, PooledAcceptance
 from lightning_megatron.mtp.draft_capture import DraftCapture, reduce_draft_totals
 from lightning_megatron.mtp.parameters import (
+    UntrainedDepths,
     check_mtp_loss_scaling_factor,
     clear_mtp_tracker,
     is_finite_number,
@@ -207,6 +208,8 @@ class SFTModule(MegatronLightningModule):
         self.val_mtp_sampled_acceptance = MTPSampledAcceptance()
         self._depth_loss_handles: list[Any] = []
         self._warned_untrained_depths = False
+        self._untrained_depths = UntrainedDepths()
+        self._depth_weights_on_device: torch.Tensor | None = None
         self.generation_eos_token_ids: set[int] = set()  # where predict stops; read in setup("predict")
 
     def model_options(self) -> ModelOptions:
@@ -236,6 +239,7 @@ class SFTModule(MegatronLightningModule):
         if self.enable_mtp_training and stage in ("fit", "validate"):
             clear_mtp_tracker()
             self._warned_untrained_depths = False
+            self._untrained_depths = UntrainedDepths()
             if self._divergence is not None:
                 self._depth_loss_handles = use_mtp_depth_loss(list(self.model), divergence=self._divergence,
                                                               distill_weighting=self.hparams.mtp_distill_weighting)
@@ -260,26 +264,48 @@ class SFTModule(MegatronLightningModule):
         strategy = self.megatron_strategy
         metrics = strategy.forward_backward(microbatches, self.forward_step, self.loss_func)
         loss = metrics.get("lm_loss")
+        shown = self._progress_bar_shown()
         if loss is not None:
-            self.log("lm_loss", loss, prog_bar=True)
+            self.log("lm_loss", loss, prog_bar=shown)
         self._log_moe_aux_loss(len(microbatches))
         if self.enable_mtp:
             mtp_metrics, untrained = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device,
-                                                                self._depth_weights)
+                                                                self._depth_weight_tensor(strategy.root_device))
             for name, value in mtp_metrics.items():
-                self.log(name, value, prog_bar=name == "mtp_loss")
+                self.log(name, value, prog_bar=shown and name == "mtp_loss")
             loss = mtp_metrics["mtp_loss"] if loss is None else loss
-            if untrained and self.enable_mtp_training:
-                self._warn_untrained_depths(untrained)
+            if self.enable_mtp_training and not self._warned_untrained_depths:
+                self._untrained_depths.record(untrained, self.global_step)
+                if logs_this_step(self.trainer):  # read on the host with the step's logged metrics, not every step
+                    self._warn_untrained_depths()
         return loss
 
-    def _warn_untrained_depths(self, untrained: list[int]) -> None:
-        """Once per fit: depths the step's rows held no trained token for (their logged losses read 0)."""
-        if self._warned_untrained_depths:
+    def _progress_bar_shown(self) -> bool:
+        """Whether the training losses go to the progress bar: Lightning makes every progress-bar metric a Python
+        number at the end of every batch (a host read that waits for the device), so only where a bar shows them."""
+        return self.trainer.progress_bar_callback is not None
+
+    def _depth_weight_tensor(self, device: torch.device) -> torch.Tensor:
+        """`mtp_depth_weights` on `device`, made once: a tensor from host numbers is a copy that synchronises a GPU."""
+        if self._depth_weights_on_device is None or self._depth_weights_on_device.device != device:
+            self._depth_weights_on_device = torch.tensor(self._depth_weights, dtype=torch.float64, device=device)
+        return self._depth_weights_on_device
+
+    @override
+    def on_train_end(self) -> None:
+        if self.enable_mtp_training:
+            self._warn_untrained_depths()  # a step since the last logged one may have had some
+
+    def _warn_untrained_depths(self) -> None:
+        """Once per fit: the depths the first such step's rows held no trained token for (their logged losses read
+        0); recorded on the device every step, read here."""
+        first = None if self._warned_untrained_depths else self._untrained_depths.first()
+        if first is None:
             return
         self._warned_untrained_depths = True
+        step, untrained = first
         rank_zero_warn(f"mtp_depths: {self.hparams.mtp_depths}: depth(s) {_spans(untrained)} had no trained token in "
-                       f"step {self.global_step}'s rows (depth k trains token t + k + 1 of the same sequence); their "
+                       f"step {step}'s rows (depth k trains token t + k + 1 of the same sequence); their "
                        "logged losses read 0. Lower mtp_depths, or train on longer sequences (said once per fit)")
 
     def _log_moe_aux_loss(self, num_microbatches: int) -> None:

@@ -265,6 +265,7 @@ def read_and_reset_moe_aux_loss(model_config: Any, num_microbatches: int) -> tor
     The load-balancing loss(es) before their coefficient, averaged over MoE layers, microbatches and data-parallel
     ranks, as Megatron-LM reports them (`MoEMetricsTracker.report`); every microbatch routes the same number of
     tokens, so this is the mean over all routed tokens. Every rank must call it; None when the router records none.
+    The loss stays where the tracker keeps it (the device): Lightning reads it on the host only when it logs.
     """
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -282,4 +283,4 @@ def read_and_reset_moe_aux_loss(model_config: Any, num_microbatches: int) -> tor
         num_layers=model_config.num_layers, moe_layer_freq=model_config.moe_layer_freq,
         mtp_num_layers=model_config.mtp_num_layers, total_loss_dict=totals,
     )
-    return sum(torch.as_tensor(totals[name], dtype=torch.float32).cpu() for name in names)
+    return sum(torch.as_tensor(totals[name], dtype=torch.float32) for name in names)

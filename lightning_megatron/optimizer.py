@@ -60,13 +60,17 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.megatron_optimizer.state = value
 
-    def step_metrics(self) -> dict[str, float]:
-        """What the last step reports: `grad_norm`, `grad_norm_<group>` per group Megatron clips apart, `lr`."""
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """What the last step reports: `grad_norm`, `grad_norm_<group>` per group Megatron clips apart, `lr`.
+
+        Host tensors of the dtype Lightning gives logged numbers: Lightning would make each Python number a tensor
+        on the module's device, a copy from pageable memory that makes the host wait for a CUDA device."""
         metrics = {} if self.last_grad_norm is None else {"grad_norm": self.last_grad_norm}
         metrics.update({f"grad_norm_{group}": norm for group, norm in self.last_grad_norms_by_group.items()})
         if self.param_groups:
             metrics["lr"] = self.param_groups[0]["lr"]
-        return metrics
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return {name: torch.tensor(value, dtype=dtype) for name, value in metrics.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.megatron_optimizer.zero_grad(set_to_none)

@@ -1,6 +1,7 @@
 """One Lightning batch = one global batch through Megatron's schedule.
 
-`GlobalBatches` groups a DataLoader's microbatches into the global batches `MegatronStrategy` hands its module;
+`GlobalBatches` groups a DataLoader's microbatches into the global batches `MegatronStrategy` hands its module
+(checked, and on a CUDA run pinned, on the host before Lightning copies them to the device: `HostCheckedBatch`);
 `wrap_chunks` puts Float16Module and Megatron DDP around the model chunks, with the hooks the schedule calls;
 `run_schedule` runs one global batch through Megatron-Core's forward-backward schedule (no pipelining, 1F1B or
 interleaved) and returns its metrics token-weighted over microbatches, data- and context-parallel ranks and
@@ -10,6 +11,7 @@ pipeline stages; `seed_everything_megatron` seeds the RNGs the way Megatron-LM d
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -35,16 +37,28 @@ def microbatches_per_global_batch(global_batch_size: int | None, micro_batch_siz
     return global_batch_size // (micro_batch_size * data_parallel_size)
 
 
+class HostCheckedBatch(list):
+    """A global batch (its microbatches) whose layouts were checked on the host (`check_microbatch`) before Lightning
+    copied it to the device; Lightning's copy keeps the list's type, so `run_schedule` knows not to check it again.
+
+    Checking a packed row reads its `cu_seqlens` values: on the device, a synchronisation per packed microbatch (the
+    host waits for the GPU work queued before it), on the host, none."""
+
+
 class GlobalBatches:
     """Groups a DataLoader's microbatches into global batches; resumable mid-epoch (Lightning saves its state).
 
     The position saved is the number of global batches *trained* this epoch (the strategy counts them), not the
-    number fetched, because Lightning fetches one batch ahead.
+    number fetched, because Lightning fetches one batch ahead. `training`: data too small for one global batch is
+    refused. `host`: the work done on each microbatch on the host before Lightning copies it to the device
+    (`HostWork`); None: none (`run_schedule` then checks them).
     """
 
-    def __init__(self, dataloader: Any, num_microbatches: int, *, training: bool = False) -> None:
+    def __init__(self, dataloader: Any, num_microbatches: int, *, training: bool = False,
+                 host: HostWork | None = None) -> None:
         self.dataloader = dataloader
         self.num_microbatches = num_microbatches
+        self.host = host
         self.drop_last = bool(getattr(dataloader, "drop_last", False))
         self.consumed = 0
         self._epoch = 0
@@ -92,11 +106,20 @@ class GlobalBatches:
             group.append(microbatch)
             if len(group) == self.num_microbatches:
                 if index >= skip:
-                    yield group
+                    yield self._prepared(group)
                 index += 1
                 group = []
         if group and not self.drop_last and index >= skip:
-            yield group
+            yield self._prepared(group)
+
+    def _prepared(self, group: list[Microbatch]) -> list[Microbatch]:
+        if self.host is None or not all(isinstance(microbatch, dict) for microbatch in group):
+            return group
+        if self.host.pin:
+            group = [_pinned(microbatch) for microbatch in group]
+        for microbatch in group:
+            check_microbatch(microbatch, self.host.context_parallel_size, self.host.sequence_parallel_size)
+        return HostCheckedBatch(group)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._epoch, "consumed": self.consumed}
@@ -106,6 +129,32 @@ class GlobalBatches:
         self._skip = 0 if finished_epoch else state_dict["consumed"]
         if not finished_epoch and callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(state_dict["epoch"])
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """What `GlobalBatches` does to each microbatch on the host: `check_microbatch` at these parallel sizes
+    (`sequence_parallel_size`: the TP size under sequence parallelism, else 1), and with `pin` its tensors put in
+    page-locked memory, so that Lightning's `non_blocking` copy to a CUDA device does not make the host wait."""
+
+    context_parallel_size: int
+    sequence_parallel_size: int
+    pin: bool = False
+
+    @classmethod
+    def current(cls, sequence_parallel: bool, device: torch.device) -> HostWork:
+        """For the parallel state set up, training on `device`."""
+        from megatron.core import parallel_state
+
+        tensor_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+        return cls(parallel_state.get_context_parallel_world_size(),
+                   tensor_parallel_size if sequence_parallel else 1, pin=device.type == "cuda")
+
+
+def _pinned(microbatch: Microbatch) -> Microbatch:
+    """The microbatch with its host tensors in page-locked memory (anything else as it is)."""
+    return {key: value.pin_memory() if isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            and not value.is_pinned() else value for key, value in microbatch.items()}
 
 
 def seed_everything_megatron(seed: int, cudagraphable_rng: bool = False) -> None:
@@ -180,17 +229,17 @@ def run_schedule(
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    graph = None if forward_only else graph
-    if graph is not None:
-        microbatches = graph.static_microbatches(microbatches)
     from megatron.core.utils import get_model_config
 
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     sp_size = parallel_state.get_tensor_model_parallel_world_size() if get_model_config(
         model_chunks[0]).sequence_parallel else 1
-    for microbatch in microbatches:  # bad layouts fail here, before any forward pass of the step
-        check_microbatch(microbatch, cp_size, sp_size)
+    if not isinstance(microbatches, HostCheckedBatch):  # bad layouts fail here, before any forward pass of the step
+        for microbatch in microbatches:
+            check_microbatch(microbatch, cp_size, sp_size)
+    graph = None if forward_only else graph
+    if graph is not None:
+        microbatches = graph.static_microbatches(microbatches)
 
     def megatron_forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple:
         microbatch = next(data_iterator)

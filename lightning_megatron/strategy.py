@@ -334,8 +334,8 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """One Lightning batch = the microbatches of one global batch (a partial last group only without drop_last)."""
-        training = self.lightning_module.trainer.training  # training data too small for one global batch is refused
-        return schedule.GlobalBatches(dataloader, self.num_microbatches, training=training)
+        return schedule.GlobalBatches(dataloader, self.num_microbatches, training=self.lightning_module.trainer.training,
+                                      host=schedule.HostWork.current(self.sequence_parallel, self.root_device))
 
     @override
     def on_train_start(self) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.bridges import capable_backends
-from lightning_megatron.contract import MegatronLightningModule
+from lightning_megatron.contract import MegatronLightningModule, logs_this_step
 from lightning_megatron.cuda_graphs.frozen_trunk import graph_frozen_trunk
 from lightning_megatron.cuda_graphs.options import CudaGraphOptions
 from lightning_megatron.cuda_graphs.refusals import Setting, check_setting
@@ -156,10 +156,9 @@ class MTPOnlyCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        """One Lightning batch is one optimizer step under MegatronStrategy, so `global_step + 1` is the step the
-        logger connector checks (a stop already asked for logs that step too); the same on every rank."""
-        every = self.log_lm_loss_every_n_steps or trainer.log_every_n_steps
-        self._main_loss.compute = trainer.should_stop or (every > 0 and (trainer.global_step + 1) % every == 0)
+        """The main head runs in the steps the loggers record (`logs_this_step`), or every
+        `log_lm_loss_every_n_steps`."""
+        self._main_loss.compute = logs_this_step(trainer, self.log_lm_loss_every_n_steps)
         if self.trunk_cache is not None:
             self.trunk_cache.plan_step(batch)
 

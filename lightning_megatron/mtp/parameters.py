@@ -127,12 +127,14 @@ def clear_mtp_tracker() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
-def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device, depth_weights: Sequence[float] = (1.0,)
-                               ) -> tuple[dict[str, torch.Tensor], list[int]]:
+def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device,
+                               depth_weights: Sequence[float] | torch.Tensor = (1.0,)
+                               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Megatron-Core's process-global MTP tracker (summed over microbatches until cleaned), as per-step metrics, and
-    the depths (1..) that had no trained token in the whole step (over every rank): rows or sequences too short for
-    them, whose logged losses read 0 (a microbatch without a token at a depth counts 0 in its mean, as Megatron-LM
-    logs it).
+    per depth whether it had no trained token in the whole step (over every rank; a bool tensor on `device`, read on
+    the host only when needed: `UntrainedDepths`): rows or sequences too short for it, whose logged losses read 0
+    (a microbatch without a token at a depth counts 0 in its mean, as Megatron-LM logs it). Nothing here waits for
+    the device (`depth_weights` as a float64 tensor on `device` spares even the copy of the weights).
 
     `mtp_loss`: per depth, the mean over microbatches of each microbatch's masked MTP loss (unscaled), averaged over
     data-parallel ranks; then the mean over depths by `depth_weights` (`mtp_depth_weights`: the loss trained, before
@@ -160,11 +162,36 @@ def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device, dept
                        group=parallel_state.get_pipeline_model_parallel_group())
     # each CP rank logged its share of a microbatch's loss (the shares add up; `_compat.context_parallel`)
     losses = values[0] / (num_microbatches * parallel_state.get_data_parallel_world_size())
-    weights = torch.tensor(depth_weights, dtype=torch.float64, device=device)
+    weights = depth_weights if isinstance(depth_weights, torch.Tensor) else torch.tensor(
+        depth_weights, dtype=torch.float64, device=device)
     metrics = {"mtp_loss": (losses * weights).sum().float(),
                "mtp_accuracy": (values[1].sum() / values[2].sum().clamp(min=1)).float()}
     if depths > 1:
         for depth in range(depths):
             metrics[f"mtp_loss_depth_{depth + 1}"] = losses[depth].float()
             metrics[f"mtp_accuracy_depth_{depth + 1}"] = (values[1, depth] / values[2, depth].clamp(min=1)).float()
-    return metrics, [depth + 1 for depth, tokens in enumerate(values[2].tolist()) if tokens == 0]
+    return metrics, values[2] == 0
+
+
+class UntrainedDepths:
+    """The first step in which some MTP depth had no trained token, and those depths, kept on the device step by
+    step (`record`) and read on the host only when asked (`first`): at a logging step, not every step."""
+
+    def __init__(self) -> None:
+        self._first_step: torch.Tensor | None = None  # per depth: the first step it was untrained in, -1: none yet
+
+    def record(self, untrained: torch.Tensor, step: int) -> None:
+        if self._first_step is None:
+            self._first_step = torch.full_like(untrained, -1, dtype=torch.int64)
+        self._first_step = torch.where(untrained & (self._first_step < 0), step, self._first_step)
+
+    def first(self) -> tuple[int, list[int]] | None:
+        """(the step, its untrained depths 1..) of the first step that had any; None when none had: one host read."""
+        if self._first_step is None:
+            return None
+        first_steps = self._first_step.tolist()
+        recorded = [step for step in first_steps if step >= 0]
+        if not recorded:
+            return None
+        step = min(recorded)
+        return step, [depth + 1 for depth, first in enumerate(first_steps) if first == step]

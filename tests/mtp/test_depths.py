@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 from lightning_megatron.bridges import create_bridge
 from lightning_megatron.callbacks import HFExport
 from lightning_megatron.module import SFTModule
-from lightning_megatron.mtp.parameters import is_mtp_parameter
+from lightning_megatron.mtp.parameters import UntrainedDepths, is_mtp_parameter
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.speculative import greedy_decode, load_mtp_head, load_target, speculative_decode
@@ -322,6 +322,18 @@ def test_depths_the_rows_are_too_short_for_are_named(process_group, checkpoints,
         fit = _fit(tmp_path, checkpoints["qwen3"], RandomTokenDataset(2, 4, 384),
                    module_kwargs=_options("labels", None) | {"mtp_depths": 5})
     assert fit.metrics["mtp_loss_depth_5"] == fit.metrics["mtp_loss_depth_4"] == 0 < fit.metrics["mtp_loss_depth_3"]
+
+
+def test_untrained_depths_name_the_first_step_that_had_any_and_its_depths():
+    """Recorded step by step on the device and read once: the first step with an untrained depth and that step's
+    untrained depths, as the warning said them when it read every step."""
+    depths = UntrainedDepths()
+    assert depths.first() is None
+    depths.record(torch.tensor([False, False, False]), 0)
+    assert depths.first() is None
+    depths.record(torch.tensor([False, True, True]), 1)
+    depths.record(torch.tensor([True, True, True]), 2)
+    assert depths.first() == (1, [2, 3])
 
 
 def test_huge_depth_weights_keep_their_ratios():
