@@ -19,6 +19,8 @@
 #   sizes                     issue 41: Qwen3-8B LoRA, 4B full SFT, 0.6B SFT + MTP (default, eager, graphed) and
 #                             30B-A3B LoRA, packed rows of 4096, each beside the plain Megatron-Core loop (~6 min)
 #   sizes_offload             issue 41: Qwen3-8B full SFT with 3/4 of the optimizer in host memory (not default)
+#   sizes_mtp                 issue 41: the three 0.6B SFT + MTP runs of `sizes` only, 3 rounds each (Lightning /
+#                             plain at the 1% bound; not default)
 #   norms                     issue 41: RMSNorm forward + backward at the Qwen3-0.6B/4B/8B norm shapes, torch's
 #                             kernels against the compiled ones of _compat/fast_rms_norm.py (~1 min, estimated)
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
@@ -139,6 +141,8 @@ for name in $STEPS; do
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
         tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
         sizes_offload) step "$name" python3 -m bench.sizes --configs qwen3_8b_full_offload --out "$OUT/$name.json" ;;
+        sizes_mtp) step "$name" python3 -m bench.sizes --configs qwen3_0.6b_mtp_default qwen3_0.6b_mtp_eager \
+                       qwen3_0.6b_mtp_graphed --rounds 3 --out "$OUT/$name.json" ;;
         packing_graphed) step "$name" python3 -m bench.packing --layouts full_graph packed_graph padded_graph \
                              --no-upstream-rope --no-context-parallel --markdown "$OUT/packing_graphed_profile.md" \
                              --out "$OUT/$name.json" ;;
