@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.utils.data import DistributedSampler
 
 from lightning_megatron.microbatch import LossOutput, Microbatch, check_microbatch, split_for_context_parallel
@@ -42,7 +43,15 @@ class HostCheckedBatch(list):
     copied it to the device; Lightning's copy keeps the list's type, so `run_schedule` knows not to check it again.
 
     Checking a packed row reads its `cu_seqlens` values: on the device, a synchronisation per packed microbatch (the
-    host waits for the GPU work queued before it), on the host, none."""
+    host waits for the GPU work queued before it), on the host, none. A pytree node like a list (registered below),
+    so `torch.utils._pytree` users (callbacks mapping over the batch) see its microbatches, not one leaf."""
+
+
+pytree.register_pytree_node(
+    HostCheckedBatch, lambda batch: (list(batch), None), lambda children, _: HostCheckedBatch(children),
+    serialized_type_name="lightning_megatron.schedule.HostCheckedBatch",
+    flatten_with_keys_fn=lambda batch: ([(pytree.SequenceKey(index), microbatch)
+                                         for index, microbatch in enumerate(batch)], None))
 
 
 class GlobalBatches:

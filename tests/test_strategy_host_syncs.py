@@ -74,11 +74,12 @@ class HostSyncs(TorchFunctionMode):
 
 
 def _caller() -> str:
-    """The innermost frame outside this file, `path/to/file.py:function`: from the repository or site-packages."""
+    """The innermost frame outside this file, `path/to/file.py:function`: from site-packages (also a virtual
+    environment inside the repository, as `make` builds it) or else the repository."""
     frame = next(frame for frame in reversed(traceback.extract_stack()) if frame.filename != __file__)
     path = Path(frame.filename)
-    parts = path.relative_to(ROOT).parts if path.is_relative_to(ROOT) else path.parts[
-        path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else path.parts[-2:]
+    parts = path.parts[path.parts.index("site-packages") + 1:] if "site-packages" in path.parts else \
+        path.relative_to(ROOT).parts if path.is_relative_to(ROOT) else path.parts[-2:]
     return f"{'/'.join(parts)}:{frame.name}"
 
 
@@ -189,6 +190,11 @@ def test_global_batches_check_on_the_host_and_run_schedule_trusts_them(process_g
     batches = list(GlobalBatches(DataLoader(good, batch_size=1, collate_fn=collate_packed), ROWS, host=host))
     assert len(batches) == 1 and isinstance(batches[0], HostCheckedBatch)
     assert isinstance(move_data_to_device(batches[0], torch.device("cpu")), HostCheckedBatch)
+    leaves, spec = torch.utils._pytree.tree_flatten(batches[0])  # a callback mapping over the batch sees its tensors
+    assert [leaf for leaf in leaves if torch.is_tensor(leaf)] == [value for microbatch in batches[0]
+                                                                  for value in microbatch.values()
+                                                                  if torch.is_tensor(value)] != []
+    assert isinstance(torch.utils._pytree.tree_unflatten(leaves, spec), HostCheckedBatch)
     unchecked = list(GlobalBatches(DataLoader(good, batch_size=1, collate_fn=collate_packed), ROWS))
     assert type(unchecked[0]) is list
     with pytest.raises(ValueError, match="cu_seqlens: must"):
