@@ -24,8 +24,6 @@ its kernels are the ones a Triton upgrade would enable. `--tiny`: the tiny Qwen3
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -107,31 +105,6 @@ def measure_forward(layer: torch.nn.Module, hidden: torch.Tensor, warmup: int, r
     return {"forward_s": seconds, "forward_tflop_per_s": flops / 3 / seconds / 1e12}, forward().float().clone()
 
 
-@contextlib.contextmanager
-def fla_kernels(layer: torch.nn.Module) -> Iterator[None]:
-    """fla's kernels within a block where the package put the PyTorch ones in (fla refuses its backward here, so the
-    `gated_delta_net_torch_kernels` adjustment is on): megatron-core's three fla names and the layer's bound rule
-    (gdn.py:59-62) back to fla's, undone after. Forward only: fla's backward raises on such a machine."""
-    from fla.modules.convolution import causal_conv1d
-    from fla.modules.l2norm import l2norm
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from megatron.core.ssm.gated_delta_net import common, gdn
-
-    from lightning_megatron._compat._adjustment import Patches
-
-    patches = Patches()
-    kernels = {"causal_conv1d": causal_conv1d, "l2norm": l2norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
-    for module in (common, gdn):
-        for name, value in kernels.items():
-            if name in vars(module):
-                patches.setattr(module, name, value)
-    patches.setattr(layer, "gated_delta_rule", chunk_gated_delta_rule)
-    try:
-        yield
-    finally:
-        patches.revert()
-
-
 def compare_kernels(config: dict[str, Any], workdir: Path, *, tiny: bool, micro_batch: int, seq: int, warmup: int,
                     repeats: int, dtype: torch.dtype) -> dict[str, Any]:
     """fla's kernels against the PyTorch path on one GatedDeltaNet layer of `config`'s shape (module docstring)."""
@@ -163,7 +136,7 @@ def compare_kernels(config: dict[str, Any], workdir: Path, *, tiny: bool, micro_
             forward, reference_output = measure_forward(layer, hidden, warmup, repeats, flops)
         result["pytorch"].update(forward)
         try:
-            with fla_kernels(layer):
+            with gated_delta_net.fla_kernels(layer):
                 result["fla"], fast_output = measure_forward(layer, hidden, warmup, repeats, flops)
         except Exception as error:  # the PyTorch figures stay; the table says why fla has none
             result["fla"] = {"skipped": f"{skipped}; its forward failed too: {error!r}"[:400]}

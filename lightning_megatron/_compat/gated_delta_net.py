@@ -220,26 +220,52 @@ def _install_torch_gated_delta_net_kernels(patches: Patches) -> None:
     """The three kernels megatron-core imports from fla, as PyTorch: the conv, l2norm and chunked rule above (the rule
     is megatron-core's own, which upstream uses only in `deterministic_mode`, taught packed sequences); `HAVE_FLA`
     then says the kernels GatedDeltaNet needs are there."""
+    _set_kernels(patches, _torch_kernels())
+
+
+def _torch_kernels() -> dict[str, Any]:
+    return {"causal_conv1d": torch_causal_conv1d, "l2norm": torch_l2norm,
+            "chunk_gated_delta_rule": torch_chunk_gated_delta_rule, "HAVE_FLA": True}
+
+
+def _set_kernels(patches: Patches, kernels: dict[str, Any], layers: tuple[torch.nn.Module, ...] = ()) -> None:
+    """`kernels` under their names wherever megatron-core's gated DeltaNet modules hold them, and the rule of each
+    given GatedDeltaNet, which megatron-core binds when it builds the layer (gdn.py:59-62)."""
     from megatron.core.ssm import gated_delta_net as package
     from megatron.core.ssm.gated_delta_net import common, gdn
 
-    kernels = {"causal_conv1d": torch_causal_conv1d, "l2norm": torch_l2norm,
-               "chunk_gated_delta_rule": torch_chunk_gated_delta_rule, "HAVE_FLA": True}
     for module in (common, gdn, package):
         for name, value in kernels.items():
             if name in vars(module):
                 patches.setattr(module, name, value)
+    for layer in layers:
+        patches.setattr(layer, "gated_delta_rule", kernels["chunk_gated_delta_rule"])
 
 
 @contextlib.contextmanager
 def torch_kernels(*layers: torch.nn.Module) -> Iterator[None]:
     """The PyTorch path of the gated DeltaNet within a block, whether or not `fla` is installed (what a machine
     without it runs, for a comparison with fla's kernels): the three kernels as the adjustment installs them, and the
-    rule of each given GatedDeltaNet, which megatron-core binds when it builds the layer (gdn.py:59-62); undone after."""
+    rule of each given GatedDeltaNet; undone after."""
     patches = Patches()
-    _install_torch_gated_delta_net_kernels(patches)
-    for layer in layers:
-        patches.setattr(layer, "gated_delta_rule", torch_chunk_gated_delta_rule)
+    _set_kernels(patches, _torch_kernels(), layers)
+    try:
+        yield
+    finally:
+        patches.revert()
+
+
+@contextlib.contextmanager
+def fla_kernels(*layers: torch.nn.Module) -> Iterator[None]:
+    """fla's kernels within a block, also where the adjustment put the PyTorch ones in because fla refuses its
+    backward on this machine (then only forwards may run in it: a benchmark's fla side); undone after."""
+    from fla.modules.convolution import causal_conv1d
+    from fla.modules.l2norm import l2norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    patches = Patches()
+    _set_kernels(patches, {"causal_conv1d": causal_conv1d, "l2norm": l2norm,
+                           "chunk_gated_delta_rule": chunk_gated_delta_rule}, layers)
     try:
         yield
     finally:
