@@ -262,21 +262,21 @@ def torch_rms_norm_has_fused_dsl_kernels() -> bool:
 
 
 OPT_IN = "LIGHTNING_MEGATRON_FAST_RMS_NORM"
-"""Set to 1 to apply it. Off by default: on the H200 (2026-12-05, torch 2.11) `bench/norms.py` measured the compiled
-norms at 0.27x torch's time per microbatch at Qwen3-0.6B's shapes and 0.56x at 4B / 8B, and the bf16 equality tests
-passed, but `test_on_the_gpu_tiny_fits_train_as_with_torchs_norms` failed (its output was not recovered: the
-machine was taken back; a later H200 run showed its "torch" fits had built `FastRMSNorm` too: `suspended()` did not
-yet hold against the strategy's own `prepare_megatron_core()`); it goes on by default once that test passes."""
+"""On by default (unset or 1); 0 keeps torch's norms. On the H200 (2026-12-05, torch 2.11) `bench/norms.py` measured
+the compiled norms at 0.27x torch's time per microbatch at Qwen3-0.6B's shapes and 0.56x at 4B / 8B, and every GPU
+test of this file passed (`bench/results/h200_2026-12-05c/`: bf16 equality at those shapes, a norm first met inside
+a capture, tiny fits through both kinds of CUDA graph training as with torch's norms)."""
 
 
 def opted_in() -> bool:
-    """`LIGHTNING_MEGATRON_FAST_RMS_NORM`: 1 applies the adjustment, 0 or unset leaves torch's norms; any other value
-    is refused (a `true` that silently did nothing would be taken for the compiled norms, in a benchmark too)."""
+    """`LIGHTNING_MEGATRON_FAST_RMS_NORM`: unset or 1 applies the adjustment (where its condition holds), 0 leaves
+    torch's norms; any other value is refused (a `false` that silently did nothing would be taken for torch's norms,
+    in a benchmark too)."""
     value = os.environ.get(OPT_IN, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{OPT_IN}={value!r} is not 0 or 1: set it to 1 (RMSNorms from compiled kernels on a GPU "
-                         "without Transformer Engine) or 0, or leave it unset (torch's norms)")
-    return value == "1"
+        raise ValueError(f"{OPT_IN}={value!r} is not 0 or 1: set it to 0 (torch's norms) or 1, or leave it unset "
+                         "(the default: RMSNorms from compiled kernels on a GPU without Transformer Engine)")
+    return value != "0"
 
 
 def _torch_rms_norm_is_slow_here() -> bool:

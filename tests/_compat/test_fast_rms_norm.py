@@ -38,7 +38,6 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_in_fresh_process
 
 ADJUSTMENT = fast_rms_norm.ADJUSTMENTS[0]
-os.environ.setdefault(fast_rms_norm.OPT_IN, "1")  # opted in: the GPU tests (and fresh processes) apply it
 EPS = 1e-6
 
 
@@ -77,14 +76,14 @@ def test_the_cpu_keeps_torchs_norm(model_parallel) -> None:
 
 @pytest.mark.parametrize("value", ["true", "yes", "2", " on"])
 def test_an_opt_in_other_than_0_or_1_is_refused_naming_the_variable(monkeypatch, value) -> None:
-    """Any value but "1" used to leave torch's norms without a word; now it fails before a model is built."""
+    """Any value but "0" used to apply the compiled norms without a word; now it fails before a model is built."""
     from lightning_megatron._compat import prepare_megatron_core
 
     monkeypatch.setenv(fast_rms_norm.OPT_IN, value)
     with pytest.raises(ValueError, match=f"LIGHTNING_MEGATRON_FAST_RMS_NORM={value.strip()!r} is not 0 or 1: set "
-                                         "it to 1 .* or 0, or leave it unset"):
+                                         "it to 0 .* or 1, or leave it unset"):
         prepare_megatron_core()
-    for accepted, applies in (("1", True), (" 0", False), ("", False)):
+    for accepted, applies in (("1", True), (" 0", False), ("", True)):
         monkeypatch.setenv(fast_rms_norm.OPT_IN, accepted)
         assert fast_rms_norm.opted_in() is applies
 
