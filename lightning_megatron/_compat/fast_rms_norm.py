@@ -23,7 +23,7 @@ gradient). The compiled functions take no part in autograd (the Function holds i
 inputs without gradients make no new graphs; the rows are marked dynamic and `dynamic=False` keeps the width static,
 so each function compiles once per width, dtype and row stride, whatever the sequence length, micro-batch or
 validation shape, and each width has a compiled copy of its own (dynamo's recompile limit, 8 graphs per function,
-then never counts the widths of all the models one process trains).
+then never counts the widths of all the models one process trains; `compiled.py`, shared with `fast_rope.py`).
 
 Why all three kernels, rather than torch's fused forward and input gradient with only the weight's reduction replaced
 (`aten::_fused_rms_norm_backward` with the weight's output masked off): in that profile those two took 19 and 23 us
@@ -41,33 +41,24 @@ torch's kernels. The CPU, and any tensor off CUDA, keeps torch's norm.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_megatron._compat import compiled
 from lightning_megatron._compat._adjustment import Adjustment, Patches
+from lightning_megatron._compat.compiled import State, triton_available
 from lightning_megatron._compat.gated_delta_net import ZeroCenteredRMSNorm
 from lightning_megatron._compat.no_te import no_transformer_engine
 
-_LOG = logging.getLogger(__name__)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-
-@dataclass
-class State:
-    """Whether the swapped classes take the compiled path: the adjustment is applied and nothing refused it."""
-
-    active: bool = False
-    refused: str | None = None  # why compiling failed: every norm runs torch's kernels from then on
-
-
-STATE = State()
+STATE = State("RMSNorm: torch.compile failed (%s); the norms run torch's kernels from now on",
+              logging.getLogger(__name__))
+"""Whether the swapped classes take the compiled path: the adjustment is applied and nothing refused it."""
 
 
 # the math: what the compiled kernels are made from, and what runs where they cannot --------------------------------
@@ -101,64 +92,11 @@ def rms_norm_weight_grad(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor
 # the compiled kernels ---------------------------------------------------------------------------------------------
 
 
-def _signature(args: tuple[Any, ...]) -> tuple:
-    """What a compiled function's graphs differ by: each tensor's dtype, width, strides and whether it has one row
-    (dynamo specialises that size), the other arguments' values, the grad and inference modes."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            *((arg.dtype, arg.shape[1:], arg.stride(), arg.shape[0] == 1) if isinstance(arg, torch.Tensor) else arg
-              for arg in args))
+class CompiledKernel(compiled.CompiledKernel):
+    """One of the functions above through `torch.compile` (`compiled.CompiledKernel`), one compiled copy per width;
+    a failed compile sends every norm back to torch's kernels (`STATE`)."""
 
-
-def _refuse(error: Exception) -> None:
-    if STATE.refused is None:
-        STATE.refused = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-        _LOG.warning("RMSNorm: torch.compile failed (%s); the norms run torch's kernels from now on", STATE.refused)
-
-
-def _with_own_code(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` with a code object of its own: dynamo keeps its graphs, and counts them against its recompile
-    limit (8 by default; hitting it under `fullgraph=True` is an error), per code object."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
-
-
-class CompiledKernel:
-    """One of the functions above through `torch.compile`, one compiled copy per width (made at the width's first
-    call: the widths of several models in one process never share a recompile limit); its eager self once compiling
-    failed, and inside a CUDA graph capture for a signature that has not run compiled yet."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        self.function = function
-        self.ran: set[tuple] = set()  # the signatures that ran compiled
-        self._by_width: dict[int, Callable[..., Any]] = {}
-
-    def compiled(self, width: int) -> Callable[..., Any]:
-        if width not in self._by_width:
-            self._by_width[width] = torch.compile(_with_own_code(self.function), dynamic=False, fullgraph=True)
-        return self._by_width[width]
-
-    def __call__(self, *args: Any) -> Any:
-        if STATE.refused is not None:
-            return self.function(*args)
-        signature = _signature(args)
-        capturing = args[0].is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing and signature not in self.ran:
-            return self.function(*args)
-        try:
-            compiled = self.compiled(args[0].shape[-1])
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.dim() == 2:
-                    torch._dynamo.maybe_mark_dynamic(arg, 0)  # the rows: one graph for every M
-            result = compiled(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            if capturing:  # the capture is broken already: the caller's fallback decides
-                raise
-            _refuse(error)
-            return self.function(*args)
-        self.ran.add(signature)
-        return result
+    state = STATE
 
 
 @dataclass(frozen=True)
@@ -221,7 +159,7 @@ class _CompiledForward:
         return super().forward(x)  # type: ignore[misc]
 
     def _takes_compiled_path(self, x: torch.Tensor) -> bool:
-        return (STATE.active and STATE.refused is None and x.is_cuda and x.dtype in _DTYPES and x.numel() > 0
+        return (STATE.compiles and x.is_cuda and x.dtype in _DTYPES and x.numel() > 0
                 and self.weight is not None and self.eps is not None and len(self.normalized_shape) == 1
                 and self.weight.device == x.device)
 
@@ -240,15 +178,6 @@ FAST_CLASSES: dict[type, type] = {torch.nn.RMSNorm: FastRMSNorm, ZeroCenteredRMS
 
 
 # the adjustment ---------------------------------------------------------------------------------------------------
-
-
-def triton_available() -> bool:
-    """Whether Inductor can generate CUDA kernels here (Triton importable and the GPU new enough for it)."""
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return importlib.util.find_spec("triton") is not None
-    return has_triton()
 
 
 def torch_rms_norm_has_fused_dsl_kernels() -> bool:
@@ -270,22 +199,14 @@ a capture, tiny fits through both kinds of CUDA graph training as with torch's n
 
 def opted_in() -> bool:
     """`LIGHTNING_MEGATRON_FAST_RMS_NORM`: unset or 1 applies the adjustment (where its condition holds), 0 leaves
-    torch's norms; any other value is refused (a `false` that silently did nothing would be taken for torch's norms,
-    in a benchmark too)."""
-    value = os.environ.get(OPT_IN, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{OPT_IN}={value!r} is not 0 or 1: set it to 0 (torch's norms) or 1, or leave it unset "
-                         "(the default: RMSNorms from compiled kernels on a GPU without Transformer Engine)")
-    return value != "0"
+    torch's norms, anything else is refused (`compiled.switched_on`)."""
+    return compiled.switched_on(OPT_IN, "torch's norms",
+                                "RMSNorms from compiled kernels on a GPU without Transformer Engine")
 
 
 def _torch_rms_norm_is_slow_here() -> bool:
     return (opted_in() and torch.cuda.is_available() and no_transformer_engine()
             and triton_available() and not torch_rms_norm_has_fused_dsl_kernels())
-
-
-def _deactivate() -> None:
-    STATE.active = False
 
 
 def _install_fast_rms_norm(patches: Patches) -> None:
@@ -305,7 +226,7 @@ def _install_fast_rms_norm(patches: Patches) -> None:
 
     patches.setattr(WrappedTorchNorm, "__new__", staticmethod(new))
     STATE.active = True
-    patches.on_revert(_deactivate)
+    patches.on_revert(STATE.deactivate)
 
 
 ADJUSTMENTS = (

@@ -1,8 +1,8 @@
 """`megatron_core.fast_rms_norm`: Megatron-Core's RMSNorms (torch's and the zero-centred one) with the forward and
 both gradients from `torch.compile`d functions on CUDA. On the CPU: the adjustment is not applied there and the norm
 stays torch's; the swapped class keeps torch's parameters, names, state dict and sequence-parallel marks; the math the
-compiled functions are made from equals torch's norms in float32, forward and both gradients; a function that does
-not compile is refused once, logged, and runs eagerly. On a GPU: bf16 results equal to torch's norm within bf16's
+compiled functions are made from equals torch's norms in float32, forward and both gradients (a function that does
+not compile is refused once: `test_compiled.py`). On a GPU: bf16 results equal to torch's norm within bf16's
 rounding at Qwen3-0.6B/4B/8B's norm shapes (the key heads as the strided view of the fused QKV output Megatron-Core
 hands over), a norm first met inside a CUDA graph capture runs eagerly there, and tiny fits (joint through the
 whole-iteration graph, MTP-only through the frozen trunk's graphs) train as with torch's norms."""
@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_megatron._compat import fast_rms_norm
 from lightning_megatron._compat.fast_rms_norm import (
@@ -29,12 +24,12 @@ from lightning_megatron._compat.fast_rms_norm import (
     EAGER,
     FAST_CLASSES,
     STATE,
-    CompiledKernel,
     FastRMSNorm,
     rms_norm,
 )
 from lightning_megatron._compat.gated_delta_net import ZeroCenteredRMSNorm
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, joint_fit
 from tests._distributed import run_in_fresh_process
 
 ADJUSTMENT = fast_rms_norm.ADJUSTMENTS[0]
@@ -50,20 +45,6 @@ def _config(*, sequence_parallel: bool = False, zero_centered: bool = False) -> 
     return config
 
 
-@contextlib.contextmanager
-def _applied() -> Iterator[None]:
-    """The adjustment applied here as a GPU machine applies it (its condition set aside on the CPU), undone after."""
-    if ADJUSTMENT.active:
-        yield
-        return
-    with mock.patch.object(ADJUSTMENT, "needed", lambda: True):
-        ADJUSTMENT.apply()
-    try:
-        yield
-    finally:
-        ADJUSTMENT.revert()
-
-
 def test_the_cpu_keeps_torchs_norm(model_parallel) -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -74,20 +55,6 @@ def test_the_cpu_keeps_torchs_norm(model_parallel) -> None:
     assert type(WrappedTorchNorm(_config(zero_centered=True), 8, eps=EPS)) is ZeroCenteredRMSNorm
 
 
-@pytest.mark.parametrize("value", ["true", "yes", "2", " on"])
-def test_an_opt_in_other_than_0_or_1_is_refused_naming_the_variable(monkeypatch, value) -> None:
-    """Any value but "0" used to apply the compiled norms without a word; now it fails before a model is built."""
-    from lightning_megatron._compat import prepare_megatron_core
-
-    monkeypatch.setenv(fast_rms_norm.OPT_IN, value)
-    with pytest.raises(ValueError, match=f"LIGHTNING_MEGATRON_FAST_RMS_NORM={value.strip()!r} is not 0 or 1: set "
-                                         "it to 0 .* or 1, or leave it unset"):
-        prepare_megatron_core()
-    for accepted, applies in (("1", True), (" 0", False), ("", True)):
-        monkeypatch.setenv(fast_rms_norm.OPT_IN, accepted)
-        assert fast_rms_norm.opted_in() is applies
-
-
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["rms_norm", "zero_centered"])
 def test_the_swapped_norm_keeps_torchs_parameters_state_dict_and_marks(model_parallel, zero_centered) -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -95,7 +62,7 @@ def test_the_swapped_norm_keeps_torchs_parameters_state_dict_and_marks(model_par
     config = _config(sequence_parallel=True, zero_centered=zero_centered)
     with ADJUSTMENT.suspended():
         upstream = WrappedTorchNorm(config, 8, eps=EPS)
-    with _applied():
+    with applied(ADJUSTMENT):
         assert STATE.active
         norm = WrappedTorchNorm(config, 8, eps=EPS)
     assert type(norm) is FAST_CLASSES[type(upstream)] and isinstance(norm, type(upstream))
@@ -133,7 +100,7 @@ def test_a_model_built_while_suspended_has_torchs_norms(model_parallel, checkpoi
     """The GPU fits' "torch" run: its condition holds (forced here, as on a GPU), so the `prepare_megatron_core()`
     of the strategy's setup inside `suspended()` would apply the adjustment again unless the suspension holds it."""
     monkeypatch.setattr(ADJUSTMENT, "needed", lambda: True)
-    with _applied():
+    with applied(ADJUSTMENT):
         with ADJUSTMENT.suspended():
             assert _built_norms(checkpoint) == ["RMSNorm"] and not ADJUSTMENT.active and not STATE.active
         assert ADJUSTMENT.active and STATE.active
@@ -196,24 +163,6 @@ def test_the_math_equals_torchs_norm_forward_and_gradients(offset, layout, input
     for name, value in expected.items():
         if value is not None:
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6 * float(value.abs().max()), msg=name)
-
-
-def test_a_kernel_that_does_not_compile_is_refused_once_and_runs_eagerly(monkeypatch, caplog) -> None:
-    """A real compile failure (a graph break, which `fullgraph=True` refuses): logged once, computed eagerly, and
-    from then on every norm's forward is torch's (`STATE.refused`)."""
-    monkeypatch.setattr(STATE, "refused", None)
-
-    def breaks_the_graph(x: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.graph_break()  # eagerly nothing
-        return x * 2
-
-    kernel = CompiledKernel(breaks_the_graph)
-    x = torch.arange(4.0).reshape(2, 2)
-    with caplog.at_level(logging.WARNING, logger=fast_rms_norm.__name__):
-        assert torch.equal(kernel(x), x * 2) and torch.equal(kernel(x), x * 2)
-    assert STATE.refused is not None and kernel.ran == set()
-    assert [record.getMessage() for record in caplog.records] == [
-        f"RMSNorm: torch.compile failed ({STATE.refused}); the norms run torch's kernels from now on"]
 
 
 # the GPU ----------------------------------------------------------------------------------------------------------
@@ -342,44 +291,6 @@ def test_on_the_gpu_a_norm_first_met_inside_a_capture_runs_eagerly_and_replays_r
 
 # a tiny model's fits ------------------------------------------------------------------------------------------------
 
-STEPS, SEQ, VOCAB = 4, 64, 384
-# bf16's unit roundoff is u = 2^-8 ~ 3.9e-3: the two runs round their norms' outputs and gradients independently (other
-# kernels, other summation orders), a few u apart per value over the tiny model's two layers; 2e-2 (about 5u) bounds
-# losses and grad norms relatively (tests/cuda_graphs/test_auto_graph.py's BF16_RTOL). A lost scale or gradient term
-# in a norm moves the loss or the grad norm by far more.
-BF16_RTOL = 2e-2
-
-
-class _Metrics(pl.Callback):
-    def __init__(self) -> None:
-        self.metrics: list[dict[str, float]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.metrics.append({key: float(value) for key, value in trainer.callback_metrics.items()})
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.norms = sorted({type(module).__name__ for module in pl_module.modules()
-                             if isinstance(module, torch.nn.RMSNorm)})
-
-
-def _joint_fit(root: Path, checkpoint: str) -> dict[str, Any]:
-    """Joint SFT + MTP, bf16, through the whole-iteration CUDA graph: its eager warm-up step compiles the norms'
-    kernels, its capture records them."""
-    from lightning_megatron.module import SFTModule
-    from lightning_megatron.strategy import MegatronStrategy
-    from lightning_megatron.testing.datasets import RandomTokenDataset
-
-    metrics = _Metrics()
-    strategy = MegatronStrategy(hf_checkpoint=checkpoint, bridge_type="megatron-bridge", micro_batch_size=2,
-                                global_batch_size=4, precision="bf16", cuda_graph="full_iteration")
-    trainer = pl.Trainer(strategy=strategy, accelerator="gpu", devices=1, max_steps=STEPS, log_every_n_steps=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=root, callbacks=[metrics])
-    trainer.fit(SFTModule(enable_mtp=True, lr=1e-4), DataLoader(RandomTokenDataset(4 * STEPS, SEQ, VOCAB),
-                                                                batch_size=2))
-    return {"metrics": metrics.metrics, "norms": metrics.norms, "graph": strategy.cuda_graphs.graph.counts()}
-
-
 def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
     """In a fresh process (NCCL, as a real single-GPU run): each fit with the compiled norms, then with torch's."""
     from lightning_megatron.distributed import free_port, init_single_process
@@ -390,7 +301,7 @@ def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
     results: dict[str, Any] = {"active": ADJUSTMENT.active}
     for norms in ("compiled", "torch"):
         with contextlib.nullcontext() if norms == "compiled" else ADJUSTMENT.suspended():
-            results[f"joint_{norms}"] = _joint_fit(Path(root) / f"joint_{norms}", checkpoint)
+            results[f"joint_{norms}"] = joint_fit(Path(root) / f"joint_{norms}", checkpoint)
             mtp_only = _fit(Path(root) / f"mtp_only_{norms}", Path(checkpoint), cache=None, epochs=1,
                             accelerator="gpu", precision="bf16", cuda_graph_trunk=True, module_kwargs={"lr": 1e-4})
             results[f"mtp_only_{norms}"] = {key: mtp_only[key] for key in ("metrics", "steps", "graphs")}
@@ -410,14 +321,8 @@ def test_on_the_gpu_tiny_fits_train_as_with_torchs_norms(checkpoint, tmp_path) -
     assert results["active"] and results["refused"] is None and all(results["compiled_signatures"])
     compiled, upstream = results["joint_compiled"], results["joint_torch"]
     assert compiled["norms"] == ["FastRMSNorm"] and upstream["norms"] == ["RMSNorm"]
-    assert compiled["graph"] == upstream["graph"] == {"warmups": 1, "captures": 1, "replays": STEPS - 2, "eager": 0}
+    assert compiled["graph"] == upstream["graph"] == GRAPHED
     for run in ("joint", "mtp_only"):
-        got, expected = results[f"{run}_compiled"]["metrics"], results[f"{run}_torch"]["metrics"]
-        assert len(got) == len(expected) > 0, run
-        for step, (metrics, reference) in enumerate(zip(got, expected, strict=True)):
-            assert metrics.keys() == reference.keys(), run
-            for key in ("lm_loss", "mtp_loss", "grad_norm", "grad_norm_mtp"):
-                if key in reference:
-                    assert metrics[key] == pytest.approx(reference[key], rel=BF16_RTOL), (run, step, key)
+        assert_trains_alike(results[f"{run}_compiled"]["metrics"], results[f"{run}_torch"]["metrics"], run)
     assert results["mtp_only_compiled"]["graphs"] == results["mtp_only_torch"]["graphs"]
     assert results["mtp_only_compiled"]["graphs"][0]["captures"] == 1

@@ -1,0 +1,82 @@
+"""What the tests of the adjustments that compute with compiled kernels (`fast_rms_norm`, `fast_rope`) share: the
+adjustment applied on the CPU as a GPU machine applies it, and tiny bf16 fits on one GPU (joint SFT + MTP through the
+whole-iteration CUDA graph) whose every step's losses and grad norms are compared with a run on upstream's kernels."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron._compat import Adjustment
+
+
+@contextlib.contextmanager
+def applied(adjustment: Adjustment) -> Iterator[None]:
+    """`adjustment` applied here as a GPU machine applies it (its condition set aside on the CPU), undone after."""
+    if adjustment.active:
+        yield
+        return
+    with mock.patch.object(adjustment, "needed", lambda: True):
+        adjustment.apply()
+    try:
+        yield
+    finally:
+        adjustment.revert()
+
+
+STEPS, SEQ, VOCAB = 4, 64, 384
+# bf16's unit roundoff is u = 2^-8 ~ 3.9e-3: the two runs round their replaced kernels' outputs and gradients
+# independently (other kernels, other summation orders), a few u apart per value over the tiny model's two layers;
+# 2e-2 (about 5u) bounds losses and grad norms relatively (tests/cuda_graphs/test_auto_graph.py's BF16_RTOL). A lost
+# scale, sign or gradient term moves the loss or the grad norm by far more.
+BF16_RTOL = 2e-2
+GRAPHED = {"warmups": 1, "captures": 1, "replays": STEPS - 2, "eager": 0}
+"""The whole-iteration graph's counts over `STEPS` steps: the eager warm-up (which compiles), capture, replays."""
+
+
+class _Metrics(pl.Callback):
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.metrics.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.norms = sorted({type(module).__name__ for module in pl_module.modules()
+                             if isinstance(module, torch.nn.RMSNorm)})
+
+
+def joint_fit(root: Path, checkpoint: str) -> dict[str, Any]:
+    """Joint SFT + MTP, bf16, through the whole-iteration CUDA graph: its eager warm-up step compiles the kernels,
+    its capture records them. Every step's metrics, the model's norm classes, the graph's counts."""
+    from lightning_megatron.module import SFTModule
+    from lightning_megatron.strategy import MegatronStrategy
+    from lightning_megatron.testing.datasets import RandomTokenDataset
+
+    metrics = _Metrics()
+    strategy = MegatronStrategy(hf_checkpoint=checkpoint, bridge_type="megatron-bridge", micro_batch_size=2,
+                                global_batch_size=4, precision="bf16", cuda_graph="full_iteration")
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu", devices=1, max_steps=STEPS, log_every_n_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root, callbacks=[metrics])
+    trainer.fit(SFTModule(enable_mtp=True, lr=1e-4), DataLoader(RandomTokenDataset(4 * STEPS, SEQ, VOCAB),
+                                                                batch_size=2))
+    return {"metrics": metrics.metrics, "norms": metrics.norms, "graph": strategy.cuda_graphs.graph.counts()}
+
+
+def assert_trains_alike(got: list[dict[str, float]], expected: list[dict[str, float]], run: str) -> None:
+    """Every step logged the same metrics, its losses and grad norms within bf16's rounding (`BF16_RTOL`)."""
+    assert len(got) == len(expected) > 0, run
+    for step, (metrics, reference) in enumerate(zip(got, expected, strict=True)):
+        assert metrics.keys() == reference.keys(), run
+        for key in ("lm_loss", "mtp_loss", "grad_norm", "grad_norm_mtp"):
+            if key in reference:
+                assert metrics[key] == pytest.approx(reference[key], rel=BF16_RTOL), (run, step, key)
