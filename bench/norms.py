@@ -126,6 +126,27 @@ def gpu_microseconds(action: Callable[[], Any], repeats: int) -> tuple[float | N
             {name: count // repeats for name, count in names.most_common(8)})
 
 
+def measure_arm(step: Callable[[], list[torch.Tensor]], forward: Callable[[], Any],
+                reference: dict[str, torch.Tensor], warmup: int, repeats: int) -> dict[str, Any]:
+    """One arm of a kernel comparison (here and `rope.py`): `step` (forward + backward, returning the results named
+    as in `reference`, its float32 values) and `forward` warmed up (the first calls compile and autotune the
+    compiled arms' kernels), then their wall and GPU times per call, the kernels run, and each result's largest
+    difference to the reference beside the reference's largest magnitude."""
+    for _ in range(warmup):
+        step()
+        forward()
+    gpu_us, kernels = gpu_microseconds(step, repeats)
+    forward_gpu_us, _ = gpu_microseconds(forward, repeats)
+    values = step()
+    return {
+        "forward_backward_wall_us": median_seconds(step, repeats) * 1e6,
+        "forward_backward_gpu_us": gpu_us, "forward_gpu_us": forward_gpu_us, "kernels": kernels,
+        "max_abs_diff": {key: float((value.float() - expected).abs().max())
+                         for (key, expected), value in zip(reference.items(), values, strict=True)},
+        "reference_max_abs": {key: float(expected.abs().max()) for key, expected in reference.items()},
+    }
+
+
 def measure_norm(x: torch.Tensor, warmup: int, repeats: int) -> dict[str, Any]:
     """Every arm on `x`'s norm: times, kernels, and each result's largest difference to the float32 reference."""
     generator = torch.Generator().manual_seed(1)
@@ -149,19 +170,8 @@ def measure_norm(x: torch.Tensor, warmup: int, repeats: int) -> dict[str, Any]:
             with torch.no_grad():
                 return norm(x, weight)
 
-        for _ in range(warmup):  # the first calls compile (and autotune) the compiled arms' kernels
-            step()
-            forward()
-        gpu_us, kernels = gpu_microseconds(step, repeats)
-        forward_gpu_us, _ = gpu_microseconds(forward, repeats)
-        values = step()
-        result["arms"][name] = {
-            "forward_backward_wall_us": median_seconds(step, repeats) * 1e6,
-            "forward_backward_gpu_us": gpu_us, "forward_gpu_us": forward_gpu_us, "kernels": kernels,
-            "max_abs_diff": {key: float((value.float() - expected).abs().max())
-                             for key, value, expected in zip(RESULTS, values, reference, strict=True)},
-            "reference_max_abs": {key: float(expected.abs().max()) for key, expected in zip(RESULTS, reference)},
-        }
+        result["arms"][name] = measure_arm(step, forward, dict(zip(RESULTS, reference, strict=True)), warmup,
+                                           repeats)
     return result
 
 
@@ -181,24 +191,27 @@ def per_microbatch(norms: dict[str, dict[str, Any]], layers: int) -> dict[str, A
     return summary
 
 
-def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_comparison_args(description: str,
+                          shapes: list[str]) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """A kernel comparison's command line (here and `rope.py`): the model shapes, the row, the repeats, the
+    precision, `--tiny` (a tiny shape in fp32, one CPU thread); and the device and dtype it runs on."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape in fp32, CPU-sized")
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=shapes, default=shapes)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of a row (the sequence dimension)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    return parse_with_tiny(parser, TINY)
-
-
-def main() -> None:
-    args = _parse_args()
+    args = parse_with_tiny(parser, TINY)
     if args.tiny:
         torch.set_num_threads(1)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    return args, device, torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+
+def main() -> None:
+    args, device, dtype = parse_comparison_args(__doc__, list(SHAPES))
     shapes = {"tiny": TINY_SHAPE} if args.tiny else {name: SHAPES[name] for name in args.shapes}
     results: dict[str, Any] = {}
     for name, shape in shapes.items():

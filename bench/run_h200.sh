@@ -23,6 +23,9 @@
 #                             plain at the 1% bound; not default)
 #   norms                     issue 41: RMSNorm forward + backward at the Qwen3-0.6B/4B/8B norm shapes, torch's
 #                             kernels against the compiled ones of _compat/fast_rms_norm.py (~1 min, estimated)
+#   rope                      issue 41: RoPE forward + backward at the Qwen3-0.6B/8B query and key shapes,
+#                             Megatron-Core's unfused kernels against the compiled ones of _compat/fast_rope.py
+#                             (under a minute, estimated)
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
 #                             auto, on a GPU; not default)
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
@@ -57,7 +60,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families sizes norms}"
+STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families sizes norms rope}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 OWN_CHECKPOINTS=()
 [ -z "${CHECKPOINT:-}" ] && OWN_CHECKPOINTS+=(/tmp/qwen3-0.6b-mtp)
@@ -139,7 +142,7 @@ for name in $STEPS; do
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
         gputests) step "$name" gpu_tests ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
-        tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms|rope) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
         sizes_offload) step "$name" python3 -m bench.sizes --configs qwen3_8b_full_offload --out "$OUT/$name.json" ;;
         sizes_mtp) step "$name" python3 -m bench.sizes --configs qwen3_0.6b_mtp_default qwen3_0.6b_mtp_eager \
                        qwen3_0.6b_mtp_graphed --rounds 3 --out "$OUT/$name.json" ;;
