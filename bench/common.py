@@ -237,6 +237,29 @@ def release_model(chunks: list[torch.nn.Module]) -> None:
                 setattr(config, hook, None)
 
 
+class CpuClock:
+    """Host CPU time per step beside its wall time: the whole process's (every thread) and the training thread's.
+
+    Why: a step bound by the host can be slower with the same work because the training thread does more, because
+    other threads of the process burn CPU beside it (process time above the thread's), or because it waits off the
+    CPU (wall time above the thread's); the three tell these apart. `lap()` returns both since the last lap."""
+
+    def __init__(self) -> None:
+        self._last = (time.process_time(), time.thread_time())
+
+    def lap(self) -> tuple[float, float]:
+        now = (time.process_time(), time.thread_time())
+        (process_then, thread_then), self._last = self._last, now
+        return now[0] - process_then, now[1] - thread_then
+
+
+def live_threads() -> list[str]:
+    """The names of the process's Python threads (besides the main one), for a run's record."""
+    import threading
+
+    return sorted(thread.name for thread in threading.enumerate() if thread is not threading.main_thread())
+
+
 def median_seconds(action: Callable[[], Any], repeats: int) -> float:
     """Median wall time of `repeats` calls of `action`, each between two device synchronisations."""
     times = []

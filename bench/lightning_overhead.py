@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 from bench.common import (
     TINY_SCRATCH_BYTES,
+    CpuClock,
     add_step_options,
     allocated_gib,
     checkpoint_scratch_bytes,
@@ -50,6 +51,7 @@ from bench.common import (
     environment,
     fresh_memory,
     import_megatron_bridge_first,
+    live_threads,
     make_checkpoint,
     own_gib,
     parse_with_tiny,
@@ -126,6 +128,9 @@ class StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.step_times_s: list[float] = []
+        self.process_cpu_s: list[float] = []  # per step: every thread's CPU time, the training thread's
+        self.main_thread_cpu_s: list[float] = []
+        self.threads: list[str] = []  # the other Python threads at the last step
         self.losses: list[float | None] = []
         self.mtp_losses: list[float] = []
         self.main_head_steps: list[bool] = []
@@ -137,12 +142,17 @@ class StepTimer(pl.Callback):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._previous_end = _synchronized_now()
+        self._cpu = CpuClock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         end = _synchronized_now()
         self.step_times_s.append(end - self._previous_end)
         self._previous_end = end
+        process_cpu, main_thread_cpu = self._cpu.lap()
+        self.process_cpu_s.append(process_cpu)
+        self.main_thread_cpu_s.append(main_thread_cpu)
+        self.threads = live_threads()
         mtp_only = [callback for callback in trainer.callbacks if isinstance(callback, MTPOnlyCallback)]
         main_head = not mtp_only or mtp_only[0].main_head_runs
         self.main_head_steps.append(main_head)

@@ -204,6 +204,7 @@ def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], o
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.utils import get_model_config
 
+    from bench.common import CpuClock, live_threads
     from lightning_megatron.microbatch import model_inputs
 
     device = _device()
@@ -247,6 +248,7 @@ def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], o
             data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches), **arguments)
 
     losses, mtp_losses, step_times, grad_norms = [], [], [], []
+    process_cpu, main_thread_cpu = [], []
     batches = global_batches()
     setup_peak_memory = None
     if torch.cuda.is_available():
@@ -254,6 +256,7 @@ def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], o
         setup_peak_memory = torch.cuda.max_memory_allocated()  # building and wrapping; training's peak is apart
         torch.cuda.reset_peak_memory_stats()
     previous_end = time.perf_counter()
+    cpu = CpuClock()
     for step in range(config.steps):
         microbatches = next(batches)
         with step_context(step) if step_context is not None else contextlib.nullcontext():
@@ -282,7 +285,10 @@ def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], o
         end = time.perf_counter()
         step_times.append(end - previous_end)
         previous_end = end
+        for series, seconds in zip((process_cpu, main_thread_cpu), cpu.lap()):
+            series.append(seconds)
     return {"losses": losses, "mtp_losses": mtp_losses, "grad_norms": grad_norms, "step_times_s": step_times,
+            "process_cpu_s": process_cpu, "main_thread_cpu_s": main_thread_cpu, "threads": live_threads(),
             "setup_peak_memory_bytes": setup_peak_memory}
 
 

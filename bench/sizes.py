@@ -29,7 +29,10 @@ Per run: the median step time over `--steps` steps after `--warmup` (from one sy
 `bench/lightning_overhead.py` times them), real (non-pad) tokens/s, model TFLOP/s and MFU (Megatron-LM's count,
 `bench/flops.py`, summed over the packed sequences: each sequence's attention is its own length squared; every
 GEMM counted with three passes also under LoRA, as Megatron-Bridge's card counts its 387 TFLOP/s; the MoE's active
-FFN), peak memory of the training steps, and one more step profiled (`bench.packing_profile.profile_figures`: the
+FFN), peak memory of the training steps, the host CPU time of the median step (`process_cpu_s_median`: every
+thread's, `main_thread_cpu_s_median`: the training thread's; a wait for the device that spins counts too) with the
+run's other Python threads (`threads`): an eager step bound by the host that is slower under Lightning with the same
+kernels shows there whether its thread worked more, shared the CPU or waited, and one more step profiled (`bench.packing_profile.profile_figures`: the
 GPU-busy fraction of the median step, kernel and graph launches, top kernels). A run that fails (out of memory
 included) is that run's row with its error; the other runs still go. `--tiny`: the tiny shapes in fp32 on the CPU
 (what tests/bench/ runs; configurations that need CUDA are skipped with the reason).
@@ -230,7 +233,9 @@ def run_lightning(config: SizeConfig, args: argparse.Namespace, checkpoint: Path
         graph_counts = None if graph is None else graph.counts()
     finally:
         release_model(strategy.model_chunks)
-    return {"step_times_s": timer.step_times_s, "losses": timer.losses, "graph": graph_counts,
+    return {"step_times_s": timer.step_times_s, "process_cpu_s": timer.process_cpu_s,
+            "main_thread_cpu_s": timer.main_thread_cpu_s, "threads": timer.threads, "losses": timer.losses,
+            "graph": graph_counts,
             "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
             "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
             "profiled": (profile.profile, profile.profiled_s)}
@@ -252,7 +257,8 @@ def run_plain(config: SizeConfig, args: argparse.Namespace, checkpoint: Path, st
                  step_context=lambda index: recorder if index == warmup + steps else contextlib.nullcontext())
     release_model(result.pop("model"))
     setup_peak = result["setup_peak_memory_bytes"]
-    return {"step_times_s": result["step_times_s"], "losses": result["losses"], "graph": graphed,
+    return {**{key: result[key] for key in ("step_times_s", "process_cpu_s", "main_thread_cpu_s", "threads")},
+            "losses": result["losses"], "graph": graphed,
             "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
             "setup_peak_memory_gib": None if setup_peak is None else own_gib(setup_peak / 1024**3, at_start),
             "profiled": (recorder, result["step_times_s"][-1])}
@@ -262,8 +268,10 @@ def summarize(run: dict[str, Any], warmup: int, steps: int, step: Step, flops: f
               peak: float | None) -> dict[str, Any]:
     """The median timed step's figures and the profiled step's."""
     step_s = statistics.median(run["step_times_s"][warmup:warmup + steps])
+    cpu = {f"{series}_median": statistics.median(run[series][warmup:warmup + steps])
+           for series in ("process_cpu_s", "main_thread_cpu_s")}
     profile, profiled_s = run.pop("profiled")
-    return {**throughput(step_s, step.real_tokens, flops, peak), **run,
+    return {**throughput(step_s, step.real_tokens, flops, peak), **cpu, **run,
             "profile": profile_figures(profile, profiled_s, step_s)}
 
 

@@ -391,6 +391,10 @@ def test_sizes_benchmark_runs_tiny(tiny_runs):
             _check_throughput(run)
             assert len(run["losses"]) == 1 + 1 + 1  # warm-up, timed, profiled
             assert run["profile"]["gpu_busy_fraction"] is None and run["profile"]["top_cpu_ops"]
+            # the host's CPU time per step beside the wall time: one thread, so the process's is at least its own
+            assert len(run["process_cpu_s"]) == len(run["main_thread_cpu_s"]) == len(run["step_times_s"])
+            assert 0 < run["main_thread_cpu_s_median"] <= run["process_cpu_s_median"] and isinstance(run["threads"],
+                                                                                                     list)
         # the same random initialization (LoRA adapters too), rows and optimizer: the same losses every step
         assert lightning["losses"] == pytest.approx(plain["losses"], abs=1e-6), name
         assert lightning["model_tflop_per_step"] == plain["model_tflop_per_step"]
