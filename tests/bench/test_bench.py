@@ -17,6 +17,7 @@ import torch
 from bench import report
 from bench.common import SCRATCH_PREFIX
 from tests._background import Command, background_runs
+from tests.bench._checks import check_sizes_config, check_throughput
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONED = {"torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning"}
@@ -77,8 +78,8 @@ TINY_RUNS = {
     "trunk_cache": _tiny("test_trunk_cache_benchmark_runs_tiny", "bench.trunk_cache", "--tiny"),
     "sizes": _tiny("test_sizes_benchmark_runs_tiny", "bench.sizes", "--tiny", "--configs", "qwen3_8b_lora",
                    "qwen3_0.6b_mtp_default", "qwen3_0.6b_mtp_graphed", "qwen3_30b_a3b_lora"),
-    # 2 MiB to plan GLM's cuts against: its tiny model's MTP-only training fits (1.1 MiB), joint training not (3 MiB)
     "norms": _tiny("test_norms_benchmark_runs_tiny", "bench.norms", "--tiny"),
+    # 2 MiB to plan GLM's cuts against: its tiny model's MTP-only training fits (1.1 MiB), joint training not (3 MiB)
     "families": _tiny("test_families_benchmark_runs_tiny", "bench.families", "--tiny", "--free-gib", "0.002",
                       "--reserve-gib", "0"),
 }
@@ -96,11 +97,6 @@ def _tiny_result(tiny_runs, name: str) -> dict:
     return _checked_result(folder / "result.json", *completed.args[2:-2])
 
 
-def _check_throughput(figures: dict) -> None:
-    assert figures["step_s"] > 0 and figures["tokens_per_s"] > 0 and figures["model_tflop_per_step"] > 0
-    assert figures["mfu"] is None and figures["peak_memory_gib"] is None  # on the CPU: no peak to divide by
-
-
 @pytest.mark.slow
 def test_lightning_overhead_benchmark_runs_tiny(tiny_runs):
     result = _tiny_result(tiny_runs, "lightning_overhead")
@@ -109,7 +105,7 @@ def test_lightning_overhead_benchmark_runs_tiny(tiny_runs):
     runs = result["runs"]
     steps = result["settings"]["warmup"] + result["settings"]["steps"]
     for figures in runs.values():
-        _check_throughput(figures)
+        check_throughput(figures)
         assert len(figures["losses"]) == len(figures["mtp_losses"]) == 2  # one list per round
         assert all(len(losses) == steps and all(math.isfinite(x) and x > 0 for x in losses)
                    for losses in figures["losses"] + figures["mtp_losses"])
@@ -148,7 +144,7 @@ def test_attention_benchmark_runs_tiny(tiny_runs):
     for timings in [*result["megatron"].values(), result["hf_transformers_sdpa"]]:
         assert timings.keys() == {"step_s", "tokens_per_s", "model_tflop_per_step", "model_tflop_per_s", "mfu",
                                   "peak_memory_gib", "last_loss"}
-        _check_throughput(timings)
+        check_throughput(timings)
     # the same weights and tokens: both core attentions compute the same training step
     megatron = result["megatron"]
     assert megatron["sdpa"]["last_loss"] == pytest.approx(megatron["local"]["last_loss"], abs=1e-4)
@@ -159,7 +155,7 @@ def test_attention_benchmark_runs_tiny(tiny_runs):
 def test_moe_benchmark_runs_tiny(tiny_runs):
     result = _tiny_result(tiny_runs, "moe")
     for figures in (result["moe"], result["moe_expert_loop"], result["dense_equivalent"]):
-        _check_throughput(figures)
+        check_throughput(figures)
     assert result["moe"]["mlp_backend"] == "SequentialMLP" and result["dense_equivalent"]["mlp_backend"] == "MLP"
     assert result["experts_grouped_gemm"] is False  # the CPU keeps upstream's loop: both MoE arms run it
     assert result["grouped_over_expert_loop_step_time"] == pytest.approx(result["moe"]["step_s"]
@@ -333,7 +329,7 @@ def test_mtp_memory_benchmark_runs_tiny(tiny_runs):
     assert (small["tied"], large["tied"]) == (True, False)
     for shape in (small, large):
         for figures in shape["runs"].values():
-            _check_throughput(figures)
+            check_throughput(figures)
             assert figures["memory_at_start_gib"] == [None]
             assert all(math.isfinite(x) and x > 0 for losses in figures["losses"] for x in losses if x is not None)
         # randomly initialised the same way, the same tokens: Lightning MTP-only and the plain MTP-only loop
@@ -384,23 +380,7 @@ def test_sizes_benchmark_runs_tiny(tiny_runs):
     assert configs["qwen3_0.6b_mtp_graphed"] == {"skipped": "needs a CUDA device (CUDA graphs or the optimizer's "
                                                              "offload)"}
     for name in ("qwen3_8b_lora", "qwen3_0.6b_mtp_default", "qwen3_30b_a3b_lora"):
-        config = configs[name]
-        assert config["settings"]["lightning_graphed"] is False and config["settings"]["real_tokens_per_step"] > 0
-        (lightning,), (plain,) = config["runs"]["lightning"], config["runs"]["plain"]
-        for run in (lightning, plain):
-            _check_throughput(run)
-            assert len(run["losses"]) == 1 + 1 + 1  # warm-up, timed, profiled
-            assert run["profile"]["gpu_busy_fraction"] is None and run["profile"]["top_cpu_ops"]
-            # the host's CPU time per step beside the wall time: one thread, so the process's is at least its own
-            assert len(run["process_cpu_s"]) == len(run["main_thread_cpu_s"]) == len(run["step_times_s"])
-            assert 0 < run["main_thread_cpu_s_median"] <= run["process_cpu_s_median"] and isinstance(run["threads"],
-                                                                                                     list)
-        # the same random initialization (LoRA adapters too), rows and optimizer: the same losses every step
-        assert lightning["losses"] == pytest.approx(plain["losses"], abs=1e-6), name
-        assert lightning["model_tflop_per_step"] == plain["model_tflop_per_step"]
-        figures = config["figures"]["lightning"]
-        assert figures["lightning_over_plain_step_time"] == pytest.approx(lightning["step_s"] / plain["step_s"])
-        assert figures["first_loss_difference"] < 1e-6
+        check_sizes_config(configs[name], name)
     assert configs["qwen3_8b_lora"]["met"] == {"tokens_per_s": False, "lightning_over_plain_step_time": (
         configs["qwen3_8b_lora"]["figures"]["lightning"]["lightning_over_plain_step_time"] <= 1.0)}
     assert configs["qwen3_0.6b_mtp_default"]["met"]["mfu"] is None  # no peak to divide by on the CPU
@@ -427,7 +407,7 @@ def test_families_benchmark_runs_tiny(tiny_runs):
     assert glm["shape"]["experts"]["moe_layers"] == [False, True]
     for shape in (qwen, glm):
         for figures in shape["runs"].values():
-            _check_throughput(figures)
+            check_throughput(figures)
         # Megatron's random initialization and the same tokens: Lightning MTP-only and the plain MTP-only loop
         # train the same MTP layer and leave the backbone alone (lm_loss only in the step Lightning logs)
         ours, plain = shape["runs"]["mtp_only"], shape["runs"]["plain_mtp_only"]
@@ -486,7 +466,7 @@ def test_trunk_cache_benchmark_runs_tiny(tiny_runs):
         shape = result["shapes"][name]
         assert set(shape["runs"]) == {reference, "first_epoch", "cached_epochs"}
         for figures in shape["runs"].values():
-            _check_throughput(figures)
+            check_throughput(figures)
         # the cached epochs count only the MTP layer and head: fewer FLOPs per step than the first epoch
         assert shape["runs"]["cached_epochs"]["model_tflop_per_step"] < shape["runs"]["first_epoch"][
             "model_tflop_per_step"]
