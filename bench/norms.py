@@ -28,6 +28,7 @@ Without CUDA (`--tiny` on a CPU) the compiled arms are skipped with the reason a
 from __future__ import annotations
 
 import argparse
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -147,6 +148,31 @@ def measure_arm(step: Callable[[], list[torch.Tensor]], forward: Callable[[], An
     }
 
 
+def measure_arms(arms: dict[str, Any], forward_backward: Callable[[Any], list[torch.Tensor]],
+                 forward: Callable[[Any], Any], reference: dict[str, torch.Tensor], warmup: int,
+                 repeats: int) -> dict[str, Any]:
+    """Every arm of a kernel comparison (here, `rope.py`, `cross_entropy.py`) through `measure_arm`: each arm's
+    function (or why it cannot run here) handed to `forward_backward` and `forward`."""
+    measured: dict[str, Any] = {}
+    for name, arm in arms.items():
+        if isinstance(arm, str):
+            measured[name] = {"skipped": arm}
+            continue
+        measured[name] = measure_arm(functools.partial(forward_backward, arm), functools.partial(forward, arm),
+                                     reference, warmup, repeats)
+    return measured
+
+
+def over_upstream(calls: Any, totals: dict[str, float]) -> dict[str, Any]:
+    """A comparison's GPU time a microbatch spends per arm (`totals`, ms), and where both ran the compiled arm over
+    upstream's (`rope.py`, `cross_entropy.py`)."""
+    summary: dict[str, Any] = {"calls": calls, "gpu_ms": totals}
+    if "upstream" in totals and "compiled" in totals:
+        summary["compiled_over_upstream"] = totals["compiled"] / totals["upstream"]
+        summary["compiled_saves_ms"] = totals["upstream"] - totals["compiled"]
+    return summary
+
+
 def measure_norm(x: torch.Tensor, warmup: int, repeats: int) -> dict[str, Any]:
     """Every arm on `x`'s norm: times, kernels, and each result's largest difference to the float32 reference."""
     generator = torch.Generator().manual_seed(1)
@@ -157,21 +183,14 @@ def measure_norm(x: torch.Tensor, warmup: int, repeats: int) -> dict[str, Any]:
     reference = [value.float() for value in _forward_backward(
         lambda rows, scale: F.rms_norm(rows, (width,), scale, EPS), x.float(), reference_weight, grad.float())]
     result: dict[str, Any] = {"shape": list(x.shape), "rows": x.numel() // width, "width": width,
-                              "contiguous": x.is_contiguous(), "arms": {}}
-    for name, norm in arms().items():
-        if isinstance(norm, str):
-            result["arms"][name] = {"skipped": norm}
-            continue
+                              "contiguous": x.is_contiguous()}
 
-        def step(norm: Norm = norm) -> list[torch.Tensor]:
-            return _forward_backward(norm, x, weight, grad)
+    @torch.no_grad()
+    def forward(norm: Norm) -> torch.Tensor:
+        return norm(x, weight)
 
-        def forward(norm: Norm = norm) -> torch.Tensor:
-            with torch.no_grad():
-                return norm(x, weight)
-
-        result["arms"][name] = measure_arm(step, forward, dict(zip(RESULTS, reference, strict=True)), warmup,
-                                           repeats)
+    result["arms"] = measure_arms(arms(), lambda norm: _forward_backward(norm, x, weight, grad), forward,
+                                  dict(zip(RESULTS, reference, strict=True)), warmup, repeats)
     return result
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench.common import QWEN3_0_6B, QWEN3_8B, emit, environment
-from bench.norms import TINY_SHAPE, layer_inputs, measure_arm, parse_comparison_args
+from bench.norms import TINY_SHAPE, layer_inputs, measure_arms, over_upstream, parse_comparison_args
 from lightning_megatron._compat import fast_rope
 from lightning_megatron._compat.fast_rope import EAGER, rope
 
@@ -76,21 +76,14 @@ def measure_rope(t: torch.Tensor, warmup: int, repeats: int) -> dict[str, Any]:
     grad = torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.device, t.dtype)
     arms_here = arms()
     reference = _forward_backward(arms_here["upstream"], t.float(), freqs, grad.float())
-    result: dict[str, Any] = {"shape": list(t.shape), "contiguous": t.is_contiguous(), "arms": {}}
-    for name, apply in arms_here.items():
-        if isinstance(apply, str):
-            result["arms"][name] = {"skipped": apply}
-            continue
+    result: dict[str, Any] = {"shape": list(t.shape), "contiguous": t.is_contiguous()}
 
-        def step(apply: Rope = apply) -> list[torch.Tensor]:
-            return _forward_backward(apply, t, freqs, grad)
+    @torch.no_grad()
+    def forward(apply: Rope) -> torch.Tensor:
+        return apply(t, freqs)
 
-        def forward(apply: Rope = apply) -> torch.Tensor:
-            with torch.no_grad():
-                return apply(t, freqs)
-
-        result["arms"][name] = measure_arm(step, forward, dict(zip(RESULTS, reference, strict=True)), warmup,
-                                           repeats)
+    result["arms"] = measure_arms(arms_here, lambda apply: _forward_backward(apply, t, freqs, grad), forward,
+                                  dict(zip(RESULTS, reference, strict=True)), warmup, repeats)
     return result
 
 
@@ -100,11 +93,7 @@ def per_microbatch(heads: dict[str, dict[str, Any]], layers: int) -> dict[str, A
     totals = {arm: layers * sum(heads[name]["arms"][arm]["forward_backward_gpu_us"] for name in heads) / 1e3
               for arm in ARMS if all(heads[name]["arms"][arm].get("forward_backward_gpu_us") is not None
                                      for name in heads)}
-    summary: dict[str, Any] = {"calls": {name: layers for name in heads}, "gpu_ms": totals}
-    if "upstream" in totals and "compiled" in totals:
-        summary["compiled_over_upstream"] = totals["compiled"] / totals["upstream"]
-        summary["compiled_saves_ms"] = totals["upstream"] - totals["compiled"]
-    return summary
+    return over_upstream({name: layers for name in heads}, totals)
 
 
 def main() -> None:

@@ -26,6 +26,9 @@
 #   rope                      issue 41: RoPE forward + backward at the Qwen3-0.6B/8B query and key shapes,
 #                             Megatron-Core's unfused kernels against the compiled ones of _compat/fast_rope.py
 #                             (under a minute, estimated)
+#   cross_entropy             issue 41: the LM cross-entropy forward + backward at the Qwen3-0.6B/8B logits
+#                             [4096, 151936], Megatron-Core's fused (native) one against the compiled one of
+#                             _compat/fast_cross_entropy.py (about a minute, estimated)
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
 #                             auto, on a GPU; not default)
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
@@ -60,7 +63,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families sizes norms rope}"
+STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families sizes norms rope cross_entropy}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 OWN_CHECKPOINTS=()
 [ -z "${CHECKPOINT:-}" ] && OWN_CHECKPOINTS+=(/tmp/qwen3-0.6b-mtp)
@@ -142,7 +145,7 @@ for name in $STEPS; do
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
         gputests) step "$name" gpu_tests ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
-        tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms|rope) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms|rope|cross_entropy) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
         sizes_offload) step "$name" python3 -m bench.sizes --configs qwen3_8b_full_offload --out "$OUT/$name.json" ;;
         sizes_mtp) step "$name" python3 -m bench.sizes --configs qwen3_0.6b_mtp_default qwen3_0.6b_mtp_eager \
                        qwen3_0.6b_mtp_graphed --rounds 3 --out "$OUT/$name.json" ;;

@@ -15,6 +15,7 @@ from lightning_megatron._compat import (
     context_parallel,
     cpu,
     deepseek,
+    fast_cross_entropy,
     fast_rms_norm,
     fast_rope,
     gated_delta_net,
@@ -42,7 +43,8 @@ def prepare_megatron_core() -> list[str]:
     """
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
-                   *packed_rope.ADJUSTMENTS, *fast_rope.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS,
+                   *packed_rope.ADJUSTMENTS, *fast_rope.ADJUSTMENTS, *fast_cross_entropy.ADJUSTMENTS,
+                   *packed_mtp_roll.ADJUSTMENTS,
                    *mtp_stage.ADJUSTMENTS, *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS,
                    *fast_rms_norm.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]

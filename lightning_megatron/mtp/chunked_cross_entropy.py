@@ -20,7 +20,9 @@ layer) and reads them after the loss (`_compute_mtp_acceptance_counts`), so the 
 Values: the loss is Megatron-Core's bit for bit; so is the gradient in fp32 (the same operations, the multiply by
 the incoming gradient only later). In bf16 the gradient is rounded twice (`softmax - one_hot`, then the product)
 where Megatron-Core rounds once: within one bf16 rounding. With `fused` (the model's `cross_entropy_loss_fusion`)
-the forward steps are Megatron-Core's jit-fused ones (`fusions/fused_cross_entropy.py`), otherwise its plain ones.
+the forward steps are Megatron-Core's jit-fused ones (`fusions/fused_cross_entropy.py`), otherwise its plain ones;
+on bf16 CUDA logits without TE, `fused` takes `_compat.fast_cross_entropy`'s compiled kernels (the same arithmetic,
+no fp32 temporaries, so no chunks). The chunk loop and the in-place backward are its `GradientInForward`.
 """
 
 from __future__ import annotations
@@ -30,14 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_megatron._compat import fast_cross_entropy
+
 DEFAULT_CHUNK_TOKENS = 1024
-
-
-def _vocab_range(partition_vocab_size: int, tp_group: Any) -> tuple[int, int]:
-    from megatron.core.tensor_parallel.utils import VocabUtility
-
-    return VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab_size, tp_group.rank(),
-                                                                  tp_group.size())
 
 
 def _upcast_by_megatron(logits: torch.Tensor) -> torch.Tensor:
@@ -46,50 +43,21 @@ def _upcast_by_megatron(logits: torch.Tensor) -> torch.Tensor:
     return logits.clone() if logits.dtype == torch.float32 else logits
 
 
-class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp_group: Any, chunk_tokens: int,
-                fused: bool) -> torch.Tensor:
-        partition_vocab_size = logits.size(-1)
-        logits_2d, target_1d = logits.reshape(-1, partition_vocab_size), target.reshape(-1)
-        vocab_start, vocab_end = _vocab_range(partition_vocab_size, tp_group)
-        rows = target_1d.numel()
-        loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        gradient = torch.empty_like(logits_2d) if ctx.needs_input_grad[0] else None
-        for start in range(0, rows, chunk_tokens):
-            end = min(rows, start + chunk_tokens)
-            loss[start:end], softmax, target_mask, masked_target = (_fused_chunk if fused else _chunk)(
-                logits_2d[start:end], target_1d[start:end], tp_group, vocab_start, vocab_end)
-            if gradient is not None:
-                gradient[start:end] = _minus_one_hot(softmax, target_mask, masked_target)
-        ctx.gradient, ctx.logits_shape = gradient, logits.shape
-        return loss.view_as(target)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        gradient, ctx.gradient = ctx.gradient, None
-        gradient.mul_(grad_output.reshape(-1, 1))  # `calculate_gradients`' last step, over the whole tensor
-        return gradient.view(ctx.logits_shape), None, None, None, None
-
-
-def _minus_one_hot(softmax: torch.Tensor, target_mask: torch.Tensor, masked_target: torch.Tensor) -> torch.Tensor:
-    """`softmax - one_hot(target)` in place (targets on other vocabulary shards subtract nothing): the update of
-    `VocabParallelCrossEntropy.calculate_gradients`, before its multiply by the incoming gradient."""
+def _minus_one_hot(softmax: torch.Tensor, target_mask: torch.Tensor, masked_target: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """`softmax - one_hot(target)` in place (targets on other vocabulary shards subtract nothing), in `dtype`: the
+    update of `VocabParallelCrossEntropy.calculate_gradients`, before its multiply by the incoming gradient."""
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
     grad_2d, arange_1d, softmax_update, grad_input = (
         VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask))
     grad_2d[arange_1d, masked_target] -= softmax_update
-    return grad_input
+    return grad_input.to(dtype)
 
 
-ChunkResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
-           vocab_end: int) -> ChunkResult:
-    """(loss, fp32 softmax, target mask, masked target) of one chunk: `_VocabParallelCrossEntropy.forward`'s
-    steps."""
+def _plain_chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int, vocab_end: int,
+                 wants_gradient: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, gradient) of one chunk (a `fast_cross_entropy.Step`): `_VocabParallelCrossEntropy.forward`'s steps."""
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
     chunk = logits.to(torch.float32, copy=True)
@@ -100,11 +68,11 @@ def _chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_star
     dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
     dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
     softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
-    return loss, softmax, target_mask, masked_target
+    return loss, _minus_one_hot(softmax, target_mask, masked_target, logits.dtype) if wants_gradient else None
 
 
-def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int,
-                 vocab_end: int) -> ChunkResult:
+def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, vocab_start: int, vocab_end: int,
+                 wants_gradient: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same from the fused `_VocabParallelCrossEntropy.forward`'s jit-fused steps."""
     from megatron.core.fusions import fused_cross_entropy as fused
 
@@ -114,17 +82,22 @@ def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, tp_group: Any, voca
         chunk, target, chunk_max, vocab_start, vocab_end)
     dist.all_reduce(predicted_and_sum, op=dist.ReduceOp.SUM, group=tp_group)
     softmax, loss = fused.calculate_cross_entropy_loss(exp_logits, predicted_and_sum)
-    return loss, softmax, target_mask, masked_target
+    return loss, _minus_one_hot(softmax, target_mask, masked_target, logits.dtype) if wants_gradient else None
 
 
 def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group: Any,
                                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, fused: bool = False
                                          ) -> torch.Tensor:
     """Per-token cross-entropy of `[..., vocab / TP]` logits against `[...]` targets, `chunk_tokens` at a time;
-    `fused`: Megatron-Core's jit-fused steps (bf16 logit gradients), else its plain ones."""
+    `fused`: Megatron-Core's jit-fused steps (bf16 logit gradients), else its plain ones. Where the compiled
+    cross-entropy applies (`_compat.fast_cross_entropy`: bf16 CUDA logits without TE), `fused` takes its kernels
+    instead, all rows at once: they make no fp32 temporaries to bound."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: {chunk_tokens} must be at least 1")
-    return _ChunkedVocabParallelCrossEntropy.apply(logits, target, tp_group, chunk_tokens, fused)
+    if fused and fast_cross_entropy.takes_compiled_path(logits, target):
+        return fast_cross_entropy.cross_entropy(logits, target, tp_group)
+    return fast_cross_entropy.GradientInForward.apply(logits, target, tp_group, chunk_tokens,
+                                                      _fused_chunk if fused else _plain_chunk)
 
 
 def chunked_language_model_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Any:
