@@ -32,7 +32,7 @@
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
 #                             auto, on a GPU; not default)
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
-#   gputests                  every `-m gpu` test (CI has no GPU), in two processes at once: $OUT/gputests.log, the
+#   gputests                  every `-m gpu` test (CI has no GPU), in three processes at once: $OUT/gputests.log, the
 #                             step fails if one does
 #   async_save                a save's blocked time, async vs sync, and the step times around it (Qwen3-8B shape,
 #                             MTP-only; checkpoints to /dev/shm, removed afterwards)
@@ -102,17 +102,25 @@ step() {
     fi
 }
 
-gpu_tests() {  # two pytest processes at once, the folders of subprocess-spawning tests in one: half the wall time
-    local spawning=(tests/cuda_graphs tests/bench) skip=() file rest rc=0
-    for file in "${spawning[@]}"; do skip+=(--ignore="$file"); done
-    rest="$SCRATCH/lightning_megatron_bench.gputests_rest.log"
-    python3 -m pytest -m gpu -q tests -p no:cacheprovider "${skip[@]}" \
-        --basetemp "$SCRATCH/lightning_megatron_bench.gputests_rest" >"$rest" 2>&1 &
-    local others=$!
-    python3 -m pytest -m gpu -q -p no:cacheprovider "${spawning[@]}" \
-        --basetemp "$SCRATCH/lightning_megatron_bench.gputests_spawning" || rc=1
-    wait $others || rc=1
-    cat "$rest"
+gpu_tests() {  # three pytest processes at once (the longest tests fit their CUDA graphs, or compile): a third of the
+    # wall time; the folders named in groups, then every other test
+    local groups=("tests/cuda_graphs" "tests/bench tests/_compat") skip=() group index=0 rc=0 pids=() logs=()
+    for group in "${groups[@]}"; do
+        for folder in $group; do skip+=(--ignore="$folder"); done
+    done
+    for group in "${groups[@]}" ""; do
+        index=$((index + 1))
+        logs+=("$SCRATCH/lightning_megatron_bench.gputests_$index.log")
+        local paths=(tests "${skip[@]}")
+        [ -n "$group" ] && read -ra paths <<<"$group"  # a group is its folders, separated by spaces
+        python3 -m pytest -m gpu -q -p no:cacheprovider "${paths[@]}" \
+            --basetemp "$SCRATCH/lightning_megatron_bench.gputests_$index" >"${logs[-1]}" 2>&1 &
+        pids+=($!)
+    done
+    for index in "${!pids[@]}"; do
+        wait "${pids[$index]}" || rc=1
+        cat "${logs[$index]}"
+    done
     return $rc
 }
 
