@@ -231,10 +231,24 @@ def release_model(chunks: list[torch.nn.Module]) -> None:
         grad_accs = getattr(chunk, "grad_accs", None)
         if grad_accs is not None:
             grad_accs.clear()
+        _drop_kept_graphs(chunk)
         config = get_model_config(chunk)
         for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
             if hasattr(config, hook):
                 setattr(config, hook, None)
+
+
+def _drop_kept_graphs(chunk: torch.nn.Module) -> None:
+    """Tensors with an autograd graph that a finished model keeps from its last forward: an MoE layer's token
+    dispatcher (not a module) keeps the routing probabilities, whose graph reaches the router's weight and so DDP's
+    hook on it, a closure over the model; the same cycle through autograd nodes."""
+    for module in chunk.modules():
+        for owner in (module, *(value for value in vars(module).values()
+                                if not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__")
+                                and not isinstance(value, type))):
+            for name, value in list(vars(owner).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(owner, name, None)
 
 
 class CpuClock:

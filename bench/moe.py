@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.attention import device, measure_steps, random_microbatches, trainable
-from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny
+from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny, release_model
 from lightning_megatron.distributed import init_single_process
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, experts=4, top_k=2, moe_ffn=32, vocab=512,
@@ -118,7 +118,8 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
         return statistics.mean(float(value["lm loss"]) for value in losses)
 
     result = {**measure_steps(step, args), "parameters": parameters, "mlp_backend": experts}
-    del model, optimizer
+    release_model([model])  # else the next run's peak (and an 80 GB GPU) holds this model, its grads and optimizer
+    del model, optimizer, step
     fresh_memory()
     return result
 
