@@ -251,8 +251,11 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                     data["steps_between_syncs"]["step_time_ratio"], targets["step_time_ratio"], source))
             for figure, label in (("delta_vs_full_disk", "P7 MTP-only delta / full sync, disk"),
                                   ("delta_vs_full_colocated", "P7 MTP-only delta / full sync, colocated"),
-                                  ("lora_adapter_vs_full_disk", "P7 LoRA adapter-only / full sync, disk")):
-                if "delta" in data:
+                                  ("lora_adapter_vs_merged_disk",
+                                   "P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk"),
+                                  ("lora_adapter_vs_full_disk",
+                                   "P7 LoRA adapter-only / the plain model's full sync, disk (reference)")):
+                if figure in data.get("delta", {}):  # results from before the merged baseline lack it
                     rows.append(_target_row(label, data["delta"][figure], targets[figure], source))
         if kind(data) == "async_save":
             figures, targets = data["figures"], data["targets"]

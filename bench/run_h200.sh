@@ -14,7 +14,8 @@
 #   trunk_cache         P2    MTP-only epochs from the trunk cache vs joint (0.6B) and the plain MTP-only loop (8B)
 #   hf_io_8b            P3    HF load/save at the Qwen3-8B shape (untied, one MTP layer)
 #   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape; delta syncs after MTP-only training
-#                             and the LoRA adapter-only version against full syncs
+#                             and the LoRA adapter-only version against full syncs (the LoRA run's merged one and
+#                             the plain model's), with a cProfile of each delta kind in the JSON
 #   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
 #   sizes                     issue 41: Qwen3-8B LoRA, 4B full SFT, 0.6B SFT + MTP (default, eager, graphed) and
 #                             30B-A3B LoRA, packed rows of 4096, each beside the plain Megatron-Core loop (~6 min)
@@ -163,7 +164,8 @@ for name in $STEPS; do
         hf_io_8b) step "$name" env TMPDIR="$BIG_TMPDIR" \
                       python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \
-                         python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --out "$OUT/$name.json" ;;
+                         python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --profile-deltas \
+                         --out "$OUT/$name.json" ;;
         families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
         mtp_quality|mtp_drift) step "$name" recipe "$name" ;;
         *) echo "unknown step $name"; failed=1 ;;

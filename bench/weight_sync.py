@@ -19,7 +19,9 @@ folder is removed at the end, and each write first checks that the folder's file
   as `MTPOnlyCallback` leaves them): a delta disk version (the head's shard written, every other file a hard link
   to the previous version) and a colocated delta (the head's tensors), each against the full sync of the same kind
   (target <= 0.05x); then LoRA adapters on every linear layer: the adapter-only disk version (a PEFT folder, what
-  `WeightSync(lora_form="adapter")` writes) against the full disk sync (target <= 0.01x).
+  `WeightSync(lora_form="adapter")` writes) against the LoRA run's own full disk sync, the merged form
+  (`WeightSync(lora_form="merged")`: the adapted linears merged, apart from the rest; target <= 0.01x), and, as
+  before, against the plain model's full disk sync (`lora_adapter_vs_full_disk`).
 `collective` needs two GPUs (NCCL refuses two ranks on one); `--tiny` runs it over gloo on the CPU too.
 `--tiny`: a tiny checkpoint, everything on the CPU (the colocated hand-over through shared memory).
 """
@@ -59,6 +61,22 @@ from lightning_megatron.distributed import init_single_process
 def _median(action: Callable[[], Any], repeats: int) -> float:
     action()  # warm-up
     return median_seconds(action, repeats)
+
+
+def _profile(action: Callable[[], Any], lines: int = 30) -> list[str]:
+    """One more call of `action` under cProfile: its costliest calls by cumulative time (what a delta's fixed cost
+    is made of, where the medians alone cannot tell)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(action)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(lines)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
 def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: float, collective: bool) -> dict:
@@ -147,7 +165,8 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
     }
 
 
-def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: float) -> dict:
+def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: float, profile: bool = False
+                        ) -> dict:
     from lightning_megatron.bridges import create_bridge
     from lightning_megatron.lora import LoRAConfig, add_lora_adapters, write_lora_adapter
     from lightning_megatron.mtp.parameters import is_mtp_parameter
@@ -175,19 +194,23 @@ def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb
         disk.sync_to_disk(lambda path: bridge.save_hf(chunks, path, separate=changing), root, state["version"],
                           keep_last=2, is_leader=True)
 
-    def delta_disk() -> None:
+    head_specs = {name: specs[name] for name in changing}
+
+    def delta_disk() -> None:  # what `WeightSync`'s delta runs: the export's GPU tensors streamed into the files
         base = disk.version_folder(root, state["version"])
         state["version"] = next(versions)
-        tensors = {name: tensor.to("cpu") for name, tensor in bridge.export_hf_tensors(chunks, only=changing)}
-        disk.sync_to_disk(lambda path: disk.write_delta_version(base, path, tensors, {}), root, state["version"],
-                          keep_last=2, is_leader=True)
+        disk.sync_to_disk(lambda path: disk.write_delta_version(
+            base, path, head_specs, bridge.export_hf_tensors(chunks, only=changing, on_host=False), {}),
+            root, state["version"], keep_last=2, is_leader=True)
 
     full_disk_s = _median(full_disk, repeats)
     delta_disk_s = _median(delta_disk, repeats)
+    profiles: dict[str, list[str]] = {}
     process, url = engine_start.result()
     try:
+        if profile:  # now that the engine's start (polling on a thread) is over
+            profiles["delta_disk"] = _profile(delta_disk)
         sender = ColocatedSender(url, bucket_bytes=int(bucket_mb * 1024**2), timeout_s=600, device=device)
-        head_specs = {name: specs[name] for name in changing}
 
         def full_colocated() -> None:
             state["version"] = next(versions)
@@ -200,14 +223,32 @@ def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb
 
         full_colocated_s = _median(full_colocated, repeats)
         delta_colocated_s = _median(delta_colocated, repeats)
+        if profile:
+            profiles["delta_colocated"] = _profile(delta_colocated)
         sender.close()
     finally:
         process.kill()
         process.wait()
+    shutil.rmtree(root, ignore_errors=True)  # the delta versions: the merged LoRA syncs need their room
     add_lora_adapters(chunks, LoRAConfig(rank=16, alpha=32))  # every linear layer, as the reference card does
+    # the LoRA run's own full sync: the adapted linears merged (`WeightSync(lora_form="merged")`), apart from the
+    # rest as the callback writes them for the deltas that follow
+    adapted = bridge.changed_hf_names(chunks, {id(parameter) for chunk in chunks for parameter in chunk.parameters()
+                                               if parameter.requires_grad})
+    merged = workdir / "lora_merged_versions"
+    require_free_space(workdir, int(2.05 * model_bytes), "weight_sync merged LoRA")
+    merged_disk_s = _median(lambda: disk.sync_to_disk(lambda path: bridge.save_hf(chunks, path, separate=adapted),
+                                                      merged, next(versions), keep_last=1, is_leader=True), repeats)
+    shutil.rmtree(merged, ignore_errors=True)
     adapters = workdir / "adapters"
-    adapter_disk_s = _median(lambda: disk.sync_to_disk(partial(write_lora_adapter, bridge, chunks), adapters,
-                                                       next(versions), keep_last=1, is_leader=True), repeats)
+
+    def adapter_disk() -> None:
+        disk.sync_to_disk(partial(write_lora_adapter, bridge, chunks), adapters, next(versions), keep_last=1,
+                          is_leader=True)
+
+    adapter_disk_s = _median(adapter_disk, repeats)
+    if profile:
+        profiles["lora_adapter_disk"] = _profile(adapter_disk)
     return {
         "model_bytes": model_bytes,
         "mtp_head_tensors": len(changing),
@@ -219,10 +260,21 @@ def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb
         "delta_colocated_sync_s": delta_colocated_s,
         "delta_vs_full_colocated": delta_colocated_s / full_colocated_s,
         "lora_adapter_bytes": sum(file.stat().st_size for file in adapters.glob("v*/*.safetensors")),
+        "lora_adapted_tensors": len(adapted),
+        "lora_merged_disk_sync_s": merged_disk_s,
         "lora_adapter_disk_sync_s": adapter_disk_s,
+        # the LoRA run's own full sync (merged) is the adapter's baseline; the plain model's is kept beside it
+        "lora_adapter_vs_merged_disk": adapter_disk_s / merged_disk_s,
         "lora_adapter_vs_full_disk": adapter_disk_s / full_disk_s,
+        **({"profiles": profiles} if profile else {}),
     }
 
+
+# Qwen3-8B's layers, tensors and MTP head at hidden 1024 (1.07 GB): on a CPU, the fixed costs per tensor and per sync
+# of the 8B figures (exports, requests, files, pruning) at a fraction of their bytes (`--shape stand_in`)
+STAND_IN: dict[str, Any] = dict(QWEN3_8B, hidden_size=1024, num_attention_heads=8, num_key_value_heads=4,
+                                intermediate_size=3072, vocab_size=32000, max_position_embeddings=4096)
+SHAPES = {"qwen3_8b": (QWEN3_8B, "Qwen3-8B shape"), "stand_in": (STAND_IN, "Qwen3-8B's layers at hidden 1024")}
 
 ARMS = ("without", "attached", "after_disk_sync", "receiver_idle", "after_colocated_sync")
 
@@ -315,6 +367,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny checkpoint, everything on the CPU")
     parser.add_argument("--checkpoint", type=Path, default=Path(tempfile.gettempdir()) / "qwen3-8b-mtp",
                         help="the Qwen3-8B-shaped checkpoint (made there once when missing, then reused)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_8b",
+                        help="the checkpoint's shape; stand_in: the 8B model's layers and tensors at hidden 1024 (a "
+                             "CPU stand-in for the fixed costs; give it its own --checkpoint folder)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
     parser.add_argument("--bucket-mb", type=float, default=1024.0)
     parser.add_argument("--steps", type=int, default=30)
@@ -322,13 +377,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="mirrored rounds of the step-time arms")
     parser.add_argument("--parts", nargs="+", choices=["sync", "delta", "steps"], default=["sync", "delta", "steps"],
                         help="the full syncs, the delta syncs, the step times between syncs (any of them)")
+    parser.add_argument("--profile-deltas", action="store_true",
+                        help="one more delta disk, delta colocated and LoRA adapter sync, each under cProfile: their "
+                             "costliest calls go into the JSON (delta.profiles)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     init_single_process()
     if not args.tiny:
         started = time.perf_counter()
-        checkpoint = make_large_checkpoint(args.checkpoint, mtp=True, tied=False, **QWEN3_8B)
+        checkpoint = make_large_checkpoint(args.checkpoint, mtp=True, tied=False, **SHAPES[args.shape][0])
         print(f"checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
     # a raw copy, then a disk sync holding two versions while it writes; the small step-time model and its syncs
     needed = TINY_SCRATCH_BYTES if args.tiny else int(2.05 * weights_bytes(checkpoint)) + 2 * 2**30
@@ -345,18 +403,19 @@ def main() -> None:
             "benchmark": "weight_sync",
             **environment(),
             "checkpoint": "tiny qwen3 + MTP" if args.tiny
-            else f"{args.checkpoint} (Qwen3-8B shape, untied, one MTP layer)",
+            else f"{args.checkpoint} ({SHAPES[args.shape][1]}, untied, one MTP layer)",
             "output_folder": str(workdir),
             "repeats": args.repeats,
             "targets": {"disk_sync_vs_raw_write": 1.2, "disk_sync_gb_per_s": 4.0, "colocated_sync_s": 2.0,
                         "colocated_vs_disk_round_trip": 0.25, "extra_sender_memory": "2 x bucket + largest tensor",
                         "step_time_ratio": 1.01, "delta_vs_full_disk": 0.05, "delta_vs_full_colocated": 0.05,
-                        "lora_adapter_vs_full_disk": 0.01},
+                        "lora_adapter_vs_merged_disk": 0.01, "lora_adapter_vs_full_disk": 0.01},
         }
         if "sync" in args.parts:
             result["sync"] = measure_syncs(checkpoint, workdir, args.repeats, args.bucket_mb, collective=args.tiny)
         if "delta" in args.parts:
-            result["delta"] = measure_delta_syncs(checkpoint, workdir, args.repeats, args.bucket_mb)
+            result["delta"] = measure_delta_syncs(checkpoint, workdir, args.repeats, args.bucket_mb,
+                                                  profile=args.profile_deltas)
         if "steps" in args.parts:
             result["steps_between_syncs"] = measure_step_overhead(step_checkpoint, workdir, args.steps, args.warmup,
                                                                   args.rounds)

@@ -94,7 +94,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def checkpoint_tensor_specs(hf_path: Path) -> dict[str, TensorSpec]:
@@ -128,11 +128,27 @@ def plan_shards(sizes: Mapping[str, int], shard_bytes: int = SHARD_BYTES) -> lis
     return shards
 
 
-def shard_file_names(count: int) -> list[str]:
-    """HF's file names: one `model.safetensors`, or `model-0000i-of-0000n.safetensors`."""
+def plan_parallel_shards(sizes: Mapping[str, int], files: int = WRITER_THREADS,
+                         shard_bytes: int = SHARD_BYTES) -> list[list[str]]:
+    """Tensor names spread over shards of about equal bytes, each in name order: `files` of them (more where a
+    shard would pass `shard_bytes`, fewer where there are fewer tensors), so that as many threads write them at
+    once (`staged_write` writes one file per thread). For the few tensors a weight sync rewrites (an MTP head, LoRA
+    adapters' linears), which `plan_shards` would put into one file written by one thread."""
+    count = max(1, min(len(sizes), max(files, math.ceil(sum(sizes.values()) / shard_bytes))))
+    shards: list[list[str]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for name in sorted(sizes, key=lambda name: (-sizes[name], name)):  # the largest first, onto the lightest
+        lightest = min(range(count), key=lambda index: (loads[index], index))
+        shards[lightest].append(name)
+        loads[lightest] += sizes[name]
+    return [sorted(shard) for shard in shards]
+
+
+def shard_file_names(count: int, prefix: str = "model") -> list[str]:
+    """HF's file names: one `model.safetensors`, or `model-0000i-of-0000n.safetensors` (`prefix` for `model`)."""
     if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
 
 
 def safetensors_layout(specs: Iterable[TensorSpec]) -> FileLayout:

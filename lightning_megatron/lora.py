@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Collection, Mapping
+import weakref
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.bridges import Bridge, BridgeError, capable_backends
 from lightning_megatron.contract import MegatronStrategyContract
 from lightning_megatron.families import is_hf_mtp_tensor
-from lightning_megatron.hf_io import checkpoint_tensor_specs
+from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, safetensors_layout
+from lightning_megatron.staged_write import FileLayout, StagedWriter
 
 # The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
 DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -175,8 +177,96 @@ def export_lora_adapter(strategy: MegatronStrategyContract, path: str | Path, *,
 
 def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str | Path, *,
                        extra_files: Mapping[str, str] | None = None) -> Path:
-    """`export_lora_adapter` of unwrapped chunks built by `bridge` (outside a Trainer: scripts, benchmarks)."""
+    """`export_lora_adapter` of unwrapped chunks built by `bridge` (outside a Trainer: scripts, benchmarks).
+
+    The adapters stay on the model's device: rank 0 writes `adapter_model.safetensors` from there through pinned
+    staging (`staged_write`), on a thread of its own while the export goes on, into the layout of the adapters the
+    last write of this bridge exported (`_AdapterPlan`: the file's header, the names PEFT gives them, the adapter
+    config), checked against what the export yields: other adapters (a new model, another rank) are written again in
+    their own layout. So a weight sync's work is the adapters' bytes, not a host copy and a safetensors
+    serialisation per tensor."""
+    path = Path(path)
+    trained = _trained_lora(chunks, "export_lora_adapter")
+    adapters = bridge.export_adapter_weights(chunks, on_host=not next(chunks[0].parameters()).is_cuda)
+    try:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            write_atomically(path, partial(_write_adapter_folder, bridge, trained, adapters, extra_files or {}))
+        else:  # every rank refuses adapters no engine could apply, together
+            _check_adapter_names(bridge, [name for name, _ in adapters])
+    finally:
+        for _ in adapters:  # every rank iterates the export to its end (its collectives)
+            pass
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class _AdapterPlan:
+    """A PEFT folder's layout, from the adapters one export yielded (`exported`: names, shapes and dtypes in the
+    export's order) and the settings (`LoRA` type, rank, alpha, dropout, base model): `adapter_config.json`'s text,
+    the safetensors file's layout and, where PEFT stores every exported tensor as it is (not packed experts), the
+    name each goes under in the file (`file_names`)."""
+
+    exported: tuple[TensorSpec, ...]
+    settings: tuple[Any, ...]
+    config_text: str
+    layout: FileLayout
+    file_names: Mapping[str, str] | None
+
+
+# the last plan of each bridge: a weight sync writes the same adapters every time
+_PLANS: weakref.WeakKeyDictionary[Bridge, _AdapterPlan] = weakref.WeakKeyDictionary()
+# the adapter names each bridge already checked against its checkpoint (`_check_adapter_names`)
+_CHECKED_NAMES: weakref.WeakKeyDictionary[Bridge, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _write_adapter_folder(bridge: Bridge, trained: Any, adapters: Iterable[tuple[str, torch.Tensor]],
+                          extra_files: Mapping[str, str], folder: Path) -> None:
+    """Rank 0's part of `write_lora_adapter`: the adapters streamed into the last plan's layout while the export
+    runs, or written in a new plan's layout once it has run (the first write, or other adapters)."""
     from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+
+    settings = (type(trained).__name__, trained.dim, trained.alpha, trained.dropout, str(bridge.hf_path))
+    plan = _PLANS.get(bridge)
+    file_names = plan.file_names if plan is not None and plan.settings == settings else None
+    writer = None if plan is None or file_names is None else StagedWriter({folder / ADAPTER_FILE: plan.layout},
+                                                                          threads=1)
+    exported: list[Any] = []
+    try:
+        for name, tensor in adapters:
+            exported.append(HFWeightTuple(name, tensor))
+            if writer is not None and file_names is not None:
+                # a name the plan lacks, or other bytes: the writer fails, and the file is written again below
+                writer.write(file_names.get(name, name), tensor)
+        specs = tuple(TensorSpec(weight.param_name, tuple(weight.weight.shape), weight.weight.dtype)
+                      for weight in exported)
+        if writer is not None and plan is not None and plan.exported == specs:
+            writer.close()  # raises a failed write
+        else:
+            if writer is not None:
+                writer.close(raise_error=False)
+            plan, state = _plan_adapter_folder(bridge, trained, exported, specs, settings)
+            _PLANS[bridge] = plan
+            with StagedWriter({folder / ADAPTER_FILE: plan.layout}, threads=1) as fresh:
+                for name, tensor in state.items():
+                    fresh.write(name, tensor)
+    except BaseException:
+        if writer is not None:
+            writer.close(raise_error=False)
+        raise
+    (folder / ADAPTER_CONFIG_FILE).write_text(plan.config_text)
+    for name, text in extra_files.items():
+        (folder / name).write_text(text)
+
+
+def _plan_adapter_folder(bridge: Bridge, trained: Any, exported: list[Any], specs: tuple[TensorSpec, ...],
+                         settings: tuple[Any, ...]) -> tuple[_AdapterPlan, dict[str, torch.Tensor]]:
+    """The plan of these exported adapters, and the PEFT state dict to write (megatron-bridge's PEFT layout)."""
     from megatron.bridge.models.conversion.peft_bridge import (
         build_adapter_config_dict,
         convert_adapter_weights_to_peft_state,
@@ -184,33 +274,28 @@ def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str 
         infer_target_modules_from_adapter_weights,
     )
 
-    path = Path(path)
-    trained = _trained_lora(chunks, "export_lora_adapter")
-    weights = [
-        HFWeightTuple(name, tensor.detach().to("cpu").clone().contiguous())
-        for name, tensor in bridge.export_adapter_weights(chunks)
-    ]
-    _check_adapters_name_checkpoint_tensors(bridge, [weight.param_name for weight in weights])
-    state, module_weight_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
+    _check_adapter_names(bridge, [spec.name for spec in specs])
+    state, module_weight_names, target_parameters = convert_adapter_weights_to_peft_state(exported)
     config = build_adapter_config_dict(
         trained,
         target_modules=infer_target_modules_from_adapter_weights(module_weight_names),
         target_parameters=target_parameters,
         base_model_name_or_path=str(bridge.hf_path),
-        rank_pattern=infer_rank_pattern_from_adapter_weights(weights, default_rank=trained.dim),
+        rank_pattern=infer_rank_pattern_from_adapter_weights(exported, default_rank=trained.dim),
     )
+    layout = safetensors_layout(TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in state.items())
+    # PEFT's state holds the exported tensors themselves, in the export's order, unless it packs some (experts)
+    pairs = list(zip(exported, state.items()))
+    as_they_are = len(state) == len(exported) and all(tensor is weight.weight for weight, (_, tensor) in pairs)
+    file_names = {weight.param_name: name for weight, (name, _) in pairs} if as_they_are else None
+    return _AdapterPlan(specs, settings, json.dumps(config, indent=2) + "\n", layout, file_names), state
 
-    def write(folder: Path) -> None:
-        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-        for name, text in (extra_files or {}).items():
-            (folder / name).write_text(text)
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        write_atomically(path, write)
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+def _check_adapter_names(bridge: Bridge, names: list[str]) -> None:
+    """`_check_adapters_name_checkpoint_tensors`, once per set of names (it reads the checkpoint's headers)."""
+    if _CHECKED_NAMES.get(bridge) != frozenset(names):
+        _check_adapters_name_checkpoint_tensors(bridge, names)
+        _CHECKED_NAMES[bridge] = frozenset(names)
 
 
 _EXCLUDE_THE_LINEARS = ("exclude those linears from LoRACallback's target_modules (name the others, e.g. "

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save
 
 from lightning_megatron import staged_write
 from lightning_megatron.bridges import BridgeError, create_bridge
-from lightning_megatron.hf_io import TensorSpec, safetensors_layout, write_safetensors
+from lightning_megatron.hf_io import TensorSpec, plan_parallel_shards, safetensors_layout, write_safetensors
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.staged_write import FileLayout, StagedWriter, write_host_tensors
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
@@ -72,6 +72,22 @@ def test_sharded_files_are_safetensors_own_bytes(tmp_path):
     assert len(files) >= 3
     for file in files:
         assert (tmp_path / file).read_bytes() == _library_bytes(load_file(tmp_path / file)), file
+
+
+def test_tensors_for_parallel_files_are_spread_over_them_by_bytes():
+    """A delta's few tensors go into as many files as threads write at once, each file about the same bytes (the
+    largest first onto the lightest), in name order within a file; no more files than tensors, and more than the
+    threads only where a file would pass the shard size."""
+    sizes = {"mtp.a": 900, "mtp.b": 500, "mtp.c": 400, "mtp.d": 300, "mtp.e": 200, "mtp.f": 100}
+    shards = plan_parallel_shards(sizes, files=3, shard_bytes=10_000)
+    assert shards == [["mtp.a"], ["mtp.b", "mtp.e", "mtp.f"], ["mtp.c", "mtp.d"]]
+    loads = [sum(sizes[name] for name in shard) for shard in shards]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    assert plan_parallel_shards(sizes, files=8, shard_bytes=10_000) == [[name] for name in sorted(sizes)]
+    # 2400 bytes in files of 600: four files, none over 600 but the one of a larger tensor alone
+    assert plan_parallel_shards(sizes, files=2, shard_bytes=600) == [["mtp.a"], ["mtp.b"], ["mtp.c", "mtp.f"],
+                                                                     ["mtp.d", "mtp.e"]]
+    assert plan_parallel_shards({"only": 5}, files=8) == [["only"]]
 
 
 def test_a_failed_file_raises_at_close_not_before_and_a_missing_tensor_is_named(tmp_path):

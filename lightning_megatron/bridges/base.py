@@ -42,6 +42,7 @@ from lightning_megatron.hf_io import (
     TensorSpec,
     checkpoint_tensor_dtypes,
     checkpoint_tensor_specs,
+    plan_parallel_shards,
     plan_shards,
     read_json,
     shard_file_names,
@@ -127,6 +128,7 @@ class Bridge(ABC):
         self.hf_config = read_json(self.hf_path / "config.json")
         check_remote_code(self.hf_path, self.hf_config, trust_remote_code)
         self.options = ModelOptions()
+        self._export_specs: dict[tuple[torch.dtype | None, bool], dict[str, TensorSpec]] = {}
 
     @property
     def checkpoint_mtp_layers(self) -> int:
@@ -186,9 +188,10 @@ class Bridge(ABC):
         raise BridgeError(f"bridge_type: {self.name} cannot read the model config before building it (to tell "
                           f"whether the MoE router updates its expert bias); set bridge_type: {capable}")
 
-    def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The LoRA adapters' tensors under their HF PEFT names, gathered across TP/PP, on the host; every rank must
-        iterate it."""
+    def export_adapter_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters' tensors under their HF PEFT names, gathered across TP/PP, on the host (`on_host=False`:
+        on the model's device); every rank must iterate it."""
         raise self._no_lora_support()
 
     def adapted_hf_modules(self, chunks: list[torch.nn.Module]) -> list[str]:
@@ -326,11 +329,14 @@ class Bridge(ABC):
     def hf_tensor_specs(self, dtype: torch.dtype | None = None) -> dict[str, TensorSpec]:
         """The tensors an export of the built model carries: the source checkpoint's names (its MTP tensors only
         when the model was built with MTP; not those of `unchanged_hf_tensors`), shapes, and dtypes (the source's,
-        or `dtype`)."""
-        unchanged = self.unchanged_hf_tensors()
-        return {name: TensorSpec(name, spec.shape, dtype or spec.dtype)
-                for name, spec in self._checkpoint_specs.items()
+        or `dtype`). Made once per dtype and MTP setting: every export and weight sync asks, some several times."""
+        key = (dtype, self.options.mtp)
+        if key not in self._export_specs:
+            unchanged = self.unchanged_hf_tensors()
+            self._export_specs[key] = {
+                name: TensorSpec(name, spec.shape, dtype or spec.dtype) for name, spec in self._checkpoint_specs.items()
                 if name not in unchanged and (self.options.mtp or not is_hf_mtp_tensor(name, self.hf_config))}
+        return dict(self._export_specs[key])
 
     def unchanged_hf_tensors(self) -> dict[str, TensorSpec]:
         """The source checkpoint's tensors the model does not hold: the other towers of a multimodal checkpoint
@@ -384,7 +390,8 @@ class Bridge(ABC):
         folder into place.
 
         `separate`: tensors that get shard files of their own (those a delta weight sync rewrites, so that the
-        other files can be shared with the next version); `extra_files`: `{name: text}` written into the folder
+        other files can be shared with the next version), spread over several files of about equal bytes, written
+        at once (`hf_io.plan_parallel_shards`); `extra_files`: `{name: text}` written into the folder
         before it is renamed into place (a version's metadata).
         """
         path = Path(path)
@@ -392,8 +399,9 @@ class Bridge(ABC):
         specs, unchanged = self.hf_tensor_specs(dtype), self.unchanged_hf_tensors()
         sizes = {name: spec.nbytes for name, spec in {**specs, **unchanged}.items()}
         apart = {name: size for name, size in sizes.items() if name in separate}
-        shards = [shard for group in ({name: size for name, size in sizes.items() if name not in apart}, apart)
-                  if group for shard in plan_shards(group)]
+        kept = {name: size for name, size in sizes.items() if name not in apart}
+        # the tensors apart are spread over several files, written at once (as the next delta writes them)
+        shards = (plan_shards(kept) if kept else []) + (plan_parallel_shards(apart) if apart else [])
         files = shard_file_names(len(shards))
         mine = {file: [specs[name] if name in specs else unchanged[name] for name in shard]
                 for index, (file, shard) in enumerate(zip(files, shards)) if index % world_size == rank}

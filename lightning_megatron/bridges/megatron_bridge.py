@@ -38,6 +38,7 @@ class MegatronBridge(Bridge):
         super().__init__(hf_path, trust_remote_code=trust_remote_code)
         self._auto_bridge: Any = None
         self._tasks: tuple[tuple[int, ...], list[Any]] | None = None
+        self._adapter_exporter: tuple[tuple[int, ...], Any] | None = None
 
     def validate(self, options: ModelOptions) -> None:
         super().validate(options)
@@ -68,8 +69,16 @@ class MegatronBridge(Bridge):
                              getattr(provider, "moe_router_enable_expert_bias", False))
         return bool(enabled) and fields.get("moe_router_bias_update_rate", provider.moe_router_bias_update_rate) > 0
 
-    def export_adapter_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.auto_bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)
+    def export_adapter_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+        # `AutoBridge.export_adapter_weights` asks a new model bridge each time, which walks every parameter and
+        # gathers the adapters' names across pipeline stages before the first tensor; one kept for these chunks
+        # remembers what it found (megatron-bridge caches it on the instance)
+        key = _chunks_key(chunks)
+        if self._adapter_exporter is None or self._adapter_exporter[0] != key:
+            self._adapter_exporter = (key, self.auto_bridge._model_bridge)
+        yield from self._adapter_exporter[1].stream_adapter_weights_megatron_to_hf(chunks, cpu=on_host,
+                                                                                   show_progress=False)
 
     def adapted_hf_modules(self, chunks: list[torch.nn.Module]) -> list[str]:
         # the tasks `export_adapter_weights` streams, before any of them gathers its tensors (names: across PP)
@@ -124,10 +133,13 @@ class MegatronBridge(Bridge):
 
     def export_hf_weights(self, chunks: list[torch.nn.Module], *, on_host: bool = True,
                           only: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        tasks = None if only is None else [task for task in self._conversion_tasks(chunks)
-                                           if not _hf_names(task).isdisjoint(only)]
+        all_tasks = self._conversion_tasks(chunks)
+        tasks = None if only is None else [task for task in all_tasks if not _hf_names(task).isdisjoint(only)]
+        # megatron-bridge looks for LoRA adapters to merge at every export (walking every parameter, gathering the
+        # names across pipeline stages): a model without any (no wrapped linear's weight, on any stage) skips that
+        adapted = any(_ADAPTED_WEIGHT in task.global_param_name for task in all_tasks)
         for name, tensor in self.auto_bridge.export_hf_weights(chunks, cpu=on_host, show_progress=False,
-                                                               conversion_tasks=tasks):
+                                                               conversion_tasks=tasks, merge_adapter_weights=adapted):
             yield name, tensor
 
     def changed_hf_names(self, chunks: list[torch.nn.Module], changed: Collection[int]) -> set[str]:
@@ -155,7 +167,7 @@ class MegatronBridge(Bridge):
     def _conversion_tasks(self, chunks: list[torch.nn.Module]) -> list[Any]:
         """megatron-bridge's conversion tasks of these chunks (one per Megatron parameter, in the same order on every
         rank), built once: building them walks every parameter and gathers the names across pipeline stages."""
-        key = tuple(id(chunk) for chunk in chunks) + (sum(1 for chunk in chunks for _ in chunk.parameters()),)
+        key = _chunks_key(chunks)
         if self._tasks is None or self._tasks[0] != key:
             self._tasks = (key, [task for task in self.auto_bridge.get_conversion_tasks(chunks) if task is not None])
         return self._tasks[1]
@@ -206,6 +218,23 @@ def _fill_yarn_defaults(rope: dict[str, Any], provider: Any) -> None:
     if not (rope.get("mscale") and rope.get("mscale_all_dim")):
         provider.yarn_mscale, provider.yarn_mscale_all_dim = 1.0, 0.0
     provider.yarn_correction_range_round_to_int = rope.get("truncate", True)
+
+
+def _chunks_key(chunks: list[torch.nn.Module]) -> tuple[int, ...]:
+    """What the conversion plans of these chunks depend on: the chunks, and how many parameters their modules
+    register (LoRA adds adapters, and wraps the linears' weights under other names). Asked at every export: the
+    modules' registries are read directly (`Module.parameters()` walks them through generators, 8x slower)."""
+    registered, modules = 0, list(chunks)
+    while modules:
+        module = modules.pop()
+        registered += len(module._parameters)
+        modules.extend(child for child in module._modules.values() if child is not None)  # None: unset
+    return (*(id(chunk) for chunk in chunks), registered)
+
+
+# what megatron-bridge's export looks for in a conversion task's name to merge a LoRA adapter into its weight
+# (model_bridge.py `stream_weights_megatron_to_hf`: "to_wrap.weight" in task.global_param_name)
+_ADAPTED_WEIGHT = "to_wrap.weight"
 
 
 def _hf_names(task: Any) -> set[str]:

@@ -343,13 +343,17 @@ class WeightSync(pl.Callback):
         def save(folder: Path) -> Path:
             if base is None:  # the tensors that change get shard files of their own: the next version links the rest
                 return bridge.save_hf(chunks, folder, separate=changing or (), extra_files=extra_files)
-            tensors = {}
-            for name, tensor in bridge.export_hf_tensors(chunks, only=changing):  # every rank iterates
+            assert changing is not None
+            specs = {name: spec for name, spec in bridge.hf_tensor_specs().items() if name in changing}
+            # a GPU model's tensors stay on it: the writer stages them from there, overlapping the export
+            tensors = bridge.export_hf_tensors(chunks, only=changing, on_host=False)
+            try:
                 if is_global_zero:
-                    tensors[name] = tensor.to("cpu")
-            if is_global_zero:
-                disk.write_delta_version(base, folder, tensors, extra_files)
-            report.bytes = sum(tensor.nbytes for tensor in tensors.values())
+                    disk.write_delta_version(base, folder, specs, tensors, extra_files)
+            finally:
+                for _ in tensors:  # every rank iterates the export to its end (its collectives), the leader too
+                    pass
+            report.bytes = sum(spec.nbytes for spec in specs.values())
             return folder
 
         error: BaseException | None = None

@@ -18,7 +18,9 @@ renamed into place, so it is never apart from its weights.
 A delta version (`write_delta_version`) is as complete as any other, but its unchanged files are hard links to
 the previous version's (no byte copied): a full version written for deltas keeps the tensors that change in shard
 files of their own (`Bridge.save_hf(separate=...)`), so the next version rewrites only those files and a new
-`model.safetensors.index.json`. Deleting an old version leaves the linked files of the newer ones intact.
+`model.safetensors.index.json`. Both spread those tensors over several files, written at once (one thread each:
+writes into one file are serialised by the file system) and freed at once when pruned. Deleting an old version
+leaves the linked files of the newer ones intact.
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
-from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, write_shard_files
+from lightning_megatron.hf_io import (
+    TensorSpec,
+    checkpoint_tensor_specs,
+    plan_parallel_shards,
+    shard_file_names,
+    shard_writer,
+)
 from lightning_megatron.serving.protocol import WeightSyncError, get_json, post_json
 
 Engine = Literal["sglang", "vllm"]
@@ -189,21 +197,30 @@ def delta_base(root: Path, version: int | None, changed: Collection[str],
     return folder if all(held.get(name) == spec for name, spec in specs.items()) else None
 
 
-def write_delta_version(base: Path, folder: Path, tensors: Mapping[str, torch.Tensor],
-                        extra_files: Mapping[str, str]) -> Path:
-    """Write `folder` atomically: the checkpoint `base` with `tensors` replaced (see the module docstring)."""
+def write_delta_version(base: Path, folder: Path, specs: Mapping[str, TensorSpec],
+                        tensors: Iterable[tuple[str, torch.Tensor]], extra_files: Mapping[str, str]) -> Path:
+    """Write `folder` atomically: the checkpoint `base` with the tensors of `specs` replaced by `tensors` (on the
+    host or a GPU, in any order: an export's), see the module docstring.
+
+    The new tensors are spread over several files of about equal bytes (`hf_io.plan_parallel_shards`,
+    `model-v00000010-00001-of-00004.safetensors`), each written by its own thread as the tensors arrive, from a GPU
+    through pinned staging (`hf_io.shard_writer`): the delta is written as fast as a full version's bytes are."""
     files_of = weight_map(base)
-    rewritten = {files_of[name] for name in tensors}
-    version = folder.name
+    rewritten = {files_of[name] for name in specs}
+    shards = plan_parallel_shards({name: spec.nbytes for name, spec in specs.items()})
+    new_files = dict(zip(shard_file_names(len(shards), prefix=f"model-{folder.name}"), shards))
 
     def write(staging: Path) -> None:
+        with shard_writer(staging, {file: [specs[name] for name in shard] for file, shard in new_files.items()}
+                          ) as writer:
+            for name, tensor in tensors:
+                writer.write(name, tensor)
         for file in base.iterdir():
             if file.is_file() and file.name not in rewritten and file.name not in (INDEX_FILE, VERSION_FILE):
                 _link_or_copy(file, staging / file.name)
-        new_file = f"model-{version}.safetensors"
-        write_shard_files(staging, {new_file: dict(tensors)})
         index = json.loads((base / INDEX_FILE).read_text())
-        index["weight_map"] = {name: new_file if name in tensors else file for name, file in files_of.items()}
+        file_of_new = {name: file for file, shard in new_files.items() for name in shard}
+        index["weight_map"] = {name: file_of_new.get(name, file) for name, file in files_of.items()}
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         for name, text in extra_files.items():
             (staging / name).write_text(text)

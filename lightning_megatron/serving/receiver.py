@@ -179,6 +179,9 @@ class WeightReceiver:
             specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in named]
             self._check(specs)
             self._apply(request, named)
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":  # the sender reuses its buffer once answered: the copies out of it are done first
+            torch.cuda.current_stream(device).synchronize()
         return self._updated(request, len(specs))
 
     def update_weights_from_disk(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -314,10 +317,11 @@ class WeightReceiver:
             self._delta = {}
             raise WeightSyncError(f"a delta onto weight version {base} cannot apply: this engine holds version "
                                   f"{self.weight_version}; nothing was changed (send a full sync)")
-        self._delta.update((name, tensor.clone()) for name, tensor in named)  # the sender reuses its buffer
-        if request.get("weight_version") is not None:
-            delta, self._delta = self._delta, {}
-            self._load(delta.items())
+        if request.get("weight_version") is None:
+            self._delta.update((name, tensor.clone()) for name, tensor in named)  # the sender reuses its buffer
+            return
+        delta, self._delta = self._delta, {}
+        self._load([*delta.items(), *named])  # the last request's tensors straight from its buffer
 
     def _no_version(self) -> None:
         """Weights are being replaced in place: until the update's last request they are no version's (an update

@@ -5,7 +5,9 @@ copied into one staging buffer of `bucket_bytes` as they arrive and each full bu
 (a tensor larger than a bucket goes alone, from its own memory), so the sender holds at most one bucket, the
 tensor being exported and one oversize tensor held back so that the last request can carry `weight_version`.
 A delta (`base_version`) carries only the tensors that changed since the version the engine holds, each request
-naming that version (`base_weight_version`); the engine applies it only onto that version. The last request
+naming that version (`base_weight_version`); the engine applies it only onto that version. The engine checks a
+sync's names, dtypes and shapes before any byte moves (`/validate_weights`), except a delta's whose tensors it
+accepted in this sender's last syncs (one round trip less: a small delta's time is mostly round trips). The last request
 carries `weight_version` and the version's metadata (`weight_version_metadata`).
 A failure on rank 0 (a dead engine, a timeout) does not stop the iteration there: the other ranks would wait in
 the export's collectives. Rank 0 stops sending, drains the export, and then every rank raises `WeightSyncError`
@@ -72,6 +74,9 @@ class BucketSender(ABC):
         self._fields: dict[str, Any] = {}
         self._record: dict[str, Any] = {}
         self._sent_version: str | None = None  # the last version this sender completed
+        # the names, dtypes and shapes the engine accepted for the syncs this sender completed since it last
+        # failed (None: none, or the last sync did not complete); a delta among them needs no check again
+        self._accepted: set[TensorSpec] | None = None
 
     def engine_version(self) -> str | None:
         """The weight version the engine holds now (None: none yet, e.g. a restarted engine)."""
@@ -90,9 +95,14 @@ class BucketSender(ABC):
         self._staging_size = min(self.bucket_bytes, sum(spec.nbytes for spec in specs.values()))
         started = time.perf_counter()
         failure: BaseException | None = None
+        accepted, self._accepted = self._accepted, None  # set again only once this sync completes
+        # a delta goes onto the version this sender sent last, in tensors the engine accepted then: its requests are
+        # checked by the engine one by one, and an engine that holds another version refuses them unapplied
+        known = (base_version is not None and str(base_version) == self._sent_version and accepted is not None
+                 and set(specs.values()) <= accepted)
         if is_sender:
             try:
-                self._prepare(list(specs.values()))
+                self._prepare(list(specs.values()), check=not known)
             except (WeightSyncError, OSError, RuntimeError) as error:
                 failure = _as_sync_error(error)
         # a refused manifest stops every rank before any byte moves
@@ -133,12 +143,14 @@ class BucketSender(ABC):
             self._reset()
         agree_on_failure(failure, error_type=WeightSyncError)
         self._sent_version = str(version)
+        self._accepted = accepted if known else set(specs.values())
         report.seconds = time.perf_counter() - started
         return report
 
     def close(self) -> None:
         self._reset()
         self._release_staging()
+        self._accepted = None
 
     def _release_staging(self) -> None:
         if isinstance(self._staging, SharedBuffer):
@@ -181,8 +193,8 @@ class BucketSender(ABC):
     def _oversize(self, tensor: torch.Tensor) -> Any: ...
 
     @abstractmethod
-    def _prepare(self, specs: list[TensorSpec]) -> None:
-        """Before any byte moves: connect, and have the engine check every name, dtype and shape."""
+    def _prepare(self, specs: list[TensorSpec], *, check: bool) -> None:
+        """Before any byte moves: connect, and (`check`) have the engine check every name, dtype and shape."""
 
     @abstractmethod
     def _request(self, specs: list[TensorSpec], data: Any, nbytes: int, fields: dict[str, Any]) -> None:
@@ -215,8 +227,9 @@ class ColocatedSender(BucketSender):
         buffer.tensor[:tensor.nbytes].copy_(as_bytes(tensor))
         return buffer
 
-    def _prepare(self, specs: list[TensorSpec]) -> None:
-        self._validate(specs)
+    def _prepare(self, specs: list[TensorSpec], *, check: bool) -> None:
+        if check:
+            self._validate(specs)
 
     def _request(self, specs: list[TensorSpec], data: Any, nbytes: int, fields: dict[str, Any]) -> None:
         handle = data.handle(nbytes) if isinstance(data, SharedBuffer) else data
@@ -260,7 +273,7 @@ class CollectiveSender(BucketSender):
     def _staging_bytes(self, used: int) -> torch.Tensor:
         return self._staging[:used]
 
-    def _prepare(self, specs: list[TensorSpec]) -> None:
+    def _prepare(self, specs: list[TensorSpec], *, check: bool) -> None:
         if self._group is not None and self.engine_version() != self._sent_version:
             self._reset()  # the engine restarted since (its end of the group is gone, its version too): a new group
         if self._group is None:
@@ -273,7 +286,9 @@ class CollectiveSender(BucketSender):
                                                     1 + self.engine_world_size, self.group_name,
                                                     timedelta(seconds=self.timeout_s))
             reply.result(self.timeout_s)
-        self._validate(specs)
+            check = True  # a new group: the engine may be another one than the sender's last syncs went to
+        if check:
+            self._validate(specs)
 
     def _request(self, specs: list[TensorSpec], data: torch.Tensor, nbytes: int, fields: dict[str, Any]) -> None:
         payload = {**specs_payload(specs), "group_name": self.group_name, "flush_cache": True,

@@ -177,3 +177,29 @@ def test_the_gpu_driver_runs_only_scripts_that_exist():
             "bench.report"} <= set(modules)
     assert all((ROOT / (module.replace(".", "/") + ".py")).is_file() for module in modules)
     assert subprocess.run(["bash", "-n", str(ROOT / "bench/run_h200.sh")]).returncode == 0
+
+
+def _weight_sync_result(delta: dict) -> dict:
+    sync = {"disk_sync_vs_raw_write": 1.1, "colocated_vs_disk_round_trip": 0.05, "colocated_sync_s": 0.18,
+            "colocated_extra_sender_memory_bytes": None}
+    targets = {"disk_sync_vs_raw_write": 1.2, "colocated_vs_disk_round_trip": 0.25, "colocated_sync_s": 2.0,
+               "step_time_ratio": 1.01, "delta_vs_full_disk": 0.05, "delta_vs_full_colocated": 0.05,
+               "lora_adapter_vs_merged_disk": 0.01, "lora_adapter_vs_full_disk": 0.01}
+    return {"benchmark": "weight_sync", "device": "NVIDIA H100", "sync": sync, "targets": targets,
+            "steps_between_syncs": {"step_time_ratio": 1.0}, "delta": delta}
+
+
+def test_report_tables_the_adapter_sync_against_the_lora_runs_merged_sync_and_the_plain_one():
+    """The LoRA run's own full sync (merged) is the adapter form's target; the plain model's stays beside it,
+    labelled. Results from before the merged baseline table the plain one only."""
+    delta = {"delta_vs_full_disk": 0.04, "delta_vs_full_colocated": 0.06, "lora_adapter_vs_merged_disk": 0.009,
+             "lora_adapter_vs_full_disk": 0.011}
+    lines = report.targets_table([("new.json", _weight_sync_result(delta))], {"new.json": 1})
+    assert "| P7 MTP-only delta / full sync, disk | 0.040x | <= 0.05x | yes | [1] |" in lines
+    assert "| P7 MTP-only delta / full sync, colocated | 0.060x | <= 0.05x | no | [1] |" in lines
+    assert "| P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk | 0.009x | <= 0.01x | yes | [1] |" in lines
+    assert ("| P7 LoRA adapter-only / the plain model's full sync, disk (reference) | 0.011x | <= 0.01x | no | [1] |"
+            in lines)
+    del delta["lora_adapter_vs_merged_disk"]
+    older = report.targets_table([("old.json", _weight_sync_result(delta))], {"old.json": 1})
+    assert not any("merged" in line for line in older) and any("plain model's full sync" in line for line in older)
