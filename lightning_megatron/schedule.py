@@ -231,12 +231,12 @@ def release_training_hooks(chunks: list[torch.nn.Module]) -> None:
     These cycles run through autograd nodes, which the garbage collector cannot see: without this, every fit kept
     its model, gradient buffers and optimizer state for the life of the process. The chunks still run forward and
     export; training them again needs `wrap_chunks` on a fresh model (each fit builds one)."""
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
 
     for chunk in chunks:
-        grad_accs = getattr(chunk, "grad_accs", None)
-        if grad_accs is not None:
-            grad_accs.clear()
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.grad_accs.clear()
         _drop_kept_graphs(chunk)
         config = get_model_config(chunk)
         for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
