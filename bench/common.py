@@ -199,9 +199,9 @@ def make_config_only_checkpoint(path: str | Path, shape: dict[str, Any], *, tied
 
 
 def import_megatron_bridge_first() -> None:
-    """Import megatron-bridge before the first run: its first import keeps the tracebacks of the optional imports
-    it could not make, and with them every frame then on the stack, so a run that imports it first (the plain
-    loop, through `create_bridge`) would never free its model and optimizer."""
+    """Import megatron-bridge before the first run, so that the first run does not pay for it. (Its first import
+    once kept every frame then on the stack, and so a run's model; `import_megatron_bridge` now forgets those
+    tracebacks: `_compat/kept_tracebacks.py`.)"""
     from lightning_megatron._compat import import_megatron_bridge
 
     import_megatron_bridge()
@@ -219,36 +219,11 @@ def start_single_process(*, tiny: bool) -> None:
 
 
 def release_model(chunks: list[torch.nn.Module]) -> None:
-    """Let a finished run's model, grad buffers and optimizer be freed. Megatron DDP hooks each trainable
-    parameter's gradient accumulator (an autograd node) with a closure over the DDP module; the optimizer's fp32
-    shards are views of the parameters, so they reach those nodes; and the model's config reaches the optimizer
-    (`grad_scale_func`) and DDP (`no_sync_func`, `finalize_model_grads_func`). The cycle runs through autograd
-    nodes, which the garbage collector cannot see, so without this every run leaves all of it allocated and the
-    next run's peak memory counts it."""
-    from megatron.core.utils import get_model_config
+    """Let a finished run's model, grad buffers and optimizer be freed (`schedule.release_training_hooks`, what
+    `MegatronStrategy.teardown` does): else the next run's peak memory counts them."""
+    from lightning_megatron.schedule import release_training_hooks
 
-    for chunk in chunks:
-        grad_accs = getattr(chunk, "grad_accs", None)
-        if grad_accs is not None:
-            grad_accs.clear()
-        _drop_kept_graphs(chunk)
-        config = get_model_config(chunk)
-        for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
-            if hasattr(config, hook):
-                setattr(config, hook, None)
-
-
-def _drop_kept_graphs(chunk: torch.nn.Module) -> None:
-    """Tensors with an autograd graph that a finished model keeps from its last forward: an MoE layer's token
-    dispatcher (not a module) keeps the routing probabilities, whose graph reaches the router's weight and so DDP's
-    hook on it, a closure over the model; the same cycle through autograd nodes."""
-    for module in chunk.modules():
-        for owner in (module, *(value for value in vars(module).values()
-                                if not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__")
-                                and not isinstance(value, type))):
-            for name, value in list(vars(owner).items()):
-                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                    setattr(owner, name, None)
+    release_training_hooks(chunks)
 
 
 class CpuClock:

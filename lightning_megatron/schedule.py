@@ -2,7 +2,8 @@
 
 `GlobalBatches` groups a DataLoader's microbatches into the global batches `MegatronStrategy` hands its module
 (checked, and on a CUDA run pinned, on the host before Lightning copies them to the device: `HostCheckedBatch`);
-`wrap_chunks` puts Float16Module and Megatron DDP around the model chunks, with the hooks the schedule calls;
+`wrap_chunks` puts Float16Module and Megatron DDP around the model chunks, with the hooks the schedule calls, and
+`release_training_hooks` lets them go when the training ends;
 `run_schedule` runs one global batch through Megatron-Core's forward-backward schedule (no pipelining, 1F1B or
 interleaved) and returns its metrics token-weighted over microbatches, data- and context-parallel ranks and
 pipeline stages; `seed_everything_megatron` seeds the RNGs the way Megatron-LM does.
@@ -216,6 +217,43 @@ def wrap_chunks(chunks: list[torch.nn.Module], *, bf16: bool, train: bool, grad_
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
+
+
+def release_training_hooks(chunks: list[torch.nn.Module]) -> None:
+    """Undo what training hung on the chunks, so that a finished model is freed once nobody holds it.
+
+    Megatron DDP registers a hook on each trainable parameter's gradient accumulator, a closure over the DDP module,
+    and keeps the accumulators (megatron/core/distributed/distributed_data_parallel.py:385-389, `grad_accs`); the
+    distributed optimizer's fp32 shards are views of the parameters (megatron/core/optimizer/distrib_optimizer.py:467),
+    whose graphs reach those accumulators too; the config reaches the optimizer (`grad_scale_func`, `optimizer.py`)
+    and DDP (`no_sync_func`, `wrap_chunks`); an MoE token dispatcher keeps its last routing probabilities
+    (megatron/core/transformer/moe/token_dispatcher.py:636), whose graph reaches DDP's hook on the router weight.
+    These cycles run through autograd nodes, which the garbage collector cannot see: without this, every fit kept
+    its model, gradient buffers and optimizer state for the life of the process. The chunks still run forward and
+    export; training them again needs `wrap_chunks` on a fresh model (each fit builds one)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.utils import get_model_config
+
+    for chunk in chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.grad_accs.clear()
+        _drop_kept_graphs(chunk)
+        config = get_model_config(chunk)
+        for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
+            if getattr(config, hook, None) is not None:
+                setattr(config, hook, None)
+
+
+def _drop_kept_graphs(chunk: torch.nn.Module) -> None:
+    """Forget the tensors with an autograd graph that a module, or an object of its own (an MoE layer's token
+    dispatcher), kept from the last forward: leftovers of a step, whose graph reaches the parameters' hooks."""
+    for module in chunk.modules():
+        owners = (module, *(value for value in vars(module).values()
+                            if not isinstance(value, (torch.nn.Module, type)) and hasattr(value, "__dict__")))
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(owner, name, None)
 
 
 def run_schedule(

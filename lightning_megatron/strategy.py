@@ -487,9 +487,9 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
 
     @override
     def teardown(self) -> None:
-        """Lightning's default moves the model to the CPU; here it stays on its device, because `export_hf` after
-        fit gathers the shards with the process group's collectives (NCCL needs them on the GPU)."""
+        """The model stays on its device, not moved to the CPU: `export_hf` after fit gathers it with NCCL."""
         self._train_batches = None
+        schedule.release_training_hooks(self.model_chunks)  # what only training needs kept it past the trainer
         self._saves.abort()  # only an exception leaves a save in flight here: on_train_end waited for it
         self.cuda_graphs.release()  # the graph's memory, and the stream the fit ran on
         assert self.cluster_environment is not None and self.accelerator is not None

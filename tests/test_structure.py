@@ -329,6 +329,7 @@ NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("cuda_graphs/refusals.py", "cpu_offloading"): MEGATRON,
     ("cuda_graphs/refusals.py", "fine_grained_activation_offloading"): MEGATRON,
     ("optimizer.py", "grad_norms_by_group"): "Megatron-Core's optimizer: only some kinds report norms by group",
+    ("schedule.py", "__dict__"): "whatever a module keeps beside its submodules (an MoE token dispatcher)",
     ("schedule.py", "sampler"): LOADER,
     ("schedule.py", "batch_sampler"): LOADER,
     ("schedule.py", "epoch"): LOADER,

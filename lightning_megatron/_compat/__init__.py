@@ -32,6 +32,7 @@ from lightning_megatron._compat import (
     vl,
 )
 from lightning_megatron._compat._adjustment import Adjustment
+from lightning_megatron._compat.kept_tracebacks import imports_keeping_no_frames
 
 
 def prepare_megatron_core() -> list[str]:
@@ -60,13 +61,15 @@ def quiet_handled_warnings() -> list[str]:
 def import_megatron_bridge() -> ModuleType:
     """`megatron.bridge`, importable and using local layer specs when Transformer Engine is missing.
 
-    Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models.
+    Needs no CUDA adjustment itself; on CPU also call `prepare_megatron_core()` before building models. Its first
+    import keeps no frame of the caller (`kept_tracebacks.py`): a fit that imports it would otherwise never be freed.
     """
-    for adjustment in (*quiet.BRIDGE_IMPORT_ADJUSTMENTS, *root_logger.ADJUSTMENTS, *no_te.MEGATRON_BRIDGE_ADJUSTMENTS,
-                       *vl.MEGATRON_BRIDGE_ADJUSTMENTS, *moe.MEGATRON_BRIDGE_ADJUSTMENTS,
-                       *deepseek.MEGATRON_BRIDGE_ADJUSTMENTS):
-        adjustment.apply()
-    return importlib.import_module("megatron.bridge")
+    with imports_keeping_no_frames():  # the adjustments import parts of megatron-bridge already
+        for adjustment in (*quiet.BRIDGE_IMPORT_ADJUSTMENTS, *root_logger.ADJUSTMENTS,
+                           *no_te.MEGATRON_BRIDGE_ADJUSTMENTS, *vl.MEGATRON_BRIDGE_ADJUSTMENTS,
+                           *moe.MEGATRON_BRIDGE_ADJUSTMENTS, *deepseek.MEGATRON_BRIDGE_ADJUSTMENTS):
+            adjustment.apply()
+        return importlib.import_module("megatron.bridge")
 
 
 def import_mbridge() -> ModuleType:
