@@ -5,6 +5,8 @@ whole-iteration CUDA graph) whose every step's losses and grad norms are compare
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,25 @@ def joint_fit(root: Path, checkpoint: str) -> dict[str, Any]:
     trainer.fit(SFTModule(enable_mtp=True, lr=1e-4), DataLoader(RandomTokenDataset(4 * STEPS, SEQ, VOCAB),
                                                                 batch_size=2))
     return {"metrics": metrics.metrics, "norms": metrics.norms, "graph": strategy.cuda_graphs.graph.counts()}
+
+
+def fits_with_and_without(adjustment_module: str, root: str, checkpoint: str, out: str) -> None:
+    """In a fresh process (NCCL, as a real single-GPU run): `joint_fit` with the adjustment of
+    `lightning_megatron._compat.<adjustment_module>` applied, then suspended; saved to `out` with whether it was
+    active, its refusal and how many signatures each of its compiled kernels ran."""
+    from lightning_megatron.distributed import free_port, init_single_process
+
+    module = importlib.import_module(f"lightning_megatron._compat.{adjustment_module}")
+    adjustment = module.ADJUSTMENTS[0]
+    os.environ["MASTER_PORT"] = str(free_port())
+    init_single_process()
+    results: dict[str, Any] = {"active": adjustment.active}
+    for kind in ("compiled", "upstream"):
+        with contextlib.nullcontext() if kind == "compiled" else adjustment.suspended():
+            results[kind] = joint_fit(Path(root) / kind, checkpoint)
+    results["refused"] = module.STATE.refused
+    results["compiled_signatures"] = [len(kernel.ran) for kernel in vars(module.COMPILED).values()]
+    torch.save(results, out)
 
 
 def assert_trains_alike(got: list[dict[str, float]], expected: list[dict[str, float]], run: str) -> None:

@@ -9,9 +9,7 @@ warm-up replays right; a tiny fit through the whole-iteration graph trains as wi
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from lightning_megatron._compat.fast_cross_entropy import (
     softmax_minus_one_hot,
 )
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, joint_fit
+from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, fits_with_and_without
 from tests._distributed import run_distributed, run_in_fresh_process
 
 ADJUSTMENT = fast_cross_entropy.ADJUSTMENTS[0]
@@ -303,28 +301,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fast_cross_entropy") / "qwen3_mtp", "qwen3", mtp=True)
 
 
-def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
-    """In a fresh process (NCCL, as a real single-GPU run): the fit with the compiled cross-entropy, then with
-    upstream's fused one."""
-    from lightning_megatron.distributed import free_port, init_single_process
-
-    os.environ["MASTER_PORT"] = str(free_port())
-    init_single_process()
-    results: dict[str, Any] = {"active": ADJUSTMENT.active}
-    for kind in ("compiled", "upstream"):
-        with contextlib.nullcontext() if kind == "compiled" else ADJUSTMENT.suspended():
-            results[kind] = joint_fit(Path(root) / kind, checkpoint)
-    results["refused"] = STATE.refused
-    results["compiled_signatures"] = [len(kernel.ran) for kernel in vars(COMPILED).values()]
-    torch.save(results, out)
-
-
 @pytest.mark.gpu
 def test_on_the_gpu_a_tiny_fit_trains_as_with_upstreams_cross_entropy(checkpoint, tmp_path) -> None:
     """bf16 tiny Qwen3 + MTP at lr 1e-4 (megatron-bridge's native fused cross-entropy for both heads), joint training
     through the whole-iteration graph (4 steps: warm-up, capture, 2 replays), with the compiled cross-entropy and
     with upstream's: every step's losses and grad norms within bf16's rounding, the graph captured alike."""
-    results = run_in_fresh_process(_gpu_fits, tmp_path, str(tmp_path), str(checkpoint))
+    results = run_in_fresh_process(fits_with_and_without, tmp_path, "fast_cross_entropy", str(tmp_path), str(checkpoint))
     assert results["active"] and results["refused"] is None and all(results["compiled_signatures"])
     assert results["compiled"]["graph"] == results["upstream"]["graph"] == GRAPHED
     assert_trains_alike(results["compiled"]["metrics"], results["upstream"]["metrics"], "joint")

@@ -10,9 +10,7 @@ whole-iteration graph trains as with upstream's RoPE."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import torch
 from lightning_megatron._compat import compiled, fast_rope, packed_rope
 from lightning_megatron._compat.fast_rope import COMPILED, EAGER, STATE, Kernels, rope, rope_backward, rope_forward
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, joint_fit
+from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, fits_with_and_without
 from tests._compat.test_packed import _CpGroup
 from tests._distributed import run_in_fresh_process
 
@@ -323,27 +321,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fast_rope") / "qwen3_mtp", "qwen3", mtp=True)
 
 
-def _gpu_fits(root: str, checkpoint: str, out: str) -> None:
-    """In a fresh process (NCCL, as a real single-GPU run): the fit with the compiled RoPE, then with upstream's."""
-    from lightning_megatron.distributed import free_port, init_single_process
-
-    os.environ["MASTER_PORT"] = str(free_port())
-    init_single_process()
-    results: dict[str, Any] = {"active": ADJUSTMENT.active}
-    for rope_kind in ("compiled", "upstream"):
-        with contextlib.nullcontext() if rope_kind == "compiled" else ADJUSTMENT.suspended():
-            results[rope_kind] = joint_fit(Path(root) / rope_kind, checkpoint)
-    results["refused"] = STATE.refused
-    results["compiled_signatures"] = [len(kernel.ran) for kernel in (COMPILED.forward, COMPILED.backward)]
-    torch.save(results, out)
-
-
 @pytest.mark.gpu
 def test_on_the_gpu_a_tiny_fit_trains_as_with_upstreams_rope(checkpoint, tmp_path) -> None:
     """bf16 tiny Qwen3 + MTP at lr 1e-4, joint training through the whole-iteration graph (4 steps: warm-up,
     capture, 2 replays), with the compiled RoPE and with upstream's: every step's losses and grad norms within bf16's
     rounding, the graph captured alike."""
-    results = run_in_fresh_process(_gpu_fits, tmp_path, str(tmp_path), str(checkpoint))
+    results = run_in_fresh_process(fits_with_and_without, tmp_path, "fast_rope", str(tmp_path), str(checkpoint))
     assert results["active"] and results["refused"] is None and all(results["compiled_signatures"])
     assert results["compiled"]["graph"] == results["upstream"]["graph"] == GRAPHED
     assert_trains_alike(results["compiled"]["metrics"], results["upstream"]["metrics"], "joint")
