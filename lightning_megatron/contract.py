@@ -6,28 +6,32 @@ one accessor, `megatron_strategy`. The strategy imports this room and never the 
 this room imports nothing of the strategy (it would be an import circle), hence the Protocol.
 `MeasuresDraftAcceptance` is what the draft probe calls on a module (`SFTModule` implements it); it is declared
 beside the probe in `mtp.probe`, a floor below, which checks modules against it, and is listed here with the rest.
+`ModelBuild` is what the strategy records on a module about the model it attached, so that the module's later runs
+keep that model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Set
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
 
+from lightning_megatron.distributed import ParallelSizes
 from lightning_megatron.microbatch import LossOutput, Microbatch
 from lightning_megatron.mtp.probe import MeasuresDraftAcceptance
 from lightning_megatron.optimizer import MegatronOptimizerAdapter
-from lightning_megatron.options import ModelOptions
+from lightning_megatron.options import BridgeType, ModelOptions
 
 if TYPE_CHECKING:  # the bridges import Megatron-Core: a command's --help must not (tests/_compat/test_quiet.py)
     from lightning_megatron.bridges import Bridge
     from lightning_megatron.data.settings import DataSettings
 
-__all__ = ["MeasuresDraftAcceptance", "MegatronLightningModule", "MegatronStrategyContract", "PreWrapHook",
-           "ValidatesMegatronSetup", "megatron_strategy"]
+__all__ = ["MeasuresDraftAcceptance", "MegatronLightningModule", "MegatronStrategyContract", "ModelBuild",
+           "PreWrapHook", "ValidatesMegatronSetup", "megatron_strategy"]
 
 PreWrapHook = Callable[[list[torch.nn.Module]], None]
 
@@ -96,15 +100,77 @@ def logs_this_step(trainer: pl.Trainer, every_n_steps: int | None = None) -> boo
     return trainer.should_stop or (every > 0 and (trainer.global_step + 1) % every == 0)
 
 
+@dataclass(frozen=True)
+class ModelBuild:
+    """What `MegatronStrategy` built a module's model as, and the bridge that built it (which exports it: mbridge's
+    keeps what it built the model with; not compared). A later run on the module (`validate`, `test` or `predict`
+    after `fit`, another `fit`, on the same Trainer or a new one) runs that model, its trained weights, as Lightning
+    runs a module's current weights, where it would build the same model: with other shapes, dtype or process
+    groups the model could not serve it. `process_groups`: Megatron's model-parallel group, the identity of the
+    parallel state the model was built in (the same sizes set up again after a run at other sizes are new groups)."""
+
+    hf_checkpoint: str
+    bridge_type: BridgeType
+    trust_remote_code: bool
+    options: ModelOptions
+    parallel_sizes: ParallelSizes
+    device: torch.device
+    process_groups: Any
+    bridge: Bridge = field(compare=False, repr=False)
+
+    @classmethod
+    def for_run(cls, module: MegatronLightningModule, hf_checkpoint: str, bridge_type: BridgeType,
+                trust_remote_code: bool, options: ModelOptions, device: torch.device) -> ModelBuild:
+        """`module.megatron_build` where the module keeps a model this run would build (raises, naming what differs,
+        where it keeps another); else a new build, its bridge made, its model not yet built."""
+        from megatron.core import parallel_state
+
+        from lightning_megatron.bridges import create_bridge
+
+        kept = module.megatron_build
+        wanted = (hf_checkpoint, bridge_type, trust_remote_code, options, ParallelSizes.current(), device,
+                  parallel_state.get_model_parallel_group())
+        if kept is None:
+            return cls(*wanted, create_bridge(bridge_type, hf_checkpoint, trust_remote_code=trust_remote_code))
+        kept.check_serves(cls(*wanted, kept.bridge), module)
+        return kept
+
+    def check_serves(self, wanted: ModelBuild, module: MegatronLightningModule) -> None:
+        """Raise, naming each field that differs, unless `module`'s kept model (built as this) is the one `wanted`."""
+        mine, theirs = self._fields(), wanted._fields()
+        differences = [f"{name}: set up anew since the model was built" if name == "process_groups"
+                       else f"{name}: {value!r} -> {theirs[name]!r}" for name, value in mine.items()
+                       if value != theirs[name]]
+        if differences:
+            raise ValueError(
+                f"{type(module).__name__} holds the model an earlier run built (and trained) for it, and this run "
+                f"would build another: {'; '.join(differences)}. Lightning runs a module's own weights: run with the "
+                "strategy options (and devices) it was built with, or pass a new module to start from hf_checkpoint "
+                "(with ckpt_path for a saved run's weights)")
+
+    def _fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for name, value in vars(self).items():
+            if isinstance(value, ModelOptions | ParallelSizes):
+                fields.update({f"{name}.{inner}": item for inner, item in vars(value).items()})
+            elif name != "bridge":
+                fields[name] = value
+        return fields
+
+
 class MegatronLightningModule(pl.LightningModule):
     """The contract `MegatronStrategy` needs; subclasses implement `forward_step` and `loss_func`.
 
     `self.model` is a `ModuleList` of Megatron model chunks (one per virtual pipeline stage) that the strategy
-    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters. `forward_step` and
-    `loss_func` receive the microbatch as this rank holds it (cut for context parallelism by the strategy).
+    attaches in `setup_environment`, so callbacks' `setup` already sees real parameters: built from the HF
+    checkpoint in the module's first run, and the same model, trained weights and all, in its later runs
+    (`megatron_build`). `forward_step` and `loss_func` receive the microbatch as this rank holds it (cut for
+    context parallelism by the strategy).
     """
 
     model: torch.nn.ModuleList
+    # What the strategy built `model` as (None: no run yet); a later run keeps that model (`ModelBuild`).
+    megatron_build: ModelBuild | None = None
     # True for a model that fuses other inputs into the sequence first (Qwen3-VL's images) and so cuts it for
     # context parallelism itself: the strategy then hands `forward_step` whole rows.
     cuts_context_parallel_in_model: ClassVar[bool] = False

@@ -95,11 +95,34 @@ def check_lora_supported(bridge: Bridge | type[Bridge], mtp_only: bool) -> None:
 
 
 def add_lora_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, *, training: bool = True) -> None:
-    """Freeze every parameter of `chunks` and wrap the target linears with adapters, in place."""
+    """Freeze every parameter of `chunks` and wrap the target linears with adapters, in place.
+
+    A model that has adapters (a module's later run keeps its model, `contract.ModelBuild`) keeps them, `config`'s
+    settings or refused: megatron-bridge wraps no linear twice but freezes them with the rest, so they are made
+    trainable again for training."""
+    kept = _lora_adapters(chunks)
+    wanted = [(config.rank, config.alpha, float(config.dropout))]
+    if kept and _adapter_settings(kept) != wanted:
+        raise ValueError(f"rank: {config.rank}, alpha: {config.alpha}, dropout: {config.dropout}: the module's model "
+                         "keeps the adapters an earlier run added, and its adapters' (rank, alpha, dropout): "
+                         f"{_adapter_settings(kept)}; give LoRACallback those, or a new module for other adapters")
     target_modules = config.target_names(chunks)
     config.megatron_bridge_lora(target_modules)(chunks, training=training)
+    for adapter in kept if training else []:
+        adapter.requires_grad_(True)
     if config.target_modules != ALL_LINEAR:  # its names are this stage's own (stages differ: no all-reduce)
         _check_every_target_matched(chunks, target_modules)
+
+
+def _lora_adapters(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    return [module.adapter for chunk in chunks for module in chunk.modules() if isinstance(module, LoRALinear)]
+
+
+def _adapter_settings(adapters: list[torch.nn.Module]) -> list[tuple[int, float, float]]:
+    """The (rank, alpha, dropout) the adapters were built with, each once."""
+    return sorted({(adapter.dim, adapter.alpha, getattr(adapter.dropout, "p", 0.0)) for adapter in adapters})
 
 
 def all_linear_names(chunks: list[torch.nn.Module]) -> list[str]:
@@ -361,15 +384,14 @@ def _megatron_bridge_and_chunks(strategy: MegatronStrategyContract) -> tuple[Bri
 def _trained_lora(chunks: list[torch.nn.Module], caller: str) -> Any:
     """The `LoRA` settings the model's adapters were built with (one rank, alpha and dropout for all of them)."""
     from megatron.bridge.peft.lora import LoRA
-    from megatron.bridge.peft.lora_layers import LoRALinear
 
-    adapters = [module.adapter for chunk in chunks for module in chunk.modules() if isinstance(module, LoRALinear)]
+    adapters = _lora_adapters(chunks)
     if not adapters:
         raise ValueError(f"{caller}: the model has no LoRA adapters; train with "
                          "Trainer(callbacks=[LoRACallback(...)]) first, or use strategy.export_hf for a full model")
-    settings = {(adapter.dim, adapter.alpha, getattr(adapter.dropout, "p", 0.0)) for adapter in adapters}
+    settings = _adapter_settings(adapters)
     if len(settings) > 1:
-        raise ValueError(f"{caller}: the adapters differ in (rank, alpha, dropout): {sorted(settings)}; "
+        raise ValueError(f"{caller}: the adapters differ in (rank, alpha, dropout): {settings}; "
                          "one adapter_config.json cannot describe them")
     ((dim, alpha, dropout),) = settings
     return LoRA(dim=dim, alpha=alpha, dropout=dropout)

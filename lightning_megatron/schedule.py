@@ -3,7 +3,8 @@
 `GlobalBatches` groups a DataLoader's microbatches into the global batches `MegatronStrategy` hands its module
 (checked, and on a CUDA run pinned, on the host before Lightning copies them to the device: `HostCheckedBatch`);
 `wrap_chunks` puts Float16Module and Megatron DDP around the model chunks, with the hooks the schedule calls, and
-`release_training_hooks` lets them go when the training ends;
+`release_training_hooks` lets them go when the training ends, and `kept_chunks` hands a later run on the same module
+(evaluation after `fit`, another `fit`) that model unwrapped;
 `run_schedule` runs one global batch through Megatron-Core's forward-backward schedule (no pipelining, 1F1B or
 interleaved) and returns its metrics token-weighted over microbatches, data- and context-parallel ranks and
 pipeline stages; `seed_everything_megatron` seeds the RNGs the way Megatron-LM does.
@@ -230,7 +231,7 @@ def release_training_hooks(chunks: list[torch.nn.Module]) -> None:
     (megatron/core/transformer/moe/token_dispatcher.py:636), whose graph reaches DDP's hook on the router weight.
     These cycles run through autograd nodes, which the garbage collector cannot see: without this, every fit kept
     its model, gradient buffers and optimizer state for the life of the process. The chunks still run forward and
-    export; training them again needs `wrap_chunks` on a fresh model (each fit builds one)."""
+    export; a later run on the same module unwraps them (`kept_chunks`) and wraps them anew."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
 
@@ -242,6 +243,19 @@ def release_training_hooks(chunks: list[torch.nn.Module]) -> None:
         for hook in ("grad_scale_func", "no_sync_func", "finalize_model_grads_func", "param_sync_func"):
             if getattr(config, hook, None) is not None:
                 setattr(config, hook, None)
+
+
+def kept_chunks(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """A finished run's chunks as the next run on the same module starts from them: without Float16Module and
+    Megatron DDP, which that run wraps anew, and without the gradient views of the last fit's DDP buffers
+    (`main_grad`), so that those buffers are freed with its DDP rather than kept through an evaluation."""
+    from megatron.core.utils import unwrap_model
+
+    bare = [unwrap_model(chunk) for chunk in chunks]
+    for parameter in (parameter for chunk in bare for parameter in chunk.parameters()):
+        for view in ("main_grad", "main_grad_copy_in_grad_buffer"):
+            vars(parameter).pop(view, None)
+    return bare
 
 
 def _drop_kept_graphs(chunk: torch.nn.Module) -> None:

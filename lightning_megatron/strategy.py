@@ -4,7 +4,9 @@ Lifecycle (the order Lightning calls us in):
 - `setup_environment`: process group, Megatron parallel state, RNG, then the model built from the HF checkpoint
   through a bridge and attached to the LightningModule, so that callbacks' `setup` already sees real parameters.
   Callbacks with a `validate_megatron_setup(strategy, module)` method (`ValidatesMegatronSetup`) are asked first,
-  so that a combination they cannot serve fails before any weights are loaded.
+  so that a combination they cannot serve fails before any weights are loaded. A module's later runs (`validate`,
+  `test`, `predict` after `fit`, another `fit`, a new Trainer) keep its model and trained weights, as Lightning
+  runs a module's current weights; one that would build another model is refused, naming what differs.
 - `setup`: pre-wrap hooks in registration order, Float16Module (bf16), Megatron DDP (which only registers parameters
   that require grad at this moment), then `configure_optimizers` (which builds the Megatron optimizer through
   `megatron_optimizer`).
@@ -13,6 +15,8 @@ Lifecycle (the order Lightning calls us in):
   Lightning's automatic optimization then calls the Megatron optimizer (clipping, grad norm) and the LR scheduler.
 - checkpoints: every rank writes its shard with Megatron's distributed checkpointing (see `checkpoint.py`); with
   `async_save` the shards are written in the background while training goes on (see `background_save.py`).
+- `teardown`: what only training hung on the model goes (`schedule.release_training_hooks`): the model, its buffers
+  and optimizer are freed once the module and Trainer are dropped; the next run's `setup` drops the optimizer.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_megatron import checkpoint as megatron_checkpoint
 from lightning_megatron import schedule
 from lightning_megatron.background_save import BackgroundSaves
-from lightning_megatron.bridges import Bridge, backend_class, create_bridge
+from lightning_megatron.bridges import Bridge, backend_class
 from lightning_megatron.contract import (
     MegatronLightningModule,
     MegatronStrategyContract,
+    ModelBuild,
     PreWrapHook,
     ValidatesMegatronSetup,
 )
@@ -166,7 +171,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         self._saves = BackgroundSaves(enabled=async_save)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(minutes=timeout_minutes)
-        self._num_nodes = 1
+        self.num_nodes = 1  # the Trainer's num_nodes
         self._pre_wrap_hooks: list[PreWrapHook] = []
         self._bridge: Bridge | None = None
         self.model_chunks: list[torch.nn.Module] = []
@@ -179,14 +184,6 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -272,17 +269,22 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         _ = self.num_microbatches  # fail now, not at the first step, on a batch-size mismatch
 
     def _build_model(self, module: MegatronLightningModule) -> None:
+        """The model from the HF checkpoint, or the one an earlier run built for this module (`ModelBuild`)."""
         options = module.model_options().under_strategy(
             precision=self.precision, sequence_parallel=self.sequence_parallel,
             attention_backend=self.attention_backend)
-        bridge = create_bridge(self.bridge_type, self.hf_checkpoint, trust_remote_code=self.trust_remote_code)
-        self._bridge = bridge
+        build = ModelBuild.for_run(module, str(self.hf_checkpoint), self.bridge_type, self.trust_remote_code, options,
+                                   self.root_device)
+        self._bridge = build.bridge
         for callback in module.trainer.callbacks:
             if isinstance(callback, ValidatesMegatronSetup):
                 callback.validate_megatron_setup(self, module)
         hand_data_settings(module.trainer.datamodule, self.data_settings(module))  # before the data's setup
-        chunks = bridge.build(options)  # validates the options first
-        module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in chunks)
+        if build is module.megatron_build:  # kept: unwrapped, this run wraps the chunks as its own
+            module.model = torch.nn.ModuleList(schedule.kept_chunks(list(module.model)))
+        else:  # the bridge validates the options first
+            module.model = torch.nn.ModuleList(chunk.to(self.root_device) for chunk in build.bridge.build(options))
+            module.megatron_build = build
 
     def data_settings(self, module: MegatronLightningModule) -> DataSettings:
         """What the run decides for the data (`data.settings`), from the parallel state on: handed to the trainer's
@@ -300,6 +302,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self.model_chunks, self.optimizers, self.lr_scheduler_configs = [], [], []  # the last run's go first
         module = self.lightning_module
         chunks = list(module.model)
         for hook in self._pre_wrap_hooks:
@@ -309,8 +312,7 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
         self.model_chunks = schedule.wrap_chunks(
             chunks, bf16=self.precision == "bf16", train=trainer.state.fn == TrainerFn.FITTING,
             grad_reduce_in_fp32=self.grad_reduce_in_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-        )
+            use_distributed_optimizer=self.use_distributed_optimizer)
         module.model = torch.nn.ModuleList(self.model_chunks)
         self.model = module
         self.model_to_device()
@@ -353,14 +355,10 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
 
     # ------------------------------------------------------------------ steps
 
-    def forward_backward(
-        self,
-        microbatches: list[Microbatch],
-        forward_step: Callable[[torch.nn.Module, Microbatch], torch.Tensor],
-        loss_func: Callable[[Microbatch, torch.Tensor], LossOutput],
-        *,
-        forward_only: bool = False,
-    ) -> dict[str, torch.Tensor]:
+    def forward_backward(self, microbatches: list[Microbatch],
+                         forward_step: Callable[[torch.nn.Module, Microbatch], torch.Tensor],
+                         loss_func: Callable[[Microbatch, torch.Tensor], LossOutput], *,
+                         forward_only: bool = False) -> dict[str, torch.Tensor]:
         """Megatron's schedule over one global batch; returns each metric of `loss_func` token-weighted.
 
         Metrics are summed over microbatches and data-parallel x context-parallel ranks, then divided by their

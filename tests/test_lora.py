@@ -220,6 +220,32 @@ def test_lora_resume_equals_the_uninterrupted_run_bit_for_bit(process_group, che
     assert len(recorder.base) == len(final) - 16 and changed_base == []
 
 
+def test_a_module_fitted_again_trains_its_kept_adapters_on(process_group, checkpoint, tmp_path):
+    """A module's later runs keep its model (`contract.ModelBuild`), adapters and all, and run the pre-wrap hook on
+    it again: a validation freezes them, another fit trains them on (and only them); other settings are refused."""
+    from megatron.core.utils import unwrap_model
+
+    options = dict(hf_checkpoint=str(checkpoint), bridge_type="megatron-bridge", precision="fp32", micro_batch_size=2,
+                   global_batch_size=4)
+    trainer_options = dict(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=1, logger=False,
+                           enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(strategy=MegatronStrategy(**options), callbacks=[LoRACallback(**LORA)], **trainer_options)
+    module, loader = SFTModule(lr=LR), DataLoader(RandomTokenDataset(SAMPLES, SEQ, VOCAB), batch_size=2)
+    trainer.fit(module, loader)
+    trainer.validate(module, loader, verbose=False)
+    fitted = dict(unwrap_model(trainer.strategy.model_chunks[0]).named_parameters())
+    before = {name: parameter.detach().clone() for name, parameter in fitted.items()}
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    trainer.fit(module, loader)
+    again = dict(unwrap_model(trainer.strategy.model_chunks[0]).named_parameters())
+    assert again.keys() == fitted.keys() and all(again[name] is fitted[name] for name in fitted)
+    changed = {name for name, parameter in again.items() if not torch.equal(parameter, before[name])}
+    assert len(changed) == 16 and all(".adapter.linear_" in name for name in changed)
+    other = pl.Trainer(strategy=MegatronStrategy(**options), callbacks=[LoRACallback(rank=8)], **trainer_options)
+    with pytest.raises(ValueError, match=r"keeps the adapters an earlier run added, .* \[\(4, 8, 0\.0\)\]"):
+        other.validate(module, loader)
+
+
 class SavesUnderItsOwnName(torch.nn.Module):
     """A wrapper a pre-wrap hook might add, which (like megatron-bridge's AdapterWrapper) saves the wrapped module's
     tensors and extra state without the `inner.` of its module path."""

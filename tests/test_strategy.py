@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import signal
 import subprocess
@@ -114,10 +115,12 @@ def _distributed_case(rank: int, world_size: int, tmp: str, hf_checkpoint: str, 
                 trainer_kwargs=dict(num_sanity_val_steps=1, limit_val_batches=2, val_check_interval=2,
                                     logger=CSVLogger(Path(tmp) / "logs")),
                 validate=True, **parallel)
-    strategy = ours["trainer"].strategy
-    reduced = {op: strategy.reduce(torch.tensor([rank + 1, 4 * rank]), reduce_op=op).tolist()
+    trainer = ours["trainer"]
+    # after the last step's validation: the kept model, split over the same ranks, on the same batches
+    validated = trainer.validate(trainer.lightning_module, _loader(2), verbose=False)[0]["val_lm_loss"]
+    reduced = {op: trainer.strategy.reduce(torch.tensor([rank + 1, 4 * rank]), reduce_op=op).tolist()
                for op in ("mean", "sum", "max", "min", torch.distributed.ReduceOp.MAX)}
-    return {"ours": ours["losses"], "reference": reference, "val_lm_loss": ours["val_lm_loss"],
+    return {"ours": ours["losses"], "reference": reference, "val_lm_loss": ours["val_lm_loss"], "validated": validated,
             "curves": sorted(path.name for path in (Path(tmp) / "logs").rglob("curves.*")),
             "reduced": {str(op): value for op, value in reduced.items()}}
 
@@ -137,6 +140,7 @@ def test_two_processes_match_the_plain_megatron_loop(checkpoints, tmp_path, para
     assert results[0]["ours"] == results[1]["ours"]  # every rank logs the same, reduced loss
     # sanity check and in-fit validation ran through the forward-only schedule, pipelined ones included
     assert results[0]["val_lm_loss"] == results[1]["val_lm_loss"] > 0
+    assert [result["validated"] for result in results] == [results[0]["val_lm_loss"]] * 2  # the trained model's
     assert results[0]["curves"] == ["curves.json", "curves.png"]  # rank 0 wrote them, and no rank hung
     for result in results:  # what Lightning's sync_dist asks of the strategy, an integer mean included
         assert result["reduced"] == {"mean": [1, 2], "sum": [3, 4], "max": [2, 4], "min": [1, 0],
@@ -294,7 +298,8 @@ def test_export_hf_after_fit_gives_the_trained_weights_to_transformers(process_g
 def test_a_finished_fit_frees_its_model_once_the_trainer_is_dropped(process_group, tmp_path, family):
     """Megatron DDP's hooks on the gradient accumulators, the optimizer's views of the parameters and an MoE
     dispatcher's kept routing probabilities made cycles through autograd nodes that the garbage collector cannot
-    see: every fit kept its model for the life of the process (a notebook, a sweep). The MTP head trains too."""
+    see: every fit kept its model for the life of the process (a notebook, a sweep). The MTP head trains too; a
+    validation after the fit runs the same model, which goes with the module."""
     checkpoint = make_tiny_checkpoint(tmp_path / family, family, mtp=True)
     chunk = _fit_and_drop(tmp_path, checkpoint)
     gc.collect()
@@ -322,32 +327,98 @@ def test_a_finished_bf16_fit_on_a_gpu_gives_its_memory_back(process_group, tmp_p
 
 def _fit_and_drop(tmp_path: Path, hf_checkpoint: Path, accelerator: str = "cpu",
                   precision: str = "fp32") -> weakref.ref:
-    """A 2-step fit whose trainer, strategy and module are dropped when it returns (in a function of its own: the
-    module's `save_hyperparameters` snapshots its callers' locals, which a `del` would not clear)."""
+    """A 2-step fit and a validation of the trained model, whose trainer, strategy and module are dropped when it
+    returns (in a function of its own: the module's `save_hyperparameters` snapshots its callers' locals, which a
+    `del` would not clear); a reference to the model."""
+    from megatron.core.utils import unwrap_model
+
     strategy = MegatronStrategy(hf_checkpoint=str(hf_checkpoint), bridge_type="megatron-bridge", micro_batch_size=2,
                                 global_batch_size=4, precision=precision)
-    trainer = _trainer(tmp_path, strategy, 2, accelerator=accelerator)
-    trainer.fit(SFTModule(lr=LR, warmup_steps=WARMUP, enable_mtp=True), _loader(2))
+    trainer = _trainer(tmp_path, strategy, 2, accelerator=accelerator, limit_val_batches=1)
+    module = SFTModule(lr=LR, warmup_steps=WARMUP, enable_mtp=True)
+    trainer.fit(module, _loader(2))
     assert trainer.global_step == 2
-    return weakref.ref(strategy.model_chunks[0])
+    trainer.validate(module, _loader(2), verbose=False)
+    return weakref.ref(unwrap_model(strategy.model_chunks[0]))
 
 
-def test_a_second_fit_on_the_same_trainer_trains_a_fresh_model_and_frees_the_first(process_group, checkpoints,
-                                                                                    tmp_path):
+class RecordStartWeights(pl.Callback):
+    """The weights each fit's training starts from."""
+
+    def __init__(self) -> None:
+        self.starts: list[dict[str, torch.Tensor]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.starts.append(_weights(trainer.strategy.model_chunks))
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_second_fit_goes_on_from_the_first_ones_weights_and_frees_its_wrappers(process_group, checkpoints,
+                                                                                  tmp_path, accelerator):
+    """As Lightning's second `fit` of a module: its weights as the first left them, a new optimizer. In bf16 with
+    the distributed optimizer: Float16Module and Megatron DDP (whose buffer held the parameters) wrap them anew; on
+    a GPU each fit captures its CUDA graph over its own wrappers."""
     strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3"]), micro_batch_size=2, global_batch_size=4,
-                                precision="fp32")
-    recorder = RecordLosses()
-    trainer = _trainer(tmp_path, strategy, 1, callbacks=[recorder])
+                                precision="bf16")
+    recorder, weights = RecordLosses(), RecordStartWeights()
+    steps = 3 if accelerator == "gpu" else 1  # a graph's warm-up, capture and replay
+    trainer = _trainer(tmp_path, strategy, steps, callbacks=[recorder, weights], accelerator=accelerator)
     module = SFTModule(lr=LR, warmup_steps=WARMUP)
     trainer.fit(module, _loader(2))
-    first = weakref.ref(strategy.model_chunks[0])
-    trainer.fit_loop.epoch_loop.max_steps = 2
+    first, trained = weakref.ref(strategy.model_chunks[0]), _weights(strategy.model_chunks)
+    trainer.fit_loop.epoch_loop.max_steps = 2 * steps
     trainer.fit(module, _loader(2))
     gc.collect()
-    assert trainer.global_step == 2 and len(recorder.losses) == 2
-    assert first() is None, "the first fit's model is still referenced after the second fit replaced it"
-    initial, trained = _weights(_build_only(checkpoints["qwen3"])), _weights(strategy.model_chunks)
-    assert all(not torch.equal(trained[name], initial[name]) for name in initial)  # the second fit stepped them
+    assert trainer.global_step == 2 * steps and len(recorder.losses) == 2 * steps
+    if accelerator == "gpu":
+        assert strategy.cuda_graphs.graph.counts() == {"warmups": 1, "captures": 1, "replays": 1, "eager": 0}
+    assert first() is None, "the first fit's wrapped chunk is still referenced after the second fit wrapped anew"
+    assert any(not torch.equal(trained[name], weights.starts[0][name]) for name in trained)  # the first fit stepped
+    assert weights.starts[1].keys() == trained.keys()
+    assert [name for name in trained if not torch.equal(weights.starts[1][name], trained[name])] == []
+    assert any(not torch.equal(tensor, trained[name]) for name, tensor in _weights(strategy.model_chunks).items())
+
+
+def _lm_loss(chunk: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]]) -> float:
+    """The token-weighted loss of `microbatches` through a bare model chunk, computed here."""
+    from lightning_megatron.microbatch import model_inputs
+    from lightning_megatron.module import masked_token_loss
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for microbatch in microbatches:
+            loss_sum, tokens, _ = masked_token_loss(microbatch, chunk.eval()(**model_inputs(microbatch)))
+            totals += torch.stack([loss_sum.double(), tokens.double()])
+    return float(totals[0] / totals[1])
+
+
+def test_evaluating_a_fitted_module_runs_its_trained_weights(process_group, checkpoints, tmp_path):
+    """Lightning's `validate` and `test` without ckpt_path run the module's weights as they are: after `fit`, the
+    trained ones (not the HF checkpoint's again), on the same Trainer and on a new one. A run that would build the
+    model otherwise (another precision) is refused, naming what differs."""
+    from megatron.core.utils import unwrap_model
+
+    options = dict(hf_checkpoint=str(checkpoints["qwen3"]), micro_batch_size=2, global_batch_size=4, precision="fp32")
+    strategy = MegatronStrategy(**options)
+    trainer = _trainer(tmp_path, strategy, 3, limit_val_batches=1, limit_test_batches=1)
+    module = SFTModule(lr=1e-2)
+    trainer.fit(module, _loader(2))
+    global_batch = list(itertools.islice(_loader(2), 2))  # the one validation and test run
+    trained = _lm_loss(unwrap_model(strategy.model_chunks[0]), global_batch)
+    untrained = _lm_loss(_build_only(checkpoints["qwen3"])[0], global_batch)
+    gradients = weakref.ref(strategy.model_chunks[0].buffers[0].grad_data)
+    validated = trainer.validate(module, _loader(2), verbose=False)[0]["val_lm_loss"]
+    gc.collect()
+    assert gradients() is None, "the fit's gradient buffer (DDP, optimizer, main_grad views) outlived it"
+    tested = trainer.test(module, _loader(2), verbose=False)[0]["test_lm_loss"]
+    another = _trainer(tmp_path, MegatronStrategy(**options), 1, limit_val_batches=1).validate(
+        module, _loader(2), verbose=False)[0]["val_lm_loss"]
+    # float32 losses of the same forward, summed in another order: a few units in the last place of ~6 (4.8e-7)
+    tolerance = 1e-5
+    assert abs(trained - untrained) > 1000 * tolerance
+    assert [validated, tested, another] == pytest.approx([trained] * 3, rel=0, abs=tolerance)
+    with pytest.raises(ValueError, match=r"options\.params_dtype: torch\.float32 -> torch\.bfloat16"):
+        _trainer(tmp_path, MegatronStrategy(**options | dict(precision="bf16")), 1).validate(module, _loader(2))
 
 
 def test_load_checkpoint_accepts_lightning_2_5_and_2_6_call_forms(process_group, checkpoints, tmp_path):
