@@ -33,7 +33,7 @@
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
 #                             auto, on a GPU; not default)
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
-#   gputests                  every `-m gpu` test (CI has no GPU), in three processes at once: $OUT/gputests.log, the
+#   gputests                  every `-m gpu` test (CI has no GPU), in seven processes at once: $OUT/gputests.log, the
 #                             step fails if one does
 #   async_save                a save's blocked time, async vs sync, and the step times around it (Qwen3-8B shape,
 #                             MTP-only; checkpoints to /dev/shm, removed afterwards)
@@ -103,18 +103,25 @@ step() {
     fi
 }
 
-gpu_tests() {  # three pytest processes at once (the longest tests fit their CUDA graphs, or compile): a third of the
-    # wall time; the folders named in groups, then every other test
-    local groups=("tests/cuda_graphs" "tests/bench tests/_compat") skip=() group index=0 rc=0 pids=() logs=()
-    for group in "${groups[@]}"; do
-        for folder in $group; do skip+=(--ignore="$folder"); done
-    done
+gpu_tests() {  # pytest processes at once (the longest tests fit their CUDA graphs, compile, or start fresh Python
+    # processes): each group below is one process, balanced on the H100 run's durations (bench/results/
+    # h100_2026-12-05b/gputests.log), and one more runs every other test; a group leaves out the others' paths
+    local groups=("tests/cuda_graphs" "tests/bench tests/test_optimizer.py"
+                  "tests/_compat/test_fast_rms_norm.py tests/_compat/test_fast_rope.py"
+                  "tests/_compat/test_fast_cross_entropy.py tests/_compat/test_grouped_experts.py"
+                  "tests/_compat" "tests/cli tests/callbacks")
+    local every=() group index=0 rc=0 pids=() logs=() paths skip
+    for group in "${groups[@]}"; do read -ra paths <<<"$group"; every+=("${paths[@]}"); done
     for group in "${groups[@]}" ""; do
         index=$((index + 1))
         logs+=("$SCRATCH/lightning_megatron_bench.gputests_$index.log")
-        local paths=(tests "${skip[@]}")
-        [ -n "$group" ] && read -ra paths <<<"$group"  # a group is its folders, separated by spaces
-        python3 -m pytest -m gpu -q -p no:cacheprovider "${paths[@]}" \
+        paths=(tests)
+        [ -n "$group" ] && read -ra paths <<<"$group"  # a group is its paths, separated by spaces
+        skip=()
+        for path in "${every[@]}"; do
+            [[ " ${paths[*]} " == *" $path "* ]] || skip+=(--ignore="$path")
+        done
+        python3 -m pytest -m gpu -q -p no:cacheprovider "${paths[@]}" "${skip[@]}" \
             --basetemp "$SCRATCH/lightning_megatron_bench.gputests_$index" >"${logs[-1]}" 2>&1 &
         pids+=($!)
     done
