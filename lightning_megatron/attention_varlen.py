@@ -26,11 +26,12 @@ What the call is made of is known on the host, so nothing is read back from the 
 - fewer key/value heads go in as they are (FlashAttention 2 shares each among its group of query heads; torch 2.11's
   `varlen_attn` takes them without a flag, later ones with `enable_gqa=True`, which is passed where it exists).
 Under the whole-iteration graph `cu_seqlens` are its static buffers, padded to `cuda_graph_sequences_per_row`
-sequences (empty ones at the row's end): each costs the kernel a few blocks that return at once, and its backward
-a dQ accumulator of 128 rows per sequence (fp32, 256 sequences x 16 heads x 128: 268 MB at Qwen3-0.6B's shape,
-freed after each layer); `bench/packing.py` (`packed_graph` against `packed_graph_flex`, and `core_attention`)
-measures what that costs against flex_attention. Newer torch may run the same call on cuDNN instead of FlashAttention
-(torch >= 2.12 chooses between them); torch 2.11 always runs FlashAttention 2.
+sequences (empty ones at the row's end): each costs the kernel blocks that return at once (ceil(row / 128) per head
+forward, as many backward), and its backward a float32 dQ accumulator of (row + 128 x sequences) rows x heads x
+head_dim (303 MB for 256 sequences in a row of 4096 at Qwen3-0.6B's 16 heads of 128, freed after each layer);
+`bench/packing.py` (`packed_graph` against `packed_graph_flex`, and `core_attention`) measures what that costs
+against flex_attention. torch 2.11 and 2.14 run FlashAttention 2 for these calls; later torch may choose cuDNN for
+them (its `varlen_attn` picks the backend).
 """
 
 from __future__ import annotations
