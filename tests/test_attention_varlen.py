@@ -291,7 +291,7 @@ def test_a_packed_bf16_training_step_through_varlen_reads_nothing_back_from_the_
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = _config(4, 2, 16, num_layers=2, bf16=True, params_dtype=torch.bfloat16)
+    config = _config(4, 2, 16, num_layers=2, bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=False)
     model = GPTModel(config, with_core_attention(get_gpt_layer_local_spec(), "sdpa"), vocab_size=64,
                      max_sequence_length=128, position_embedding_type="rope").cuda()
     lengths = (30, 40, 58)
