@@ -167,8 +167,9 @@ def _before() -> Any:
 
 
 def flex_only(flex: bool) -> Any:
-    """Packed rows through flex_attention (`LIGHTNING_MEGATRON_FAST_VARLEN=0`) while it is entered, if `flex`."""
-    return mock.patch.dict(os.environ, {VARLEN_SWITCH: "0"}) if flex else contextlib.nullcontext()
+    """Packed rows through flex_attention (`LIGHTNING_MEGATRON_FAST_VARLEN=0`) while it is entered if `flex`, else
+    through varlen_attn where it applies (`=1`: opt-in)."""
+    return mock.patch.dict(os.environ, {VARLEN_SWITCH: "0" if flex else "1"})
 
 
 @contextlib.contextmanager

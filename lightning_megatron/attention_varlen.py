@@ -10,7 +10,7 @@ a block mask per microbatch nor a compile.
 `padding_causal`), optionally with a sliding window (W, 0), on a CUDA device of compute capability 8.0 or newer
 (not ROCm), bf16 or fp16, any number of key/value groups (GQA), query/key and value heads of one size, a multiple of
 8 and at most 256, with torch's `varlen_attn(..., scale=, window_size=)` (torch 2.11 or newer). Refused, each with
-its reason (`REFUSALS`): the switch off, an older torch, another device, fp32, other head sizes, bidirectional rows,
+its reason (`REFUSALS`): the switch not on (`OPT_IN`), an older torch, another device, fp32, other head sizes, bidirectional rows,
 attention dropout (the kernel has none), context parallelism (each rank's queries see the whole row's keys) and slot
 padding (`cu_seqlens_padded`: the tokens past a sequence in its slot get zeros on the layout path). A packed row
 carries no other mask: trees (`subtree_end`) and explicit masks never come with `packed_seq_params`.
@@ -48,8 +48,11 @@ import torch.nn.functional as F
 from lightning_megatron._compat.compiled import switched_on
 
 OPT_IN = "LIGHTNING_MEGATRON_FAST_VARLEN"
-"""On by default (unset or 1); 0 keeps flex_attention for packed rows on CUDA. Read at every call, so a benchmark or
-a test can switch it between calls; any value but 0 or 1 is refused."""
+"""1 takes varlen_attn where it applies; unset or 0 keeps flex_attention for packed rows on CUDA. Off by default until a
+GPU run shows it faster: an earlier H200 measurement (`../shared/research/cuda-graphs-and-host-overhead.md`) timed
+varlen_attn at 1.36 ms against flex's 0.63 ms for one row of 4096 (wall time), and under the whole-iteration graph
+each of the 256 padded sequences costs it blocks that flex skips (`bench/packing.py`'s `core_attention` measures
+both). Read at every call, so a benchmark or a test can switch it between calls; any value but 0 or 1 is refused."""
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
@@ -89,7 +92,7 @@ class Refusal(NamedTuple):
 
 
 def _switched_off(call: PackedCall) -> bool:
-    return not switched_on(OPT_IN, "flex_attention for packed rows", "varlen_attn where it applies")
+    return not switched_on(OPT_IN, "flex_attention for packed rows", "varlen_attn where it applies", default=False)
 
 
 def _head_dims_fit(call: PackedCall) -> bool:
@@ -97,7 +100,7 @@ def _head_dims_fit(call: PackedCall) -> bool:
 
 
 REFUSALS: tuple[Refusal, ...] = (  # in order: the first that applies is the reason
-    Refusal(_switched_off, lambda call: f"{OPT_IN}=0"),
+    Refusal(_switched_off, lambda call: f"{OPT_IN} is not 1 (opt-in)"),
     Refusal(lambda call: varlen_kernel() is None,
             lambda call: f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking scale and "
                          "window_size (torch 2.11 or newer)"),

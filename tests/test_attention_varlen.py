@@ -57,9 +57,15 @@ TAKEN = {
     "head_dim_256": {"head_dim": 256, "value_head_dim": 256},
 }
 
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    """varlen_attn is opt-in (`OPT_IN`): this file's tests run with it on, unless one says otherwise."""
+    monkeypatch.setenv(OPT_IN, "1")
+
+
 # (changes, the reason's words, the row of REFUSALS that refuses it): every row has a case
 REFUSED = {
-    "switched_off": ({}, f"{OPT_IN}=0", 0),
+    "switched_off": ({}, f"{OPT_IN} is not 1 (opt-in)", 0),
     "torch_without_varlen_attn": ({}, "has no torch.nn.attention.varlen.varlen_attn taking scale and window_size", 1),
     "cpu": ({"device": torch.device("cpu"), "capability": None}, "the row is on cpu, not a CUDA device", 2),
     "turing": ({"capability": (7, 5)}, "compute capability (7, 5): FlashAttention 2 needs 8.0 or newer", 3),
@@ -86,7 +92,7 @@ def test_plain_causal_packed_rows_in_half_precision_on_a_gpu_take_varlen(case):
 def test_every_refusal_keeps_the_layout_path_and_says_why(case, monkeypatch):
     changes, reason, row = REFUSED[case]
     if case == "switched_off":
-        monkeypatch.setenv(OPT_IN, "0")
+        monkeypatch.delenv(OPT_IN)
     if case == "torch_without_varlen_attn":
         monkeypatch.setattr(attention_varlen, "varlen_kernel", lambda: None)
     call = dataclasses.replace(QWEN3, **changes)
@@ -100,10 +106,10 @@ def test_every_row_of_the_table_has_its_case():
 
 
 @needs_varlen
-@pytest.mark.parametrize("value", ["", "1"])
-def test_the_switch_is_on_unset_and_at_1_and_refuses_other_values(value, monkeypatch):
-    monkeypatch.setenv(OPT_IN, value)
-    assert varlen_refusal(QWEN3) is None
+def test_the_switch_is_off_unset_and_at_0_on_at_1_and_refuses_other_values(monkeypatch):
+    for value, refused in (("", True), ("0", True), ("1", False)):
+        monkeypatch.setenv(OPT_IN, value)
+        assert (varlen_refusal(QWEN3) is not None) is refused, value
     monkeypatch.setenv(OPT_IN, "false")
     with pytest.raises(ValueError, match=f"{OPT_IN}='false' is not 0 or 1"):
         varlen_refusal(QWEN3)
