@@ -4,7 +4,8 @@ One Megatron-Core training step (local layer spec with `SDPAttention`, Float16Mo
 forward-backward over the microbatches, optimizer step) of the Qwen3-0.6B shape, side by side in one process, for
 three layouts of rows of `--seq` tokens (one row per microbatch):
 - `packed`: SFT-like sequences (lengths uniform in [`--min-length`, `--max-length`]) first-fit packed (THD,
-  `cu_seqlens`; flex_attention's block mask on CUDA);
+  `cu_seqlens`; on CUDA torch's varlen_attn where `attention_varlen` lets the rows through, `packed_flex` and
+  `packed_graph_flex` the same rows through flex_attention's block mask);
 - `padded`: the same sequences, one per row, padded to `--seq` (what `SFTDataModule(packing=False)` feeds);
 - `full`: unpadded `--seq`-token rows (causal SDPA), as many as the real tokens fill.
 Each layout runs as `bench.packing_profile`'s candidate of that name (`--layouts` picks some; `packed_before` is the
@@ -51,7 +52,7 @@ import torch.multiprocessing as mp
 
 from bench.attention import add_shape_options, gpt_model
 from bench.common import TINY_SCRATCH_BYTES, emit, environment, parse_with_tiny, scratch_dir
-from bench.packing_profile import CANDIDATES, P5_TINY, layouts, markdown, run_candidate, sft_sequences
+from bench.packing_profile import CANDIDATES, P5_TINY, flex_only, layouts, markdown, run_candidate, sft_sequences
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.distributed import init_single_process
@@ -69,15 +70,20 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--layouts", nargs="+",
                         default=["full", "packed", "padded", "packed_before", "full_graph", "packed_graph"],
-                        choices=["full", "packed", "padded", "packed_before", "full_graph", "packed_graph",
-                                 "padded_graph"],
+                        choices=["full", "packed", "packed_flex", "padded", "packed_before", "full_graph",
+                                 "packed_graph", "packed_graph_flex", "padded_graph"],
                         help="bench.packing_profile candidates: packed_before is the code before issue 29, the "
-                        "*_graph ones MegatronStrategy(cuda_graph='full_iteration')'s path (GPU only)")
+                        "*_graph ones MegatronStrategy(cuda_graph='full_iteration')'s path (GPU only), the *_flex "
+                        "ones packed rows through flex_attention instead of varlen_attn")
     parser.add_argument("--upstream-rope", action=argparse.BooleanOptionalAction, default=True,
                         help="also packed rows with Megatron-Core's own THD RoPE (packed_upstream_rope)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the profile tables here")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="skip (and record as skipped) the layouts that would end past this many seconds")
+    parser.add_argument("--core-attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the core attention alone on the packed rows, varlen_attn against flex_attention "
+                        "(GPU only, ~30 s)")
+    parser.add_argument("--core-repeats", type=int, default=10, help="timed passes over the rows per kernel")
     parser.add_argument("--context-parallel", action=argparse.BooleanOptionalAction, default=True,
                         help="also the two-process gloo CP communication check (CPU, ~20 s)")
     parser.add_argument("--cp-seq", type=int, default=256, help="row length of the gloo CP run")
@@ -200,6 +206,7 @@ def main() -> None:
         "sequences": args.sequences, "lengths": [args.min_length, args.max_length], "layouts": results,
         "vectorized_thd_rope": vectorized_rope.active,
         "summary": summary(results, padding_fraction, 1 - real_tokens / (len(rows["packed"]) * args.seq)),
+        "core_attention": core_attention(args, rows["packed"]) if args.core_attention else None,
         "context_parallel": cp_communication(args) if args.context_parallel else None}, args.out)
 
 
@@ -244,6 +251,8 @@ def summary(results: dict[str, Any], padding_fraction: float, packed_padding_fra
         "packed_over_padded_tokens_per_s": ratio("packed", "padded"),
         "packed_over_packed_before_tokens_per_s": ratio("packed", "packed_before"),
         "packed_over_packed_upstream_rope_tokens_per_s": ratio("packed", "packed_upstream_rope"),
+        "packed_over_packed_flex_tokens_per_s": ratio("packed", "packed_flex"),  # varlen_attn / flex_attention
+        "packed_graph_over_packed_graph_flex_tokens_per_s": ratio("packed_graph", "packed_graph_flex"),
         **graphed,
         "padded_padding_fraction": padding_fraction,
         "packed_padding_fraction": packed_padding_fraction,
@@ -252,6 +261,79 @@ def summary(results: dict[str, Any], padding_fraction: float, packed_padding_fra
         "gpu_busy_fraction": busy,
         "graphed_targets_met": met,
     }
+
+
+def core_attention(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The core attention alone on the packed rows (`SDPAttention` at the model's heads, random q, k, v), forward
+    and backward of every row, through varlen_attn and through flex_attention; the rows' own `cu_seqlens` and the
+    same padded to the whole-iteration graph's fixed count (`graph_padded`: empty sequences at the row's end, which
+    cost varlen blocks that return at once and flex nothing). Per kernel: the GPU's kernel time and the wall time
+    per row (a pass over the rows `--core-repeats` times after a warm-up that compiles flex), and the largest
+    difference of the first row's output and gradients to the other kernel's, beside their largest magnitude."""
+    if not torch.cuda.is_available():
+        return {"error": "skipped: needs a GPU"}
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.autograd import DeviceType
+
+    from bench.packing_profile import profiler
+    from lightning_megatron.attention import SDPAttention
+    from lightning_megatron.attention_varlen import varlen_refusal
+    from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW
+    from lightning_megatron.microbatch import CU_SEQLENS, packed_seq_params, with_fixed_sequence_count
+
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
+                               num_query_groups=args.kv_groups, kv_channels=args.head_dim, attention_dropout=0.0,
+                               hidden_dropout=0.0)
+    attention = SDPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    q, k, v, grad = (torch.randn(args.seq, heads, args.head_dim, generator=generator, device="cuda", dtype=dtype)
+                     for heads in (args.heads, args.kv_groups, args.kv_groups, args.heads))
+    qkv = [t.requires_grad_() for t in (q, k, v)]
+
+    def row_pass(packs: list[Any]) -> list[torch.Tensor]:
+        """Forward and backward of every row; the first row's output and gradients."""
+        first: list[torch.Tensor] = []
+        for pack in packs:
+            output = attention(*qkv, None, packed_seq_params=pack).view_as(grad)
+            grads = torch.autograd.grad(output, qkv, grad)
+            first = first or [output.float(), *(g.float() for g in grads)]
+        return first
+
+    results: dict[str, Any] = {}
+    for boundaries in ("rows", "graph_padded"):
+        fixed = [row if boundaries == "rows" else with_fixed_sequence_count(row, SEQUENCES_PER_ROW, args.seq - 1)
+                 for row in rows]
+        packs = [packed_seq_params({**row, CU_SEQLENS: row[CU_SEQLENS].cuda()}) for row in fixed]
+        outputs, result = {}, {}
+        for kernel in ("varlen", "flex"):
+            with flex_only(kernel == "flex"):
+                refusal = varlen_refusal(attention.packed_call(*qkv, packs[0], AttnMaskType.causal))
+                outputs[kernel] = row_pass(packs)  # warm-up: flex compiles
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(args.core_repeats):
+                    row_pass(packs)
+                torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - started) * 1e3 / (args.core_repeats * len(packs))
+                with profiler() as prof:
+                    row_pass(packs)
+                    torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                       and not e.name.startswith(("Memcpy", "Memset"))]
+            kernel_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+            result[kernel] = {"path": "varlen_attn" if refusal is None else f"flex_attention ({refusal})",
+                              "gpu_kernel_ms_per_row": kernel_ms / len(packs), "wall_ms_per_row": wall_ms,
+                              "kernels_per_row": len(kernels) / len(packs)}
+        result["largest_difference"] = {name: {"varlen_vs_flex": float((a - b).abs().max()),
+                                               "largest_magnitude": float(b.abs().max())}
+                                        for name, a, b in zip(("output", "dq", "dk", "dv"), outputs["varlen"],
+                                                              outputs["flex"])}
+        varlen_ms, flex_ms = (result[kernel]["gpu_kernel_ms_per_row"] for kernel in ("varlen", "flex"))
+        result["varlen_over_flex_gpu_kernel_time"] = varlen_ms / flex_ms
+        results[boundaries] = result
+    return {"rows": len(rows), "sequences_per_row_graph_padded": SEQUENCES_PER_ROW, **results}
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ runs these candidates), one candidate after another in one process:
 | candidate | rows | what it changes |
 |---|---|---|
 | `full` | full | nothing: eager, causal SDPA |
-| `packed` | packed | BlockMask from the layout's bounds, RoPE gather once per microbatch, host `max_seqlen` (now) |
+| `packed` | packed | varlen_attn on CUDA (`attention_varlen`), RoPE gather once per microbatch, host `max_seqlen` |
+| `packed_flex` | packed | the same through flex_attention, BlockMask from the layout's bounds (varlen switched off) |
 | `padded` | padded | nothing: eager, one sequence per row |
-| `packed_before` | packed | `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back from the device |
+| `packed_before` | packed | flex with `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back |
 | `full_graph` | full | `cuda_graph="full_iteration"`: the forward-backward captured once, replayed; flex attention |
 | `packed_graph` | packed | the same for packed rows: `cu_seqlens` padded to one count, one `max_seqlen` for all |
+| `packed_graph_flex` | packed | the same through flex_attention (varlen switched off) |
 | `padded_graph` | padded | the same for padded rows (flex attention) |
 | `full_layer_graphs` | full | Megatron-Core's per-layer graphs (`cuda_graph_impl="local"`; it switches the current stream) |
 
@@ -19,7 +21,7 @@ Per candidate: median step time, real tokens/s, peak memory, and one profiled st
 the GPU busy time (union of all device activity) over the un-profiled step time, device kernels, kernel-launch and
 graph-launch calls, synchronising runtime calls (with the operators that made them, and the Python lines from
 `torch.cuda.set_sync_debug_mode("warn")` in one more step), Python's garbage collections in one step, the CPU time
-inside the ranges of `RANGES` (microbatch inputs, layout, block mask, RoPE gather, core attention, Megatron's
+inside the ranges of `RANGES` (microbatch inputs, layout, block mask, varlen, RoPE gather, core attention, Megatron's
 forward_step / backward_step), the top CUDA kernels and CPU operators by time. A failing candidate records its error and the others still run; `--deadline-s` skips the
 candidates that no longer fit.
 """
@@ -30,12 +32,14 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import time
 import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -44,6 +48,7 @@ from bench.common import emit, environment, fresh_memory, parse_with_tiny, peak_
 from lightning_megatron import attention_layout
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.atomic import write_text_atomically
+from lightning_megatron.attention_varlen import OPT_IN as VARLEN_SWITCH
 from lightning_megatron.cuda_graphs.full_iteration import FullIterationGraph
 from lightning_megatron.cuda_graphs.options import SEQUENCES_PER_ROW
 from lightning_megatron.distributed import init_single_process
@@ -56,10 +61,12 @@ TINY = {**P5_TINY, "steps": 1, "warmup": 1}
 CANDIDATES = {  # name: (rows, mode), in the order they run
     "full": ("full", "eager"),
     "packed": ("packed", "eager"),
+    "packed_flex": ("packed", "eager"),
     "padded": ("padded", "eager"),
     "packed_before": ("packed", "before"),
     "full_graph": ("full", "graph"),
     "packed_graph": ("packed", "graph"),
+    "packed_graph_flex": ("packed", "graph"),
     "padded_graph": ("padded", "graph"),
     "full_layer_graphs": ("full", "layer_graphs"),
 }
@@ -159,6 +166,12 @@ def _before() -> Any:
         attention_layout.BLOCK_MASK_BUILDER, packed_rope._gathered_freqs = builder, gathered
 
 
+def flex_only(flex: bool) -> Any:
+    """Packed rows through flex_attention (`LIGHTNING_MEGATRON_FAST_VARLEN=0`) while it is entered if `flex`, else
+    through varlen_attn where it applies (`=1`: opt-in)."""
+    return mock.patch.dict(os.environ, {VARLEN_SWITCH: "0" if flex else "1"})
+
+
 @contextlib.contextmanager
 def _cudagraphable_rng() -> Any:
     """Megatron's CUDA graphs (whole-iteration and per-layer) need the graph-safe RNG tracker: the capture registers
@@ -208,8 +221,9 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
         optimizer.step()
         return sum(m["lm_loss"][0] for m in losses) / sum(m["lm_loss"][1] for m in losses)
 
+    flex = name.endswith("_flex") or mode == "before"  # the code before issue 29 had no varlen path either
     try:
-        with _before() if mode == "before" else contextlib.nullcontext():
+        with _before() if mode == "before" else contextlib.nullcontext(), flex_only(flex):
             times, losses = [], []
             warmup = max(args.warmup, 2) if graph is not None else args.warmup  # the graph: warm-up, then capture
             for index in range(warmup + args.steps):
@@ -290,6 +304,7 @@ def sync_sites(step: Any) -> dict[str, int]:
 RANGES = (  # (module, attribute path, label): CPU ranges around a microbatch's host work, in the profiled step only
     ("lightning_megatron.attention", "SDPAttention.forward", "## core attention"),
     ("lightning_megatron.attention", "build_layout", "## layout"),
+    ("lightning_megatron.attention", "varlen_attention", "## varlen"),
     ("lightning_megatron.attention_layout", "Layout.block_mask", "## block mask"),
     ("lightning_megatron._compat.packed_rope", "_gathered_freqs", "## rope gather"),
     ("megatron.core.pipeline_parallel.schedules", "forward_step", "## forward_step"),

@@ -32,6 +32,8 @@
 #                             _compat/fast_cross_entropy.py (about a minute, estimated)
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
 #                             auto, on a GPU; not default)
+#   packing_varlen            issue 41: packed rows through varlen_attn against flex_attention, eager and graphed
+#                             steps and the core attention alone (not default; about 4 minutes, estimated)
 #   vl                        Qwen2.5-VL-3B shape, image + text SFT, packed vs padded rows at 4096
 #   gputests                  every `-m gpu` test (CI has no GPU), in seven processes at once: $OUT/gputests.log, the
 #                             step fails if one does
@@ -168,6 +170,9 @@ for name in $STEPS; do
         packing_graphed) step "$name" python3 -m bench.packing --layouts full_graph packed_graph padded_graph \
                              --no-upstream-rope --no-context-parallel --markdown "$OUT/packing_graphed_profile.md" \
                              --out "$OUT/$name.json" ;;
+        packing_varlen) step "$name" python3 -m bench.packing --layouts packed packed_flex packed_graph \
+                            packed_graph_flex --no-upstream-rope --no-context-parallel \
+                            --markdown "$OUT/packing_varlen_profile.md" --out "$OUT/$name.json" ;;
         hf_io_8b) step "$name" env TMPDIR="$BIG_TMPDIR" \
                       python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \

@@ -18,6 +18,10 @@ forward, so TP, PP and the MTP layer use it unchanged, and serves every layout o
   tensors cannot (no trees, no CP offsets). `bench/packing.py` (P5) measures it against full unpadded rows.
   On the CPU (flex has no CPU backward) and with attention dropout (flex has none), the same layout becomes a dense
   bool mask for SDPA: exact, O(s^2) memory.
+- packed THD rows that are plain causal per sequence (optionally a sliding window), bf16 or fp16 on a CUDA GPU, CP=1:
+  torch's variable-length FlashAttention (`varlen_attn`) instead of the layout, where `attention_varlen.varlen_refusal`
+  (a table of what it does not cover, each with its reason) lets them through; `LIGHTNING_MEGATRON_FAST_VARLEN=0`
+  keeps flex_attention.
 
 `with_core_attention` puts it (or the local attention) into a layer, block or MTP block spec.
 """
@@ -47,6 +51,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from lightning_megatron.attention_layout import Layout, build_layout
+from lightning_megatron.attention_varlen import PackedCall, varlen_attention, varlen_refusal
 from lightning_megatron.microbatch import packed_row_bounds
 from lightning_megatron.options import ATTENTION_BACKENDS, AttentionBackend
 
@@ -117,6 +122,11 @@ class SDPAttention(MegatronModule):
     def cp_size(self) -> int:
         return self.cp_group.size() if self.cp_group is not None else 1
 
+    @property
+    def dropout_p(self) -> float:
+        """The attention dropout in effect: none outside training."""
+        return self.attention_dropout_p if self.training else 0.0
+
     def forward(
         self,
         query: torch.Tensor,
@@ -163,7 +173,7 @@ class SDPAttention(MegatronModule):
             is_causal = False
         if is_causal and sq != sk:
             raise ValueError(f"causal attention needs as many queries as keys; got {sq} queries and {sk} keys")
-        dropout_p = self.attention_dropout_p if self.training else 0.0
+        dropout_p = self.dropout_p
         with self._dropout_rng(dropout_p):
             return F.scaled_dot_product_attention(
                 query,
@@ -191,17 +201,27 @@ class SDPAttention(MegatronModule):
         packed: PackedSeqParams,
     ) -> torch.Tensor:
         """THD: each sequence of the pack attends only to itself; a token in no sequence (the slot padding of
-        `cu_seqlens_padded`) gets zeros. Tensors are [t, heads, d] (this CP rank's tokens), output [t, heads * d]."""
+        `cu_seqlens_padded`) gets zeros. Tensors are [t, heads, d] (this CP rank's tokens), output [t, heads * d].
+        varlen_attn where `varlen_refusal` lets the row through, else the layout."""
         if packed.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={packed.qkv_format!r}: SDPAttention packs only 'thd'")
         # Megatron's Attention squeezes the dummy batch dimension of THD tensors: [t, heads, d].
         query, key, value = (t.squeeze(1) if t.dim() == 4 else t for t in (query, key, value))
+        if varlen_refusal(self.packed_call(query, key, value, packed, mask_type)) is None:
+            return varlen_attention(query, key, value, packed.cu_seqlens_q, scale=self.softmax_scale,
+                                    window=self.window_size).reshape(query.size(0), -1)
         layout = self._layout((packed.cu_seqlens_q, packed.cu_seqlens_q_padded), query.size(0), query.device,
                               lambda length: _packed_bounds(packed, length), mask_type)
         # [t, heads, d] -> [1, heads, t, d]; K and V of the whole row under CP
         q = query.transpose(0, 1).unsqueeze(0)
         k, v = (self._gather_context_parallel(t).transpose(0, 1).unsqueeze(0) for t in (key, value))
         return self._attend_layout(q, k, v, layout)[0].transpose(0, 1).reshape(query.size(0), -1)
+
+    def packed_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedSeqParams,
+                    mask_type: AttnMaskType) -> PackedCall:
+        """What decides whether a packed row ([t, heads, d] tensors) takes varlen_attn (`varlen_refusal`)."""
+        return PackedCall.of(query, key, value, packed, causal=mask_type in _CAUSAL_TYPES, window=self.window_size,
+                             dropout_p=self.dropout_p, cp_size=self.cp_size)
 
     def _structured_forward(
         self,
@@ -244,7 +264,7 @@ class SDPAttention(MegatronModule):
     def _attend_layout(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Layout
                        ) -> torch.Tensor:
         """[b, heads, s, d] attention under `layout`: flex_attention on CUDA, SDPA with the dense mask elsewhere."""
-        dropout_p = self.attention_dropout_p if self.training else 0.0
+        dropout_p = self.dropout_p
         enable_gqa = key.size(1) != query.size(1)
         if query.is_cuda and dropout_p == 0.0:
             return _compiled_flex_attention()(query, key, value, block_mask=layout.block_mask(query.size(0)),

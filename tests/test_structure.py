@@ -72,6 +72,7 @@ FLOORS: dict[str, int] = {
     # 1: the attention core, data, tree rotary
     "lightning_megatron.attention": 1,
     "lightning_megatron.attention_layout": 1,
+    "lightning_megatron.attention_varlen": 1,
     "lightning_megatron.data": 1,
     "lightning_megatron.tree_rotary": 1,
     # 0: ground-floor leaves

@@ -113,12 +113,12 @@ def triton_available() -> bool:
     return has_triton()
 
 
-def switched_on(variable: str, off: str, on: str) -> bool:
-    """An adjustment's environment switch: unset or 1 applies it (where its condition holds), 0 leaves upstream's
-    kernels (`off`); any other value is refused (a `false` that silently did nothing would be taken for upstream's
-    kernels, in a benchmark too)."""
+def switched_on(variable: str, off: str, on: str, *, default: bool = True) -> bool:
+    """An adjustment's environment switch: 1 applies it (where its condition holds), 0 leaves upstream's kernels
+    (`off`), unset is `default`; any other value is refused (a `false` that silently did nothing would be taken for
+    upstream's kernels, in a benchmark too)."""
     value = os.environ.get(variable, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{variable}={value!r} is not 0 or 1: set it to 0 ({off}) or 1, or leave it unset "
-                         f"(the default: {on})")
-    return value != "0"
+        raise ValueError(f"{variable}={value!r} is not 0 or 1: set it to 0 ({off}) or 1 ({on}), or leave it unset "
+                         f"(the default: {on if default else off})")
+    return value == "1" or (value == "" and default)
