@@ -4,8 +4,8 @@ One Megatron-Core training step (local layer spec with `SDPAttention`, Float16Mo
 forward-backward over the microbatches, optimizer step) of the Qwen3-0.6B shape, side by side in one process, for
 three layouts of rows of `--seq` tokens (one row per microbatch):
 - `packed`: SFT-like sequences (lengths uniform in [`--min-length`, `--max-length`]) first-fit packed (THD,
-  `cu_seqlens`; on CUDA torch's varlen_attn where `attention_varlen` lets the rows through, `packed_flex` and
-  `packed_graph_flex` the same rows through flex_attention's block mask);
+  `cu_seqlens`; on CUDA flex_attention's block mask, the default, `packed_varlen` and `packed_graph_varlen` the same
+  rows through torch's varlen_attn where `attention_varlen` lets them through, which is opt-in);
 - `padded`: the same sequences, one per row, padded to `--seq` (what `SFTDataModule(packing=False)` feeds);
 - `full`: unpadded `--seq`-token rows (causal SDPA), as many as the real tokens fill.
 Each layout runs as `bench.packing_profile`'s candidate of that name (`--layouts` picks some; `packed_before` is the
@@ -52,7 +52,15 @@ import torch.multiprocessing as mp
 
 from bench.attention import add_shape_options, gpt_model
 from bench.common import TINY_SCRATCH_BYTES, emit, environment, parse_with_tiny, scratch_dir
-from bench.packing_profile import CANDIDATES, P5_TINY, flex_only, layouts, markdown, run_candidate, sft_sequences
+from bench.packing_profile import (
+    CANDIDATES,
+    P5_TINY,
+    layouts,
+    markdown,
+    run_candidate,
+    sft_sequences,
+    varlen_switched,
+)
 from lightning_megatron._compat import packed_rope
 from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.distributed import init_single_process
@@ -70,11 +78,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--layouts", nargs="+",
                         default=["full", "packed", "padded", "packed_before", "full_graph", "packed_graph"],
-                        choices=["full", "packed", "packed_flex", "padded", "packed_before", "full_graph",
-                                 "packed_graph", "packed_graph_flex", "padded_graph"],
+                        choices=["full", "packed", "packed_varlen", "padded", "packed_before", "full_graph",
+                                 "packed_graph", "packed_graph_varlen", "padded_graph"],
                         help="bench.packing_profile candidates: packed_before is the code before issue 29, the "
-                        "*_graph ones MegatronStrategy(cuda_graph='full_iteration')'s path (GPU only), the *_flex "
-                        "ones packed rows through flex_attention instead of varlen_attn")
+                        "*_graph ones MegatronStrategy(cuda_graph='full_iteration')'s path (GPU only), the *_varlen "
+                        "ones packed rows through varlen_attn (opt-in) instead of flex_attention")
     parser.add_argument("--upstream-rope", action=argparse.BooleanOptionalAction, default=True,
                         help="also packed rows with Megatron-Core's own THD RoPE (packed_upstream_rope)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the profile tables here")
@@ -251,8 +259,8 @@ def summary(results: dict[str, Any], padding_fraction: float, packed_padding_fra
         "packed_over_padded_tokens_per_s": ratio("packed", "padded"),
         "packed_over_packed_before_tokens_per_s": ratio("packed", "packed_before"),
         "packed_over_packed_upstream_rope_tokens_per_s": ratio("packed", "packed_upstream_rope"),
-        "packed_over_packed_flex_tokens_per_s": ratio("packed", "packed_flex"),  # varlen_attn / flex_attention
-        "packed_graph_over_packed_graph_flex_tokens_per_s": ratio("packed_graph", "packed_graph_flex"),
+        "packed_varlen_over_packed_tokens_per_s": ratio("packed_varlen", "packed"),  # varlen_attn / flex_attention
+        "packed_graph_varlen_over_packed_graph_tokens_per_s": ratio("packed_graph_varlen", "packed_graph"),
         **graphed,
         "padded_padding_fraction": padding_fraction,
         "packed_padding_fraction": packed_padding_fraction,
@@ -308,7 +316,7 @@ def core_attention(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict
         packs = [packed_seq_params({**row, CU_SEQLENS: row[CU_SEQLENS].cuda()}) for row in fixed]
         outputs, result = {}, {}
         for kernel in ("varlen", "flex"):
-            with flex_only(kernel == "flex"):
+            with varlen_switched(kernel == "varlen"):
                 refusal = varlen_refusal(attention.packed_call(*qkv, packs[0], AttnMaskType.causal))
                 outputs[kernel] = row_pass(packs)  # warm-up: flex compiles
                 torch.cuda.synchronize()

@@ -7,13 +7,13 @@ runs these candidates), one candidate after another in one process:
 | candidate | rows | what it changes |
 |---|---|---|
 | `full` | full | nothing: eager, causal SDPA |
-| `packed` | packed | varlen_attn on CUDA (`attention_varlen`), RoPE gather once per microbatch, host `max_seqlen` |
-| `packed_flex` | packed | the same through flex_attention, BlockMask from the layout's bounds (varlen switched off) |
+| `packed` | packed | the default path: flex_attention on CUDA, BlockMask from the layout's bounds, RoPE gather once per microbatch, host `max_seqlen` |
+| `packed_varlen` | packed | the same through varlen_attn (`attention_varlen`, opt-in: switched on) |
 | `padded` | padded | nothing: eager, one sequence per row |
 | `packed_before` | packed | flex with `create_block_mask`, the THD RoPE index per layer, `max_seqlen` read back |
 | `full_graph` | full | `cuda_graph="full_iteration"`: the forward-backward captured once, replayed; flex attention |
 | `packed_graph` | packed | the same for packed rows: `cu_seqlens` padded to one count, one `max_seqlen` for all |
-| `packed_graph_flex` | packed | the same through flex_attention (varlen switched off) |
+| `packed_graph_varlen` | packed | the same through varlen_attn (switched on) |
 | `padded_graph` | padded | the same for padded rows (flex attention) |
 | `full_layer_graphs` | full | Megatron-Core's per-layer graphs (`cuda_graph_impl="local"`; it switches the current stream) |
 
@@ -61,12 +61,12 @@ TINY = {**P5_TINY, "steps": 1, "warmup": 1}
 CANDIDATES = {  # name: (rows, mode), in the order they run
     "full": ("full", "eager"),
     "packed": ("packed", "eager"),
-    "packed_flex": ("packed", "eager"),
+    "packed_varlen": ("packed", "eager"),
     "padded": ("padded", "eager"),
     "packed_before": ("packed", "before"),
     "full_graph": ("full", "graph"),
     "packed_graph": ("packed", "graph"),
-    "packed_graph_flex": ("packed", "graph"),
+    "packed_graph_varlen": ("packed", "graph"),
     "padded_graph": ("padded", "graph"),
     "full_layer_graphs": ("full", "layer_graphs"),
 }
@@ -166,10 +166,10 @@ def _before() -> Any:
         attention_layout.BLOCK_MASK_BUILDER, packed_rope._gathered_freqs = builder, gathered
 
 
-def flex_only(flex: bool) -> Any:
-    """Packed rows through flex_attention (`LIGHTNING_MEGATRON_FAST_VARLEN=0`) while it is entered if `flex`, else
-    through varlen_attn where it applies (`=1`: opt-in)."""
-    return mock.patch.dict(os.environ, {VARLEN_SWITCH: "0" if flex else "1"})
+def varlen_switched(on: bool) -> Any:
+    """Packed rows through varlen_attn where it applies (`LIGHTNING_MEGATRON_FAST_VARLEN=1`, opt-in) while it is
+    entered if `on`, else through flex_attention (`=0`)."""
+    return mock.patch.dict(os.environ, {VARLEN_SWITCH: "1" if on else "0"})
 
 
 @contextlib.contextmanager
@@ -221,9 +221,9 @@ def run_candidate(args: argparse.Namespace, name: str, microbatches: list[dict])
         optimizer.step()
         return sum(m["lm_loss"][0] for m in losses) / sum(m["lm_loss"][1] for m in losses)
 
-    flex = name.endswith("_flex") or mode == "before"  # the code before issue 29 had no varlen path either
+    varlen = name.endswith("_varlen")  # the rest runs the default path (the code before issue 29 had no varlen)
     try:
-        with _before() if mode == "before" else contextlib.nullcontext(), flex_only(flex):
+        with _before() if mode == "before" else contextlib.nullcontext(), varlen_switched(varlen):
             times, losses = [], []
             warmup = max(args.warmup, 2) if graph is not None else args.warmup  # the graph: warm-up, then capture
             for index in range(warmup + args.steps):

@@ -170,8 +170,8 @@ for name in $STEPS; do
         packing_graphed) step "$name" python3 -m bench.packing --layouts full_graph packed_graph padded_graph \
                              --no-upstream-rope --no-context-parallel --markdown "$OUT/packing_graphed_profile.md" \
                              --out "$OUT/$name.json" ;;
-        packing_varlen) step "$name" python3 -m bench.packing --layouts packed packed_flex packed_graph \
-                            packed_graph_flex --no-upstream-rope --no-context-parallel \
+        packing_varlen) step "$name" python3 -m bench.packing --layouts packed packed_varlen packed_graph \
+                            packed_graph_varlen --no-upstream-rope --no-context-parallel \
                             --markdown "$OUT/packing_varlen_profile.md" --out "$OUT/$name.json" ;;
         hf_io_8b) step "$name" env TMPDIR="$BIG_TMPDIR" \
                       python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;

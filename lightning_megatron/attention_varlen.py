@@ -29,7 +29,7 @@ Under the whole-iteration graph `cu_seqlens` are its static buffers, padded to `
 sequences (empty ones at the row's end): each costs the kernel blocks that return at once (ceil(row / 128) per head
 forward, as many backward), and its backward a float32 dQ accumulator of (row + 128 x sequences) rows x heads x
 head_dim (303 MB for 256 sequences in a row of 4096 at Qwen3-0.6B's 16 heads of 128, freed after each layer);
-`bench/packing.py` (`packed_graph` against `packed_graph_flex`, and `core_attention`) measures what that costs
+`bench/packing.py` (`packed_graph_varlen` against `packed_graph`, and `core_attention`) measures what that costs
 against flex_attention. torch 2.11 and 2.14 run FlashAttention 2 for these calls; later torch may choose cuDNN for
 them (its `varlen_attn` picks the backend).
 """
