@@ -8,7 +8,9 @@ tests can compare Lightning's loss per step with it and the benchmarks can compa
 `run` returns the loss of every step and its wall time, measured from one synchronised step end to the next
 (fetching the microbatches, forward-backward, optimizer step, loss reduction: everything an iteration costs), which
 is how `bench/lightning_overhead.py` times the Lightning fit it compares against. On a GPU the peak-memory counter
-is reset when training starts (`setup_peak_memory_bytes`: the peak of building the model until then). With an MTP
+is reset when training starts (`setup_peak_memory_bytes`: the peak of building the model until then). `adam`: which
+torch Adam each part of Megatron's optimizer steps with ("fused" on a GPU without TE/Apex: `prepare_megatron_core`
+applies `_compat.fused_adam` here as the strategy does, so both loops step with the same Adam). With an MTP
 head the MTP loss is read from Megatron-Core's tracker and the tracker cleaned every step, as Megatron-LM's
 `training_log` does. `mtp_only`: the plain Megatron-Core MTP-only loop, every non-MTP parameter frozen
 (`requires_grad=False`) before DDP and the optimizer exist and nothing else changed. `random_weights`: Megatron's
@@ -205,6 +207,7 @@ def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], o
     from megatron.core.utils import get_model_config
 
     from bench.common import CpuClock, live_threads
+    from lightning_megatron._compat.fused_adam import implementations
     from lightning_megatron.microbatch import model_inputs
 
     device = _device()
@@ -289,7 +292,7 @@ def _train(config: LoopConfig, dataset: Dataset, model: list[torch.nn.Module], o
             series.append(seconds)
     return {"losses": losses, "mtp_losses": mtp_losses, "grad_norms": grad_norms, "step_times_s": step_times,
             "process_cpu_s": process_cpu, "main_thread_cpu_s": main_thread_cpu, "threads": live_threads(),
-            "setup_peak_memory_bytes": setup_peak_memory}
+            "setup_peak_memory_bytes": setup_peak_memory, "adam": implementations(optimizer)}
 
 
 def _read_and_clean_mtp_tracker(num_microbatches: int) -> float:

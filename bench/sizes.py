@@ -33,7 +33,9 @@ FFN), peak memory of the training steps, the host CPU time of the median step (`
 thread's, `main_thread_cpu_s_median`: the training thread's; a wait for the device that spins counts too) with the
 run's other Python threads (`threads`): an eager step bound by the host that is slower under Lightning with the same
 kernels shows there whether its thread worked more, shared the CPU or waited, and one more step profiled (`bench.packing_profile.profile_figures`: the
-GPU-busy fraction of the median step, kernel and graph launches, top kernels). A run that fails (out of memory
+GPU-busy fraction of the median step, kernel and graph launches, top kernels), and which torch Adam each part of
+Megatron's optimizer stepped with (`adam`: "fused" on a GPU without TE/Apex, `_compat.fused_adam`, in both runs;
+`LIGHTNING_MEGATRON_FUSED_ADAM=0` for both upstream's foreach). A run that fails (out of memory
 included) is that run's row with its error; the other runs still go. `--tiny`: the tiny shapes in fp32 on the CPU
 (what tests/bench/ runs; configurations that need CUDA are skipped with the reason).
 
@@ -212,6 +214,7 @@ def _timed_steps(args: argparse.Namespace, config: SizeConfig) -> tuple[int, int
 def run_lightning(config: SizeConfig, args: argparse.Namespace, checkpoint: Path, step: Step,
                   workdir: Path) -> dict[str, Any]:
     from lightning_megatron import MegatronStrategy
+    from lightning_megatron._compat.fused_adam import implementations
     from lightning_megatron.callbacks import LoRACallback
 
     warmup, steps = _timed_steps(args, config)
@@ -231,11 +234,12 @@ def run_lightning(config: SizeConfig, args: argparse.Namespace, checkpoint: Path
         trainer.fit(RandomWeightsSFTModule(enable_mtp=config.mtp, lr=LR), loader)
         graph = strategy.cuda_graphs.graph  # None: the training steps were never going to be graphed
         graph_counts = None if graph is None else graph.counts()
+        adam = implementations(strategy.optimizers[0].megatron_optimizer)
     finally:
         release_model(strategy.model_chunks)
     return {"step_times_s": timer.step_times_s, "process_cpu_s": timer.process_cpu_s,
             "main_thread_cpu_s": timer.main_thread_cpu_s, "threads": timer.threads, "losses": timer.losses,
-            "graph": graph_counts,
+            "graph": graph_counts, "adam": adam,
             "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
             "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
             "profiled": (profile.profile, profile.profiled_s)}
@@ -257,7 +261,7 @@ def run_plain(config: SizeConfig, args: argparse.Namespace, checkpoint: Path, st
                  step_context=lambda index: recorder if index == warmup + steps else contextlib.nullcontext())
     release_model(result.pop("model"))
     setup_peak = result["setup_peak_memory_bytes"]
-    return {**{key: result[key] for key in ("step_times_s", "process_cpu_s", "main_thread_cpu_s", "threads")},
+    return {**{key: result[key] for key in ("step_times_s", "process_cpu_s", "main_thread_cpu_s", "threads", "adam")},
             "losses": result["losses"], "graph": graphed,
             "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
             "setup_peak_memory_gib": None if setup_peak is None else own_gib(setup_peak / 1024**3, at_start),

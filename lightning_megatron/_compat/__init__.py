@@ -18,6 +18,7 @@ from lightning_megatron._compat import (
     fast_cross_entropy,
     fast_rms_norm,
     fast_rope,
+    fused_adam,
     gated_delta_net,
     grouped_experts,
     mbridge,
@@ -42,7 +43,8 @@ def prepare_megatron_core() -> list[str]:
     megatron-core's notice that its own checkpoint writer is deprecated is dropped wherever it still logs it. The
     compiled RMSNorm comes last: it swaps the class of the norm the earlier `WrappedTorchNorm` adjustments built.
     """
-    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *context_parallel.ADJUSTMENTS,
+    adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *fused_adam.ADJUSTMENTS,
+                   *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
                    *packed_rope.ADJUSTMENTS, *fast_rope.ADJUSTMENTS, *fast_cross_entropy.ADJUSTMENTS,
                    *packed_mtp_roll.ADJUSTMENTS,

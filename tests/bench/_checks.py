@@ -21,6 +21,7 @@ def check_sizes_config(config: dict, name: str) -> None:
         assert run["profile"]["gpu_busy_fraction"] is None and run["profile"]["top_cpu_ops"]
         assert 0 < run["main_thread_cpu_s_median"] <= run["process_cpu_s_median"]  # the process's holds the thread's
     assert lightning["losses"] == pytest.approx(plain["losses"], abs=1e-6), name
+    assert lightning["adam"] == plain["adam"] == ["for-loop"], name  # the same Adam; on the CPU upstream's
     assert lightning["model_tflop_per_step"] == plain["model_tflop_per_step"]
     figures = config["figures"]["lightning"]
     assert figures["lightning_over_plain_step_time"] == pytest.approx(lightning["step_s"] / plain["step_s"])

@@ -175,6 +175,7 @@ def test_plain_megatron_loop_runs_tiny(tiny_runs):
     result = json.loads(stdout[stdout.index("{\n"):])
     assert len(result["losses"]) == len(result["step_times_s"]) == 2
     assert all(loss > 0 for loss in result["losses"]) and all(t > 0 for t in result["step_times_s"])
+    assert result["adam"] == ["for-loop"]  # the CPU's: `_compat.fused_adam` switches CUDA parameters only
 
 
 def test_async_save_benchmark_runs_tiny(tiny_runs):
