@@ -324,9 +324,8 @@ def run_schedule(
 def _reduce_metrics(losses: list[dict[str, torch.Tensor]], device: torch.device, parallel_state: Any) -> dict:
     """Sum `[sum, count]` pairs over microbatches and DP x CP ranks; broadcast from the last pipeline stage.
 
-    Each metric's pairs are stacked and summed in one go, a few tensor operations a step instead of a few per
-    microbatch (each one host work on a host-bound step, issue 41); in float64, the sums of the float32 pairs are
-    the ones adding them one by one gave."""
+    Each metric's pairs are stacked and summed (in float64) in one go: a few tensor operations a step instead of a
+    few per microbatch, each one host work on a host-bound step (issue 41)."""
     names = sorted(losses[0]) if losses else []
     names = _metric_names_from_last_stage(names, parallel_state)
     if losses and names:

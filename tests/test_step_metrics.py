@@ -61,7 +61,9 @@ class RecordMetrics(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
-        self.steps.append({"callback": {name: float(value) for name, value in trainer.callback_metrics.items()},
+        metrics = trainer.callback_metrics
+        self.steps.append({"callback": {name: float(value) for name, value in metrics.items()},
+                           "devices": {name: value.device.type for name, value in metrics.items()},
                            "progress_bar": dict(trainer.progress_bar_metrics)})
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -82,8 +84,8 @@ def _fit(checkpoint: Path, root: Path, module: SFTModule, *, callbacks: tuple[pl
                                 micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, precision="fp32")
     options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                    num_sanity_val_steps=0) | trainer_options
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=root,
-                         callbacks=[recorder, *callbacks], **options)
+    trainer = pl.Trainer(strategy=strategy, devices=1, default_root_dir=root, callbacks=[recorder, *callbacks],
+                         **{"accelerator": "cpu", **options})
     train = DataLoader(RandomTokenDataset(3 * GLOBAL_BATCH, SEQ, VOCAB, seed=0), batch_size=MICRO_BATCH,
                        drop_last=True)
     validation = DataLoader(RandomTokenDataset(GLOBAL_BATCH, SEQ, VOCAB, seed=1), batch_size=MICRO_BATCH)
@@ -91,12 +93,8 @@ def _fit(checkpoint: Path, root: Path, module: SFTModule, *, callbacks: tuple[pl
     return trainer, recorder
 
 
-def test_every_logger_callback_and_progress_bar_sees_what_self_log_gives_them(mtp_checkpoint, tmp_path, monkeypatch,
-                                                                             process_group):
-    """Two epochs of three steps, validation after the second step of each, the logger every second step, a progress
-    bar: the logger's records, the callback and progress-bar metrics after every step and at each epoch's end, and
-    the trainer's metrics after the fit equal those of the same fit with every metric through `self.log`; and
-    `self.log` ran only where Lightning resets the step's metrics (each epoch's first step: once per metric)."""
+def _count_self_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names `self.log` is called with from now on (Lightning's own `log`, still the one every module runs)."""
     logged: list[str] = []
     self_log = pl.LightningModule.log
 
@@ -105,6 +103,16 @@ def test_every_logger_callback_and_progress_bar_sees_what_self_log_gives_them(mt
         self_log(module, name, *args, **kwargs)
 
     monkeypatch.setattr(pl.LightningModule, "log", counting_log)
+    return logged
+
+
+def test_every_logger_callback_and_progress_bar_sees_what_self_log_gives_them(mtp_checkpoint, tmp_path, monkeypatch,
+                                                                             process_group):
+    """Two epochs of three steps, validation after the second step of each, the logger every second step, a progress
+    bar: the logger's records, the callback and progress-bar metrics after every step and at each epoch's end, and
+    the trainer's metrics after the fit equal those of the same fit with every metric through `self.log`; and
+    `self.log` ran only where Lightning resets the step's metrics (each epoch's first step: once per metric)."""
+    logged = _count_self_log(monkeypatch)
     options = dict(max_epochs=2, log_every_n_steps=2, enable_progress_bar=True, val_check_interval=2,
                    limit_val_batches=1)
     fits, step_logs = {}, {}
@@ -125,6 +133,19 @@ def test_every_logger_callback_and_progress_bar_sees_what_self_log_gives_them(mt
     assert all(set(every_step) <= set(step["callback"]) for step in ours["steps"])
     assert [step["callback"]["lm_loss"] for step in ours["steps"]] == ours["losses"]  # this step's, never stale
     assert all(set(step["progress_bar"]) >= {"lm_loss", "mtp_loss"} for step in ours["steps"])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_step_metrics_skip_self_log_after_the_first_step(mtp_checkpoint, tmp_path, monkeypatch,
+                                                                      process_group):
+    """The losses' metrics live on the GPU (grad_norm and lr on the host): the check that a metric's state is on
+    the value's device still lets them through, and every step's values are that step's."""
+    logged = _count_self_log(monkeypatch)
+    _, recorder = _fit(mtp_checkpoint, tmp_path, SFTModule(enable_mtp=True, lr=1e-3), accelerator="gpu",
+                       max_epochs=1)
+    assert logged == [*TRAINING_STEP_METRICS, *OPTIMIZER_STEP_METRICS]
+    assert [step["callback"]["lm_loss"] for step in recorder.steps] == recorder.losses
+    assert all(step["devices"]["lm_loss"] == "cuda" and step["devices"]["lr"] == "cpu" for step in recorder.steps)
 
 
 def test_checkpointing_and_early_stopping_monitor_the_step_metrics(mtp_checkpoint, tmp_path, process_group):
