@@ -43,7 +43,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.last_grad_norms_by_group: dict[str, float] = {}
         self.last_update_successful: bool | None = None
-        self._gradients_cleared = False  # by `zero_grad`, and none set since: `step` sets them
+        self._gradients_cleared = False  # set to None by `zero_grad`, and none set since: `step` sets them
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -74,7 +74,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         return {name: torch.tensor(value, dtype=dtype) for name, value in metrics.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Megatron's `zero_grad`, skipped when nothing set a gradient since the last one.
+        """Megatron's `zero_grad`, skipped when the last one set the gradients to None and nothing set one since.
 
         Why: each training step clears the gradients twice, before its forward-backward (`forward_backward`, as
         Megatron-LM's `train_step` does) and again in Lightning's closure (`optimizer_zero_grad`, after the training
@@ -86,7 +86,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         if self._gradients_cleared:
             return
         self.megatron_optimizer.zero_grad(set_to_none)
-        self._gradients_cleared = True
+        self._gradients_cleared = set_to_none  # zeroed in place, a later call may still free them
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -167,7 +167,7 @@ def test_checkpointing_and_early_stopping_monitor_the_step_metrics(mtp_checkpoin
 def test_zero_grad_walks_the_parameters_once_between_steps_and_clears_what_a_step_set(model_parallel):
     """The strategy clears the gradients before each forward-backward and Lightning again before the step; the
     second call finds nothing to clear and skips Megatron's walk over the parameters, and a step's gradients are
-    still cleared before the next backward."""
+    still cleared before the next backward; zeroed in place (`set_to_none=False`), they are still freed later."""
     from megatron.core.optimizer import OptimizerConfig
 
     from lightning_megatron.microbatch import model_inputs
@@ -196,3 +196,7 @@ def test_zero_grad_walks_the_parameters_once_between_steps_and_clears_what_a_ste
         assert stepped_gradients() > 0
         assert len(walks) == step + 1
     assert all(torch.isfinite(param).all() for param in chunk.parameters())
+    optimizer.zero_grad(set_to_none=False)  # zeroed in place: a later call still frees them
+    assert stepped_gradients() > 0 and len(walks) == 4
+    optimizer.zero_grad()
+    assert stepped_gradients() == 0 and len(walks) == 5
