@@ -44,6 +44,8 @@ from lightning_megatron.mtp.skip_main_head import main_loss_skipped
 from lightning_megatron.mtp.tv_loss import DEFAULT_TV_KL_DECAY, check_mtp_loss_options, depth_divergence
 from lightning_megatron.options import ModelOptions
 
+PROGRESS_BAR_METRICS = frozenset({"lm_loss", "mtp_loss"})  # the training metrics a progress bar shows
+
 
 def masked_token_loss(microbatch: Microbatch, per_token_loss: torch.Tensor) -> LossOutput:
     """Response-only token loss: Megatron returns an unmasked per-token loss, the mask is the data's.
@@ -264,20 +266,18 @@ class SFTModule(MegatronLightningModule):
         strategy = self.megatron_strategy
         metrics = strategy.forward_backward(microbatches, self.forward_step, self.loss_func)
         loss = metrics.get("lm_loss")
-        shown = self._progress_bar_shown()
-        if loss is not None:
-            self.log("lm_loss", loss, prog_bar=shown)
-        self._log_moe_aux_loss(len(microbatches))
+        logged = {} if loss is None else {"lm_loss": loss}
+        logged.update(self._moe_aux_loss(len(microbatches)))
         if self.enable_mtp:
             mtp_metrics, untrained = read_and_reset_mtp_tracker(len(microbatches), strategy.root_device,
                                                                 self._depth_weight_tensor(strategy.root_device))
-            for name, value in mtp_metrics.items():
-                self.log(name, value, prog_bar=shown and name == "mtp_loss")
+            logged.update(mtp_metrics)
             loss = mtp_metrics["mtp_loss"] if loss is None else loss
             if self.enable_mtp_training and not self._warned_untrained_depths:
                 self._untrained_depths.record(untrained, self.global_step)
                 if logs_this_step(self.trainer):  # read on the host with the step's logged metrics, not every step
                     self._warn_untrained_depths()
+        self.log_step_metrics(logged, prog_bar=PROGRESS_BAR_METRICS if self._progress_bar_shown() else ())
         return loss
 
     def _progress_bar_shown(self) -> bool:
@@ -308,15 +308,15 @@ class SFTModule(MegatronLightningModule):
                        f"step {step}'s rows (depth k trains token t + k + 1 of the same sequence); their "
                        "logged losses read 0. Lower mtp_depths, or train on longer sequences (said once per fit)")
 
-    def _log_moe_aux_loss(self, num_microbatches: int) -> None:
-        """`moe_aux_loss`: the routers' load-balancing loss (before its coefficient), apart from `lm_loss`."""
+    def _moe_aux_loss(self, num_microbatches: int) -> dict[str, torch.Tensor]:
+        """`moe_aux_loss`: the routers' load-balancing loss (before its coefficient), apart from `lm_loss`; none
+        without MoE layers."""
         from megatron.core.utils import get_model_config
 
         from lightning_megatron.moe import read_and_reset_moe_aux_loss
 
         aux_loss = read_and_reset_moe_aux_loss(get_model_config(self.model[0]), num_microbatches)
-        if aux_loss is not None:
-            self.log("moe_aux_loss", aux_loss)
+        return {} if aux_loss is None else {"moe_aux_loss": aux_loss}
 
     def validation_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
         forward_step, loss_func = self.forward_step, self.loss_func

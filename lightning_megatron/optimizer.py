@@ -43,6 +43,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.last_grad_norms_by_group: dict[str, float] = {}
         self.last_update_successful: bool | None = None
+        self._gradients_cleared = False  # set to None by `zero_grad`, and none set since: `step` sets them
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -73,11 +74,24 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         return {name: torch.tensor(value, dtype=dtype) for name, value in metrics.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Megatron's `zero_grad`, skipped when the last one set the gradients to None and nothing set one since.
+
+        Why: each training step clears the gradients twice, before its forward-backward (`forward_backward`, as
+        Megatron-LM's `train_step` does) and again in Lightning's closure (`optimizer_zero_grad`, after the training
+        step); Megatron's `zero_grad` walks every parameter of every group in Python, and on a host-bound step
+        (issue 41) the second walk is pure cost. Nothing sets one in between: the schedule's backward accumulates
+        into Megatron DDP's buffers and leaves `param.grad` None (megatron/core/distributed/
+        distributed_data_parallel.py:494), and only `step` copies the buffers into the gradients it steps with.
+        """
+        if self._gradients_cleared:
+            return
         self.megatron_optimizer.zero_grad(set_to_none)
+        self._gradients_cleared = set_to_none  # zeroed in place, a later call may still free them
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
+        self._gradients_cleared = False
         update_successful, grad_norm, _ = self.megatron_optimizer.step()
         self.last_update_successful = bool(update_successful)
         self.last_grad_norm = None if grad_norm is None else float(grad_norm)

@@ -391,9 +391,9 @@ class MegatronStrategy(ParallelStrategy, MegatronStrategyContract):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if isinstance(optimizer, MegatronOptimizerAdapter):
-            for name, value in optimizer.step_metrics().items():
-                self.lightning_module.log(name, value, on_step=True, on_epoch=False)
+        module = self.lightning_module
+        if isinstance(optimizer, MegatronOptimizerAdapter) and isinstance(module, MegatronLightningModule):
+            module.log_step_metrics(optimizer.step_metrics())
         return output
 
     # ------------------------------------------------------------------ collectives

@@ -148,13 +148,14 @@ def read_and_reset_mtp_tracker(num_microbatches: int, device: torch.device,
 
     tracker = MTPLossLoggingHelper.tracker
     depths = len(depth_weights)
-    values = torch.zeros(3, depths, dtype=torch.float64, device=device)
     if "loss_values" in tracker:
         if tracker["loss_values"].numel() != depths:
             raise RuntimeError(f"Megatron-Core's MTP tracker holds {tracker['loss_values'].numel()} depth(s), the "
                                f"module trains {depths}; clear_mtp_tracker() before a fit with another mtp_depths")
-        for row, key in enumerate(("loss_values", "correct_values", "total_values")):
-            values[row] = tracker[key].to(device, torch.float64)
+        values = torch.stack([tracker[key].view(depths) for key in ("loss_values", "correct_values",
+                                                                      "total_values")]).to(device, torch.float64)
+    else:
+        values = torch.zeros(3, depths, dtype=torch.float64, device=device)
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     dist.all_reduce(values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

@@ -62,6 +62,8 @@ def _tiny(test: str, module: str, *args: str, out: bool = True, workdir: bool = 
 # the `--tiny` runs the tests below read, in the order they do
 TINY_RUNS = {
     "lightning_overhead": _tiny("test_lightning_overhead_benchmark_runs_tiny", "bench.lightning_overhead", "--tiny"),
+    "host_overhead": _tiny("test_host_overhead_benchmark_runs_tiny", "bench.host_overhead", "--steps", "2",
+                           "--warmup", "1", "--rounds", "1", "--profile"),
     "hf_io": _tiny("test_hf_io_benchmark_runs_tiny", "bench.hf_io", "--tiny", "--repeats", "1"),
     "attention": _tiny("test_attention_benchmark_runs_tiny", "bench.attention", "--tiny"),
     "moe": _tiny("test_moe_benchmark_runs_tiny", "bench.moe", "--tiny"),
@@ -120,6 +122,16 @@ def test_lightning_overhead_benchmark_runs_tiny(tiny_runs):
     assert runs["mtp_only"]["model_tflop_per_step"] < runs["lightning"]["model_tflop_per_step"]
     assert result["mtp_only"]["step_time_ratio"] > 0 and result["mtp_only"]["peak_memory_ratio"] is None
     assert result["mtp_only"]["frozen_bit_identical"] is True
+
+
+@pytest.mark.slow
+def test_host_overhead_benchmark_runs_tiny(tiny_runs):
+    result = _tiny_result(tiny_runs, "host_overhead")
+    assert result["order"] == ["plain", "lightning"] and result["max_abs_lm_loss_diff"] < 1e-5
+    for figures in result["runs"].values():
+        assert figures["step_ms"] >= figures["shared_ms"] > 0 and len(figures["round_host_ms"]) == 1
+    lightning = result["profile"]["lightning"]["lightning_side_cumulative_ms"]
+    assert any("log_step_metrics" in name for name in lightning)
 
 
 @pytest.mark.slow
