@@ -220,7 +220,8 @@ class MegatronLightningModule(pl.LightningModule):
         trainer = self.trainer
         fx = self._current_fx_name
         results = trainer._results
-        fast = (type(self).log is pl.LightningModule.log and fx is not None and results is not None
+        fast = (_LIGHTNING_KEEPS_STEP_METRICS and type(self).log is pl.LightningModule.log and fx is not None
+                and results is not None
                 and results.dataloader_idx is None and not trainer._logger_connector.should_reset_tensors(fx))
         registered = self.__dict__.setdefault("_registered_step_metrics", weakref.WeakValueDictionary())
         for name, value in metrics.items():
@@ -235,6 +236,19 @@ class MegatronLightningModule(pl.LightningModule):
             self.log(name, value, prog_bar=shown, on_step=True, on_epoch=False)
             if results is not None and results.get(key) is not None:
                 registered[(key, shown)] = results[key]
+
+
+def _lightning_keeps_step_metrics() -> bool:
+    """Whether this Lightning has the internals `log_step_metrics`' short path writes through (2.5.0 to 2.6.6 do);
+    another one goes through `self.log` for every metric."""
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    return (hasattr(_ResultCollection, "update_metrics") and hasattr(_LoggerConnector, "should_reset_tensors")
+            and hasattr(pl.Trainer, "_results"))
+
+
+_LIGHTNING_KEEPS_STEP_METRICS = _lightning_keeps_step_metrics()
 
 
 @runtime_checkable

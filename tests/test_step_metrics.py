@@ -135,6 +135,20 @@ def test_every_logger_callback_and_progress_bar_sees_what_self_log_gives_them(mt
     assert all(set(step["progress_bar"]) >= {"lm_loss", "mtp_loss"} for step in ours["steps"])
 
 
+def test_a_lightning_without_the_internals_logs_every_metric_through_self_log(mtp_checkpoint, tmp_path, monkeypatch,
+                                                                               process_group):
+    """Where Lightning lacks what the short path writes through (`contract._lightning_keeps_step_metrics`), every
+    step's metrics go through `self.log`, each step's own values."""
+    from lightning_megatron import contract
+
+    assert contract._lightning_keeps_step_metrics()  # the pinned Lightning has them: the test above takes the path
+    monkeypatch.setattr(contract, "_LIGHTNING_KEEPS_STEP_METRICS", False)
+    logged = _count_self_log(monkeypatch)
+    _, recorder = _fit(mtp_checkpoint, tmp_path, SFTModule(enable_mtp=True, lr=1e-3), max_epochs=1)
+    assert logged == 3 * [*TRAINING_STEP_METRICS, *OPTIMIZER_STEP_METRICS]
+    assert [step["callback"]["lm_loss"] for step in recorder.steps] == recorder.losses
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_step_metrics_skip_self_log_after_the_first_step(mtp_checkpoint, tmp_path, monkeypatch,
                                                                       process_group):
