@@ -43,8 +43,8 @@ both). Checkpoints do not change: the activation has no parameters, and no check
 
 `bias_dropout_fusion` (`fusions/fused_bias_dropout.py`) is left as it is: with `hidden_dropout` 0 and no bias the
 unfused bias-dropout-add is one add kernel, `F.dropout(x, p=0)` returning its input without a kernel (ATen's
-`_dropout_impl` returns early at p == 0, `is_fused_kernel_acceptable` requires p > 0); the fused one is the same add
-through `torch.compile`, and the add's backward runs no kernel in either.
+`_dropout_impl` returns early at p == 0, `is_fused_kernel_acceptable` requires p > 0), and its backward none (the
+add hands its gradient to both inputs); the fused one (`torch.compile` of the same function) can at best match that.
 """
 
 from __future__ import annotations
