@@ -357,14 +357,19 @@ def _version(package: str) -> str | None:
         return None
 
 
+SWITCH_PREFIX = "LIGHTNING_MEGATRON_"
+
+
 def environment() -> dict[str, Any]:
-    """The exact command (and the driver that ran it, from `BENCH_DRIVER`), the device, the library versions and
-    the date, for the JSON of every benchmark."""
+    """The exact command (and the driver that ran it, from `BENCH_DRIVER`), the package's switches it ran with
+    (`LIGHTNING_MEGATRON_*` variables, e.g. `LIGHTNING_MEGATRON_FAST_SWIGLU=0`: the command alone does not say),
+    the device, the library versions and the date, for the JSON of every benchmark."""
     main_spec = getattr(sys.modules["__main__"], "__spec__", None)
     launch = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
     return {
         "command": shlex.join([Path(sys.executable).name, *launch, *sys.argv[1:]]),
         "driver": os.environ.get("BENCH_DRIVER"),
+        "switches": {name: value for name, value in sorted(os.environ.items()) if name.startswith(SWITCH_PREFIX)},
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "versions": {package: _version(package) for package in PACKAGES},
         "python": platform.python_version(),

@@ -404,7 +404,8 @@ def _source_line(number: int, name: str, data: dict[str, Any]) -> str:
     versions = ", ".join(f"{package} {version}" for package, version in (data.get("versions") or {}).items()
                          if version is not None)
     driver = f" (run by `{portable(data['driver'])}`)" if data.get("driver") else ""
-    return (f"[{number}] `{name}`: `{portable(data.get('command', 'command not recorded'))}`{driver}; "
+    switches = "".join(f"{variable}={value} " for variable, value in (data.get("switches") or {}).items())
+    return (f"[{number}] `{name}`: `{switches}{portable(data.get('command', 'command not recorded'))}`{driver}; "
             f"{data.get('device', 'device not recorded')}; {versions}; {data.get('date', 'date not recorded')}")
 
 

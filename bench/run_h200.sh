@@ -30,6 +30,11 @@
 #   cross_entropy             issue 41: the LM cross-entropy forward + backward at the Qwen3-0.6B/8B logits
 #                             [4096, 151936], Megatron-Core's fused (native) one against the compiled one of
 #                             _compat/fast_cross_entropy.py (about a minute, estimated)
+#   swiglu                    issue 41: the MLP's SwiGLU forward + backward at the Qwen3-0.6B/4B/8B widths,
+#                             Megatron-Core's unfused kernels against the compiled ones of _compat/fast_swiglu.py
+#                             and Megatron-Core's own fused one (under a minute, estimated)
+#   sizes_swiglu              issue 41: sizes' qwen3_0.6b_mtp_default step with LIGHTNING_MEGATRON_FAST_SWIGLU=1,
+#                             then =0 (sizes_swiglu_on.json, sizes_swiglu_off.json; not default; ~4 min, estimated)
 #   packing_graphed           P5 with every layout graphed (full, packed, padded: the default's path, cuda_graph
 #                             auto, on a GPU; not default)
 #   packing_varlen            issue 41: packed rows through varlen_attn against flex_attention, eager and graphed
@@ -66,7 +71,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
-STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families sizes norms rope cross_entropy}"
+STEPS="${STEPS:-gputests lightning_overhead hf_io attention packing tree mtp_memory trunk_cache hf_io_8b weight_sync moe vl async_save families sizes norms rope cross_entropy swiglu}"
 export BENCH_DRIVER="OUT=$OUT STEPS=\"$STEPS\" bash bench/run_h200.sh"
 OWN_CHECKPOINTS=()
 [ -z "${CHECKPOINT:-}" ] && OWN_CHECKPOINTS+=(/tmp/qwen3-0.6b-mtp)
@@ -110,7 +115,7 @@ gpu_tests() {  # pytest processes at once (the longest tests fit their CUDA grap
     # h100_2026-12-05b/gputests.log), and one more runs every other test; a group leaves out the others' paths
     local groups=("tests/cuda_graphs" "tests/bench tests/test_optimizer.py"
                   "tests/_compat/test_fast_rms_norm.py tests/_compat/test_fast_rope.py"
-                  "tests/_compat/test_fast_cross_entropy.py tests/_compat/test_grouped_experts.py"
+                  "tests/_compat/test_fast_cross_entropy.py tests/_compat/test_grouped_experts.py tests/_compat/test_fast_swiglu.py"
                   "tests/_compat" "tests/cli tests/callbacks")
     local every=() group index=0 rc=0 pids=() logs=() paths skip
     for group in "${groups[@]}"; do read -ra paths <<<"$group"; every+=("${paths[@]}"); done
@@ -163,7 +168,11 @@ for name in $STEPS; do
         attention) step "$name" python3 -m bench.attention --variants hf sdpa --steps 10 --warmup 3 --out "$OUT/$name.json" ;;
         gputests) step "$name" gpu_tests ;;
         packing) step "$name" python3 -m bench.packing --markdown "$OUT/packing_profile.md" --out "$OUT/$name.json" ;;
-        tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms|rope|cross_entropy) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        tree|mtp_memory|trunk_cache|moe|vl|async_save|sizes|norms|rope|cross_entropy|swiglu) step "$name" python3 -m "bench.$name" --out "$OUT/$name.json" ;;
+        sizes_swiglu) for switch in on off; do
+                          step "${name}_$switch" env LIGHTNING_MEGATRON_FAST_SWIGLU=$([ $switch = on ] && echo 1 || echo 0) \
+                              python3 -m bench.sizes --configs qwen3_0.6b_mtp_default --out "$OUT/${name}_$switch.json"
+                      done ;;
         sizes_offload) step "$name" python3 -m bench.sizes --configs qwen3_8b_full_offload --out "$OUT/$name.json" ;;
         sizes_mtp) step "$name" python3 -m bench.sizes --configs qwen3_0.6b_mtp_default qwen3_0.6b_mtp_eager \
                        qwen3_0.6b_mtp_graphed --rounds 3 --out "$OUT/$name.json" ;;

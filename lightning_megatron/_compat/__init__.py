@@ -18,6 +18,7 @@ from lightning_megatron._compat import (
     fast_cross_entropy,
     fast_rms_norm,
     fast_rope,
+    fast_swiglu,
     fused_adam,
     gated_delta_net,
     grouped_experts,
@@ -47,9 +48,8 @@ def prepare_megatron_core() -> list[str]:
                    *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
                    *packed_rope.ADJUSTMENTS, *fast_rope.ADJUSTMENTS, *fast_cross_entropy.ADJUSTMENTS,
-                   *packed_mtp_roll.ADJUSTMENTS,
-                   *mtp_stage.ADJUSTMENTS, *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS,
-                   *fast_rms_norm.ADJUSTMENTS)
+                   *fast_swiglu.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS, *mtp_stage.ADJUSTMENTS,
+                   *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS, *fast_rms_norm.ADJUSTMENTS)
     return [adjustment.name for adjustment in adjustments if adjustment.apply()]
 
 

@@ -10,8 +10,9 @@ experts' GEMMs in one kernel from the same per-expert weights.
 The adjustment keeps `SequentialMLP` (its parameters, names, checkpoints, the bridges' mappings, the router, the
 token dispatcher and expert parallelism are untouched) and replaces only its forward, where it can: CUDA tensors in
 bf16, more than one local expert, experts without biases, no FP8/FP4, widths aligned to 16 bytes. The forward is
-the unfused path of `MLP.forward` (megatron/core/transformer/mlp.py:320-345: fc1, the gated or plain activation,
-the routing probabilities per token, fc2), so the result equals the loop's to rounding; the per-expert weights are
+`MLP.forward` (megatron/core/transformer/mlp.py:258-357: fc1, the gated or plain activation, the routing
+probabilities per token, fc2; with `bias_activation_fusion` SwiGLU and the probabilities fused, as upstream's loop
+fuses them, through `fast_swiglu`), so the result equals the loop's to rounding; the per-expert weights are
 stacked for the GEMM and stacked again in backward rather than kept (a copy of every expert weight per layer would
 otherwise live from forward to backward). Anything else, and the CPU, runs upstream's loop. A grouped GEMM the
 device refuses (an unsupported GPU or layout) is logged once and that module goes back to the loop.
@@ -25,8 +26,10 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from lightning_megatron._compat._adjustment import Adjustment, Patches
+from lightning_megatron._compat.fast_swiglu import fused_or_unfused_swiglu
 from lightning_megatron._compat.no_te import no_transformer_engine
 
 _LOG = logging.getLogger(__name__)
@@ -73,6 +76,9 @@ def grouped_experts_forward(experts: Any, hidden: torch.Tensor, tokens_per_exper
     fc1 = [expert.linear_fc1.weight for expert in experts.local_experts]
     fc2 = [expert.linear_fc2.weight for expert in experts.local_experts]
     intermediate = _GroupedLinear.apply(hidden, offs, *fc1)
+    if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
+        # upstream's fused branch (mlp.py:276-285): SwiGLU and the probabilities in one kernel (`fast_swiglu`)
+        return _GroupedLinear.apply(fused_or_unfused_swiglu(intermediate, probs.unsqueeze(-1)), offs, *fc2), None
     if config.gated_linear_unit:
         gate, linear = torch.chunk(intermediate, 2, dim=-1)
         if (clamp := config.activation_func_clamp_value) is not None:

@@ -1,6 +1,6 @@
-"""`_compat/compiled.py`, for each adjustment built on it (`fast_rms_norm`, `fast_rope`, `fast_cross_entropy`): its environment switch
-refuses anything but 0 or 1 before a model is built, and a function that does not compile is refused once, logged,
-runs eagerly, and sends that adjustment alone back to upstream's kernels."""
+"""`_compat/compiled.py`, for each adjustment built on it (`fast_rms_norm`, `fast_rope`, `fast_cross_entropy`,
+`fast_swiglu`): its environment switch refuses anything but 0 or 1 before a model is built, and a function that does
+not compile is refused once, logged, runs eagerly, and sends that adjustment alone back to upstream's kernels."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from types import ModuleType
 import pytest
 import torch
 
-from lightning_megatron._compat import fast_cross_entropy, fast_rms_norm, fast_rope
+from lightning_megatron._compat import fast_cross_entropy, fast_rms_norm, fast_rope, fast_swiglu
 
-ADJUSTED = [fast_rms_norm, fast_rope, fast_cross_entropy]
+ADJUSTED = [fast_rms_norm, fast_rope, fast_cross_entropy, fast_swiglu]
 REFUSALS = {
     fast_rms_norm: "RMSNorm: torch.compile failed ({}); the norms run torch's kernels from now on",
     fast_rope: "RoPE: torch.compile failed ({}); RoPE runs Megatron-Core's unfused code from now on",
     fast_cross_entropy: "cross-entropy: torch.compile failed ({}); the loss runs Megatron-Core's fused cross-entropy "
                         "from now on",
+    fast_swiglu: "SwiGLU: torch.compile failed ({}); the MLPs run Megatron-Core's unfused SwiGLU from now on",
 }
 
 

@@ -21,7 +21,7 @@ import torch
 from lightning_megatron._compat import compiled, fast_rope, packed_rope
 from lightning_megatron._compat.fast_rope import COMPILED, EAGER, STATE, Kernels, rope, rope_backward, rope_forward
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, fits_with_and_without
+from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, fits_with_and_without, kernels_run
 from tests._compat.test_packed import _CpGroup
 from tests._distributed import run_in_fresh_process
 
@@ -232,17 +232,6 @@ def _gpu_cases(shape: str, generator: torch.Generator) -> dict[str, Case]:
     return cases
 
 
-def _kernels_run(action: Callable[[], Any]) -> int:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        action()
-        torch.cuda.synchronize()
-    return sum(event.device_type == DeviceType.CUDA and not event.is_user_annotation for event in prof.events())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_on_the_gpu_the_compiled_rope_is_within_bf16_rounding_as_upstreams(process_group, shape) -> None:
@@ -266,8 +255,8 @@ def test_on_the_gpu_the_compiled_rope_is_within_bf16_rounding_as_upstreams(proce
         if rot_dim == HEAD_DIM and name != "packed key":
             x = t.detach().requires_grad_()
             output = apply(x, freqs, mscale)
-            assert _kernels_run(lambda: apply(x, freqs, mscale)) == 1
-            assert _kernels_run(lambda: output.backward(grad)) == 1
+            assert kernels_run(lambda: apply(x, freqs, mscale)) == 1
+            assert kernels_run(lambda: output.backward(grad)) == 1
     assert STATE.refused is None and COMPILED.forward.ran and COMPILED.backward.ran
 
 

@@ -1,6 +1,7 @@
 """`megatron_core.grouped_mm_experts`: MoE experts as two grouped GEMMs equal `SequentialMLP`'s loop over experts,
-forward and every gradient, on a real Qwen3-MoE layer built through megatron-bridge; applied only on CUDA (the CPU
-keeps upstream's loop), and on the GPU only where a grouped GEMM computes what the loop does."""
+forward and every gradient, on a real Qwen3-MoE layer built through megatron-bridge, with Megatron-Core's unfused
+SwiGLU and with the fused one (`fast_swiglu`); applied only on CUDA (the CPU keeps upstream's loop), and on the GPU
+only where a grouped GEMM computes what the loop does."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_megatron._compat import grouped_experts
+from lightning_megatron._compat import fast_swiglu, grouped_experts
 from lightning_megatron.bridges import create_bridge
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+from tests._compat._compiled import applied
 
 TOKENS = 40
 
@@ -72,12 +74,20 @@ def _loop(experts: torch.nn.Module, hidden: torch.Tensor, shares: torch.Tensor, 
 
 
 @pytest.mark.skipif(not _grouped_mm_on("cpu"), reason="this torch has no CPU kernel for torch._grouped_mm")
-def test_grouped_experts_equal_the_loop_forward_and_every_gradient(model_parallel, checkpoint) -> None:
-    experts = _experts(checkpoint, torch.float32)
-    assert len(experts.local_experts) > 2 and experts.config.gated_linear_unit
-    routed = _routed_tokens(experts, "cpu", torch.float32)
-    grouped = _forward_and_grads(grouped_experts.grouped_experts_forward, experts, *routed)
-    loop = _forward_and_grads(_loop, experts, *routed)
+@pytest.mark.parametrize("swiglu", ["unfused", "fused"])
+def test_grouped_experts_equal_the_loop_forward_and_every_gradient(model_parallel, checkpoint, monkeypatch,
+                                                                   swiglu) -> None:
+    """Fused: the experts' config reads `bias_activation_fusion` (as on a GPU), so the loop's MLPs take upstream's
+    weighted fusion and the grouped forward its own call of it; on the CPU both compute the unfused ops."""
+    adjustment = fast_swiglu.ADJUSTMENTS[0]
+    monkeypatch.setattr(adjustment, "needed", lambda: True)
+    with applied(adjustment) if swiglu == "fused" else adjustment.suspended():
+        experts = _experts(checkpoint, torch.float32)
+        assert len(experts.local_experts) > 2 and experts.config.gated_linear_unit
+        assert experts.config.bias_activation_fusion is (swiglu == "fused")
+        routed = _routed_tokens(experts, "cpu", torch.float32)
+        grouped = _forward_and_grads(grouped_experts.grouped_experts_forward, experts, *routed)
+        loop = _forward_and_grads(_loop, experts, *routed)
     assert grouped.keys() == loop.keys() and all(loop[name] is not None for name in loop)
     for name in loop:  # the same products summed in another order: float32 rounding, far below 1e-5 at these sizes
         torch.testing.assert_close(grouped[name], loop[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -116,10 +126,12 @@ def test_the_cpu_keeps_the_loop(model_parallel, checkpoint) -> None:
 @pytest.mark.gpu
 def test_on_the_gpu_bf16_experts_take_the_grouped_gemm_and_equal_the_loop(model_parallel, checkpoint) -> None:
     """bf16: both paths round each GEMM's output to bf16 (8 bits of mantissa), so the outputs and gradients agree
-    to a few bf16 steps of their own magnitudes, not bit for bit."""
+    to a few bf16 steps of their own magnitudes, not bit for bit. Both fuse SwiGLU with the probabilities
+    (`fast_swiglu`: the loop's MLPs through upstream's weighted fusion, the grouped forward directly)."""
     adjustment = grouped_experts.MEGATRON_CORE_ADJUSTMENTS[0]
     assert adjustment.active
     experts = _experts(checkpoint, torch.bfloat16).cuda()
+    assert experts.config.bias_activation_fusion
     routed = _routed_tokens(experts, "cuda", torch.bfloat16)
     assert grouped_experts.grouped_experts_apply(experts, routed[0])
     grouped = _forward_and_grads(lambda module, *args: module(*args), experts, *routed)

@@ -48,6 +48,9 @@ def test_report_tables_every_figure_against_its_target():
                for line in lines)
     source = "- [1] `a.json`: `python3 -m bench.lightning_overhead`; NVIDIA H200; torch 2.11.0; 2026-12-03T00:00:00Z"
     assert source in lines
+    switched = report.render([("a.json", {**_lightning_overhead_result("NVIDIA H200"),
+                                          "switches": {"LIGHTNING_MEGATRON_FAST_SWIGLU": "0"}})])
+    assert "- [1] `a.json`: `LIGHTNING_MEGATRON_FAST_SWIGLU=0 python3 -m bench.lightning_overhead`;" in switched
     assert "(skipped, not a known benchmark: notes.json)" in text
     # our joint step is set beside plain HF only when both ran on the same device
     elsewhere = report.render([("a.json", _lightning_overhead_result("cpu")), ("b.json", h200_attention)])
