@@ -19,7 +19,8 @@ The adjustment, on CUDA without Transformer Engine (Inductor generates the kerne
    `FusedByDefault`, a descriptor on `TransformerConfig`: a config keeps the value it was given (a bridge's True,
    its False), and reads True where it was given False and its fields allow the fusion, also in a copy (the MoE
    experts' `deepcopy`, `experts.py:1281`) or after a field changes. A config's False cannot be told from
-   upstream's default, so `LIGHTNING_MEGATRON_FAST_SWIGLU=0`, not the field, keeps the unfused path. Configs that
+   upstream's default: a model whose user set the field (`config_overrides`) reads it as given (`keep_as_given`, which
+   the bridges call), and `LIGHTNING_MEGATRON_FAST_SWIGLU=0` keeps every model unfused. Configs that
    redeclare the field (megatron-bridge's Qwen3-VL and Qwen3.5-VL providers, True) keep their own default. Nothing
    is stored: a revert (or `suspended()`) gives every config, built before or after, upstream's value (but for a
    `dataclasses.replace` made meanwhile, which passes the True it read as given).
@@ -227,10 +228,24 @@ class FusedByDefault:
         if config is None:
             return self.default
         given = config.__dict__.get(FIELD, self.default)
-        return bool(given) or unfused_reason(config) is None
+        return bool(given) or (not config.__dict__.get(_KEPT_AS_GIVEN, False) and unfused_reason(config) is None)
 
     def __set__(self, config: Any, value: bool) -> None:
         config.__dict__[FIELD] = value
+
+
+_KEPT_AS_GIVEN = "_lightning_megatron_keeps_bias_activation_fusion"
+
+
+def keep_as_given(model: torch.nn.Module) -> None:
+    """Every config of `model`'s Megatron modules (the MoE experts' copies included) reads `bias_activation_fusion`
+    as it was given, fused or not, from now on: for a model whose user set the field (`ModelOptions.
+    config_overrides`), which a config's False could not otherwise tell from upstream's default."""
+    from megatron.core.transformer.module import MegatronModule
+
+    for module in model.modules():
+        if isinstance(module, MegatronModule):
+            module.config.__dict__[_KEPT_AS_GIVEN] = True
 
 
 # the adjustment ---------------------------------------------------------------------------------------------------

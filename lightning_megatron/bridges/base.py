@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
+from lightning_megatron._compat import fast_swiglu
 from lightning_megatron.atomic import write_atomically
 from lightning_megatron.bridges.vl import check_vl_options, vl_model_type
 from lightning_megatron.distributed import ParallelSizes
@@ -293,6 +294,9 @@ class Bridge(ABC):
         overrides = moe_config_overrides(self.hf_config, options.config_overrides)
         chunks = self._build(dataclasses.replace(options, config_overrides=overrides),
                              load_weights=load_weights and not options.random_weights)
+        if "bias_activation_fusion" in options.config_overrides:  # the user's value, not the fused default
+            for chunk in chunks:
+                fast_swiglu.keep_as_given(chunk)
         check_router_matches(get_model_config(chunks[0]), self.hf_config, options.config_overrides)
         start_moe_metrics(get_model_config(chunks[0]))
         install_depth_rotary(chunks)  # tree-packed rows: rotary embeddings at each token's depth

@@ -160,23 +160,26 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fast_swiglu") / "qwen3_mtp", "qwen3", mtp=True)
 
 
-def _mlp_fusion(checkpoint: Path) -> list[bool]:
+def _mlp_fusion(checkpoint: Path, **config_overrides: Any) -> list[bool]:
     """Whether each MLP of a tiny Qwen3 + MTP built through megatron-bridge (as a fit builds it) fuses its
     activation, the MTP layer's last."""
     from megatron.core.transformer.mlp import MLP
 
     from lightning_megatron.bridges import ModelOptions, create_bridge
 
-    chunks = create_bridge("megatron-bridge", checkpoint).build(ModelOptions(mtp=True))
+    chunks = create_bridge("megatron-bridge", checkpoint).build(ModelOptions(mtp=True,
+                                                                             config_overrides=config_overrides))
     return [module.config.bias_activation_fusion for chunk in chunks for module in chunk.modules()
             if isinstance(module, MLP)]
 
 
-def test_a_model_built_through_megatron_bridge_fuses_every_mlp_the_mtp_layers_too(model_parallel, checkpoint,
-                                                                                 fused_here) -> None:
+def test_a_megatron_bridge_model_fuses_every_mlp_the_mtp_layers_too_unless_its_user_says_no(model_parallel,
+                                                                                              checkpoint,
+                                                                                              fused_here) -> None:
     from megatron.core.transformer import mlp
 
     assert _mlp_fusion(checkpoint) == [True, True, True]  # two decoder layers, the MTP layer
+    assert _mlp_fusion(checkpoint, bias_activation_fusion=False) == [False, False, False]  # the user's value
     assert mlp.bias_swiglu_impl.__module__ == fast_swiglu.__name__
     with ADJUSTMENT.suspended():
         assert _mlp_fusion(checkpoint) == [False, False, False]
