@@ -11,6 +11,8 @@
 #   packing             P5    packed vs padded vs full rows; CP all-gather volume from a gloo run
 #   tree                P6    tree packing vs flat packing of a GRPO-like batch
 #   mtp_memory          P2    MTP-only memory and step time vs joint and vs the plain MTP-only loop, 0.6B and 8B
+#   mtp_tv                    issue 42: the 0.6B shape of mtp_memory with the self-distillation, TV and TV+KL
+#                             MTP-only arms only (TV step <= 1.1x self-distillation's; not default)
 #   trunk_cache         P2    MTP-only epochs from the trunk cache vs joint (0.6B) and the plain MTP-only loop (8B)
 #   hf_io_8b            P3    HF load/save at the Qwen3-8B shape (untied, one MTP layer)
 #   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape; delta syncs after MTP-only training
@@ -182,6 +184,8 @@ for name in $STEPS; do
         packing_varlen) step "$name" python3 -m bench.packing --layouts packed packed_varlen packed_graph \
                             packed_graph_varlen --no-upstream-rope --no-context-parallel \
                             --markdown "$OUT/packing_varlen_profile.md" --out "$OUT/$name.json" ;;
+        mtp_tv) step "$name" python3 -m bench.mtp_memory --shapes qwen3_0.6b --variants mtp_only_self_distill \
+                    mtp_only_tv mtp_only_tv_kl --breakdown-steps 0 --out "$OUT/$name.json" ;;
         hf_io_8b) step "$name" env TMPDIR="$BIG_TMPDIR" \
                       python3 -m bench.hf_io --qwen3-8b "$CHECKPOINT_8B" --repeats 3 --out "$OUT/$name.json" ;;
         weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \
