@@ -12,7 +12,9 @@ producing stream stands, and goes on: the export runs ahead of the writes, and e
 tensors to write from the start. There is one thread per file, up to `threads` (a thread with several files takes
 their tensors in arrival order). Each copies its GPU tensors in chunks into its own two pinned buffers, on its own
 CUDA stream (waiting on the event), and writes one buffer while the next chunk is copied into the other: the only
-host copy is that staging. A tensor already on the host is written straight from its memory.
+host copy is that staging. Small tensors that lie one after the other in their file share a chunk while the export
+runs ahead of the thread (a LoRA adapter's 500 tensors of ~100 KB each become a few writes and waits, not 500). A
+tensor already on the host is written straight from its memory.
 
 The price is device memory: a GPU tensor stays referenced until its thread has copied it. A view of the
 parameters (most of an export at TP=1) costs nothing; tensors the export made (gathers, casts, splits) do, so the
@@ -36,7 +38,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +95,28 @@ class _Chunk:
     file: int
     offset: int
     copied: torch.cuda.Event
-    last_of: _Tensor | None  # the tensor, when this is its last chunk: done with once copied
+    last_of: list[_Tensor]  # the tensors whose last bytes it holds: done with once copied
+
+
+@dataclass
+class _OpenChunk:
+    """A pinned buffer being filled with successive pieces of one file, not yet waited on."""
+
+    buffer: torch.Tensor
+    file: int
+    offset: int
+    filled: int = 0
+    last_of: list[_Tensor] = field(default_factory=list)
+
+    def takes(self, file: int, offset: int, nbytes: int) -> bool:
+        return file == self.file and offset == self.offset + self.filled and self.filled + nbytes <= self.buffer.numel()
 
 
 class _Staging:
     """One writing thread's way off the GPU: its own stream and pinned buffers, used in turn; the copy of a chunk
-    into one buffer overlaps the write of the chunk before from another."""
+    into one buffer overlaps the write of the chunk before from another. Pieces that continue the open chunk's
+    bytes in the same file join it; a chunk is closed (its copies waited on, then written) when the next piece does
+    not continue it or when the thread has nothing else to do."""
 
     def __init__(self, device: torch.device, chunk_bytes: int) -> None:
         torch.cuda.set_device(device)  # a new thread's current device is cuda:0, whatever this rank's is
@@ -106,23 +124,39 @@ class _Staging:
         self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
                         for _ in range(PINNED_BUFFERS_PER_THREAD)]
         self.turn = 0
-        self.pending: collections.deque[_Chunk] = collections.deque()  # oldest first
+        self.open: _OpenChunk | None = None
+        self.pending: collections.deque[_Chunk] = collections.deque()  # closed, oldest first
 
     def full(self) -> bool:
-        return len(self.pending) == len(self.buffers)
+        return len(self.pending) + (self.open is not None) == len(self.buffers)
+
+    def continues_open_chunk(self, tensor: _Tensor, start: int, stop: int) -> bool:
+        return self.open is not None and self.open.takes(tensor.file, tensor.offset + start, stop - start)
+
+    def close_open_chunk(self) -> None:
+        """Mark the open chunk's copies done once the stream reaches here; it becomes the newest pending chunk."""
+        if self.open is None:
+            return
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+        chunk, self.open = self.open, None
+        self.pending.append(_Chunk(chunk.buffer[:chunk.filled], chunk.file, chunk.offset, copied, chunk.last_of))
 
     def copy(self, tensor: _Tensor, start: int, stop: int) -> None:
-        """Start copying `tensor.data[start:stop]` into the next buffer (which must not be `full`)."""
-        staged = self.buffers[self.turn][:stop - start]
-        self.turn = (self.turn + 1) % len(self.buffers)
+        """Start copying `tensor.data[start:stop]` into the open chunk if it continues it, else into a new chunk in
+        the next buffer (the caller closes the open chunk and makes sure the staging is not `full`)."""
+        if not self.continues_open_chunk(tensor, start, stop):
+            assert self.open is None and not self.full()
+            self.open = _OpenChunk(self.buffers[self.turn], tensor.file, tensor.offset + start)
+            self.turn = (self.turn + 1) % len(self.buffers)
+        chunk = self.open
         if start == 0:
             self.stream.wait_event(tensor.produced)
         with torch.cuda.stream(self.stream):
-            staged.copy_(tensor.data[start:stop], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(self.stream)
-        last_of = tensor if stop == tensor.data.numel() else None
-        self.pending.append(_Chunk(staged, tensor.file, tensor.offset + start, copied, last_of))
+            chunk.buffer[chunk.filled:chunk.filled + stop - start].copy_(tensor.data[start:stop], non_blocking=True)
+        chunk.filled += stop - start
+        if stop == tensor.data.numel():
+            chunk.last_of.append(tensor)
 
 
 class StagedWriter:
@@ -239,10 +273,11 @@ class StagedWriter:
                     self._fail(error)
             tensors = self._queues[worker]
             while True:
-                if staging is not None and staging.pending:
+                if staging is not None and (staging.pending or staging.open is not None):
                     try:
                         tensor = tensors.get_nowait()
                     except queue.Empty:  # nothing new yet: write what is copied meanwhile
+                        staging.close_open_chunk()
                         self._write_staged(staging)
                         continue
                 else:
@@ -262,6 +297,8 @@ class StagedWriter:
                 finally:
                     if tensor.data.numel() == 0 or self._error is not None:  # nothing (more) to copy
                         self._release(tensor)
+            if staging is not None:
+                staging.close_open_chunk()
             while staging is not None and staging.pending:
                 self._write_staged(staging)
         except BaseException as error:  # not expected; an export waiting for device memory must not wait on
@@ -276,9 +313,12 @@ class StagedWriter:
         """Queue the copies of a GPU tensor's chunks, writing the oldest copied chunk whenever no buffer is free."""
         size = tensor.data.numel()
         for start in range(0, size, self._chunk_bytes):
-            while staging.full():
-                self._write_staged(staging)
-            staging.copy(tensor, start, min(size, start + self._chunk_bytes))
+            stop = min(size, start + self._chunk_bytes)
+            if not staging.continues_open_chunk(tensor, start, stop):
+                staging.close_open_chunk()
+                while staging.full():
+                    self._write_staged(staging)
+            staging.copy(tensor, start, stop)
 
     def _write_staged(self, staging: _Staging) -> None:
         """Write the oldest copied chunk (skipped after a failure); its tensor is released after its last chunk."""
@@ -288,12 +328,12 @@ class StagedWriter:
         except BaseException as error:  # the copy failed: nothing pending is written
             self._fail(error)
             for pending in (chunk, *staging.pending):
-                if pending.last_of is not None:
-                    self._release(pending.last_of)
+                for tensor in pending.last_of:
+                    self._release(tensor)
             staging.pending.clear()
             return
-        if chunk.last_of is not None:
-            self._release(chunk.last_of)
+        for tensor in chunk.last_of:
+            self._release(tensor)
         descriptor = self._descriptors[chunk.file]
         if self._error is None and descriptor is not None:
             try:

@@ -215,3 +215,21 @@ def test_gpu_tensors_made_for_the_writer_hold_no_more_device_memory_than_its_bud
             del made
     assert torch.cuda.max_memory_allocated() - before <= budget + 2 * tensor_bytes
     assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(expected)
+
+
+@pytest.mark.gpu
+def test_gpu_small_tensors_that_follow_each_other_in_the_file_share_chunks(tmp_path, monkeypatch):
+    # a LoRA adapter's export: hundreds of small tensors in the file's order; the writer's first write is held
+    # until the export has handed every tensor over, so the rest wait in its queue and are written a chunk at once
+    tensors = {f"adapter.{index:03d}": torch.randn(1024, device="cuda") for index in range(200)}  # 4 KiB each
+    handed_over = threading.Event()
+    writes = _instrument_writes(monkeypatch, lambda file: handed_over.wait(timeout=60))
+    layout = safetensors_layout(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    chunk_bytes = 64 * 1024
+    with StagedWriter({tmp_path / "adapter.safetensors": layout}, chunk_bytes=chunk_bytes) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+        handed_over.set()
+    # the tensors the thread took before its first write was held, then the rest's bytes in whole chunks
+    assert len(writes) <= 2 + 199 * 4096 // chunk_bytes + 1 < len(tensors)
+    assert (tmp_path / "adapter.safetensors").read_bytes() == _library_bytes(tensors)
