@@ -250,7 +250,7 @@ def _magnitudes(x: torch.Tensor, weights: torch.Tensor | None, grad: torch.Tenso
     """The magnitudes the bounds above scale, (1 + |a|) included: the output's, the input gradient's ([gate |
     linear] halves), the weights gradient's (the sum of its terms'), in float64."""
     gate, linear = x.double().chunk(2, dim=-1)
-    w = torch.ones(1, dtype=torch.float64) if weights is None else weights.double().abs()
+    w = torch.ones(1, dtype=torch.float64, device=x.device) if weights is None else weights.double().abs()
     sigmoid = torch.sigmoid(gate)
     silu, scale = (gate * sigmoid).abs(), 1 + gate.abs()
     d = grad.double().abs() * w

@@ -42,8 +42,8 @@ class StepMemory:
     """The peak CUDA memory each step of a torch optimizer allocates beyond what was allocated as it started."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.figures: dict[str, Any] = {"extra": [], "numel": sum(
-            param.numel() for group in optimizer.param_groups for param in group["params"])}
+        self.figures: dict[str, Any] = {"extra": [], "largest_group_numel": max(
+            sum(param.numel() for param in group["params"]) for group in optimizer.param_groups)}
         optimizer.register_step_pre_hook(self._start)
         optimizer.register_step_post_hook(self._end)
 
@@ -59,9 +59,11 @@ class StepMemory:
 
 def assert_fused_needs_no_temporary(fused: dict[str, Any], foreach: dict[str, Any]) -> None:
     """From the second step on (the first allocates both moments in either): foreach's step holds an fp32
-    temporary per parameter (4 bytes each, rounded up per tensor), fused's at least that much less."""
-    numel = foreach["numel"]
-    assert fused["numel"] == numel > 0 and len(fused["extra"]) == len(foreach["extra"]) >= 2
+    temporary per parameter of the group it steps (4 bytes each, rounded up per tensor; torch steps the groups one
+    after the other, freeing each group's before the next: Megatron-Core's groups with and without weight decay),
+    so its peak is at least the largest group's; fused's at least that much less."""
+    numel = foreach["largest_group_numel"]
+    assert fused["largest_group_numel"] == numel > 0 and len(fused["extra"]) == len(foreach["extra"]) >= 2
     for step, (fused_extra, foreach_extra) in enumerate(zip(fused["extra"], foreach["extra"])):
         if step > 0:
             assert foreach_extra >= 4 * numel, (step, foreach_extra, numel)
