@@ -130,7 +130,8 @@ gpu_tests() {  # pytest processes at once (the longest tests fit their CUDA grap
         for path in "${every[@]}"; do
             [[ " ${paths[*]} " == *" $path "* ]] || skip+=(--ignore="$path")
         done
-        python3 -m pytest -m gpu -q -p no:cacheprovider "${paths[@]}" "${skip[@]}" \
+        # -v: each test named with its outcome as it ends, so a process that crashes still shows where it was
+        python3 -m pytest -m gpu -v -rfE -p no:cacheprovider "${paths[@]}" "${skip[@]}" \
             --basetemp "$SCRATCH/lightning_megatron_bench.gputests_$index" >"${logs[-1]}" 2>&1 &
         pids+=($!)
     done
