@@ -11,7 +11,9 @@ experts and runs two small GEMMs per expert; a grouped GEMM (`TEGroupedMLP`, Tra
 projection of all local experts as one kernel. Without TE on a GPU, `_compat.grouped_experts` runs
 `SequentialMLP`'s experts as two `torch._grouped_mm` GEMMs: the MoE model runs twice, with it (`moe`) and with
 upstream's loop (`moe_expert_loop`, the adjustment suspended), beside the dense model. The JSON says which backend
-ran. Model FLOPs and MFU count the
+ran, and each run's `profile` one more step under torch.profiler (`bench.packing_profile.profile_figures`: GPU
+busy time, syncs and their sources, top kernels, and the MoE layer's router / preprocess / dispatch / experts /
+combine as CPU ranges), to show where the MoE step's gap to the dense one goes. Model FLOPs and MFU count the
 active parameters (`bench/common.py`'s formula with FFN `top_k x moe_ffn`). Default shape:
 hidden 2048, 16 layers, 16 experts top 4 of FFN 1408 (2.4B total, 0.7B active parameters); `--tiny` is CPU-sized.
 """
@@ -28,7 +30,13 @@ import torch.nn.functional as F
 
 from bench.attention import device, measure_steps, random_microbatches, trainable
 from bench.common import add_step_options, emit, environment, fresh_memory, parse_with_tiny, release_model
+from bench.packing_profile import profile_step
 from lightning_megatron.distributed import init_single_process
+
+MOE_RANGES = tuple(  # the MoE layer's four phases as CPU ranges of the profiled step
+    ("megatron.core.transformer.moe.moe_layer", f"MoELayer.{method}", f"## moe {label}")
+    for method, label in (("route", "router"), ("preprocess", "preprocess"), ("dispatch", "dispatch"),
+                          ("routed_experts_compute", "experts"), ("combine", "combine")))
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_groups=2, head_dim=16, experts=4, top_k=2, moe_ffn=32, vocab=512,
             seq=64, micro_batch=2, microbatches=2, steps=2, warmup=1, dtype="fp32")
@@ -118,6 +126,7 @@ def _run(args: argparse.Namespace, moe: bool) -> dict[str, Any]:
         return statistics.mean(float(value["lm loss"]) for value in losses)
 
     result = {**measure_steps(step, args), "parameters": parameters, "mlp_backend": experts}
+    result["profile"] = profile_step(step, result["step_s"], MOE_RANGES if moe else ())  # where the gap goes
     release_model([model])  # else the next run's peak (and an 80 GB GPU) holds this model, its grads and optimizer
     del model, optimizer, step
     fresh_memory()

@@ -373,10 +373,11 @@ def profiler() -> Any:
     return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
 
 
-def profile_step(step: Any, step_s: float) -> dict[str, Any]:
-    """One step under torch.profiler: what the GPU did and what the host asked of it."""
+def profile_step(step: Any, step_s: float, extra_ranges: tuple[tuple[str, str, str], ...] = ()) -> dict[str, Any]:
+    """One step under torch.profiler: what the GPU did and what the host asked of it (`extra_ranges`: more CPU
+    ranges, as `ranges` takes them)."""
     _synchronize()
-    with ranges(), profiler() as prof:
+    with ranges(extra_ranges), profiler() as prof:
         started = time.perf_counter()
         step()
         _synchronize()
