@@ -3,7 +3,8 @@
 
 Without Transformer Engine, megatron-bridge's `cross_entropy_fusion_impl='native'` computes every main-head and MTP
 loss with `fused_vocab_parallel_cross_entropy` (an fp32 copy of the logits, its softmax kept for the backward);
-`_compat/fast_cross_entropy.py` replaces it with three `torch.compile`d passes, the bf16 gradient made in the forward.
+`_compat/fast_cross_entropy.py` replaces it with three `torch.compile`d passes, the bf16 gradient made in the forward,
+and a compiled backward that scales that gradient in place.
 This measures both, so a GPU session can judge the default.
 
 Per model shape (`common.QWEN3_0_6B`, `QWEN3_8B`: both a vocabulary of 151936, TP=1), bf16 logits

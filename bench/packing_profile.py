@@ -367,10 +367,12 @@ def _top_level(event: Any) -> str:
 
 
 def profiler() -> Any:
-    """A `torch.profiler.profile` of the CPU, and of CUDA where there is one."""
+    """A `torch.profiler.profile` of the CPU, and of CUDA where there is one, with the operators' input shapes
+    (`top_device_ops` names the operator and shapes behind each costly kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+                   record_shapes=True)
 
 
 def profile_step(step: Any, step_s: float, extra_ranges: tuple[tuple[str, str, str], ...] = ()) -> dict[str, Any]:
@@ -387,8 +389,9 @@ def profile_step(step: Any, step_s: float, extra_ranges: tuple[tuple[str, str, s
 
 def profile_figures(prof: Any, profiled_s: float, step_s: float) -> dict[str, Any]:
     """What a finished profile of one step (`profiled_s` long under the profiler, `step_s` without) says: GPU busy
-    time (the union of device activity) and its fraction of the step, kernels, launch and sync calls, top kernels
-    and CPU operators."""
+    time (the union of device activity) and its fraction of the step, kernels, launch and sync calls, top kernels,
+    the operators (with their input shapes) whose own kernels took the most device time (kernels a CUDA graph
+    replays have no operator), and CPU operators."""
     from torch.autograd import DeviceType
 
     events = prof.events()
@@ -404,6 +407,8 @@ def profile_figures(prof: Any, profiled_s: float, step_s: float) -> dict[str, An
         by_kernel[kernel.name][0] += kernel.time_range.elapsed_us() / 1e3
         by_kernel[kernel.name][1] += 1
     averages = [a for a in prof.key_averages() if a.device_type == DeviceType.CPU]
+    by_shapes = [a for a in prof.key_averages(group_by_input_shape=True)
+                 if a.device_type == DeviceType.CPU and a.self_device_time_total > 0]
     return {
         "profiled_step_s": profiled_s,
         "gpu_busy_s": busy_s,
@@ -415,8 +420,11 @@ def profile_figures(prof: Any, profiled_s: float, step_s: float) -> dict[str, An
         "graph_launch_calls": sum(e.name == "cudaGraphLaunch" for e in host),
         "sync_calls": dict(Counter(e.name for e in syncs)),
         "sync_sources": dict(Counter(f"{e.name} in {_top_level(e)}" for e in syncs).most_common(12)),
-        "top_cuda_kernels": [{"name": name[:120], "ms": round(ms, 3), "count": count} for name, (ms, count) in
+        "top_cuda_kernels": [{"name": name[:240], "ms": round(ms, 3), "count": count} for name, (ms, count) in
                              sorted(by_kernel.items(), key=lambda item: -item[1][0])[:12]],
+        "top_device_ops": [{"name": a.key[:120], "input_shapes": str(a.input_shapes)[:240],
+                            "device_ms": round(a.self_device_time_total / 1e3, 3), "count": a.count}
+                           for a in sorted(by_shapes, key=lambda a: -a.self_device_time_total)[:15]],
         "ranges_cpu_ms": {a.key: {"total_ms": round(a.cpu_time_total / 1e3, 3), "count": a.count}
                           for a in averages if a.key.startswith(("## ", "Torch-Compiled Region", "CompiledFunction"))},
         "top_cpu_ops": [{"name": a.key[:120], "self_cpu_ms": round(a.self_cpu_time_total / 1e3, 3), "count": a.count}

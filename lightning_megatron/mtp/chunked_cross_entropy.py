@@ -97,7 +97,8 @@ def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Ten
     if fused and fast_cross_entropy.takes_compiled_path(logits, target):
         return fast_cross_entropy.cross_entropy(logits, target, tp_group)
     return fast_cross_entropy.GradientInForward.apply(logits, target, tp_group, chunk_tokens,
-                                                      _fused_chunk if fused else _plain_chunk)
+                                                      _fused_chunk if fused else _plain_chunk,
+                                                      fast_cross_entropy.scale_rows)
 
 
 def chunked_language_model_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Any:

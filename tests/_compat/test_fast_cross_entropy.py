@@ -27,10 +27,11 @@ from lightning_megatron._compat.fast_cross_entropy import (
     cross_entropy,
     logits_max,
     predicted_and_sum_exp,
+    scale_rows,
     softmax_minus_one_hot,
 )
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, fits_with_and_without
+from tests._compat._compiled import GRAPHED, applied, assert_trains_alike, fits_with_and_without, kernels_run
 from tests._distributed import run_distributed, run_in_fresh_process
 
 ADJUSTMENT = fast_cross_entropy.ADJUSTMENTS[0]
@@ -220,10 +221,11 @@ class _CpuKernel(compiled.CompiledKernel):
 
 
 def test_inductor_compiles_the_math_on_the_cpu_once_for_every_row_count(model_parallel) -> None:
-    """A smoke test of the compiled path where no GPU is: Inductor's C++ backend compiles the three passes, and their
-    bf16 results are within the bound of the exact values, as the eager math's; a second row count runs the same
-    graphs."""
-    kernels = Kernels(_CpuKernel(logits_max), _CpuKernel(predicted_and_sum_exp), _CpuKernel(softmax_minus_one_hot))
+    """A smoke test of the compiled path where no GPU is: Inductor's C++ backend compiles the three forward passes
+    and the backward's scale, and their bf16 results are within the bound of the exact values, as the eager math's;
+    a second row count runs the same graphs."""
+    kernels = Kernels(_CpuKernel(logits_max), _CpuKernel(predicted_and_sum_exp), _CpuKernel(softmax_minus_one_hot),
+                      _CpuKernel(scale_rows))
     generator = torch.Generator().manual_seed(0)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for tokens in (6, 9):
@@ -231,7 +233,30 @@ def test_inductor_compiles_the_math_on_the_cpu_once_for_every_row_count(model_pa
         got = _loss_and_grad(lambda x, t, g: cross_entropy(x, t, g, kernels), logits, target, weight, _tp_group())
         _assert_within_bounds(*got, _exact(logits, target, weight), logits, 2, f"{tokens} rows")
     assert _CpuKernel.state.refused is None and all(kernel.ran for kernel in vars(kernels).values())
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 4
+
+
+def _scale_cases(rows: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 gradient [rows, vocab] with a softmax's spread of magnitudes and a float32 incoming gradient per row
+    [rows, 1] (a loss mask over a token count: values no bf16 holds exactly)."""
+    generator = torch.Generator().manual_seed(rows)
+    gradient = (torch.randn(rows, vocab, generator=generator) * torch.rand(rows, vocab, generator=generator) ** 8)
+    row_grad = torch.rand(rows, 1, generator=generator) / 4093
+    return gradient.to(device, torch.bfloat16), row_grad.to(device)
+
+
+def test_the_compiled_backward_scale_is_eagers_bit_for_bit_in_place_on_the_cpu() -> None:
+    """The backward's pass compiled by Inductor's C++ backend: each bf16 value is eager `mul_`'s (one rounding of the
+    same float32 product), written into the gradient's own storage, for two row counts."""
+    kernel = _CpuKernel(scale_rows)
+    for rows in (5, 12):
+        gradient, row_grad = _scale_cases(rows, 300, "cpu")
+        expected = gradient.clone()
+        expected.mul_(row_grad)
+        storage = gradient.data_ptr()
+        kernel(gradient, row_grad)
+        assert gradient.data_ptr() == storage and torch.equal(gradient, expected), rows
+    assert _CpuKernel.state.refused is None and kernel.ran
 
 
 # the GPU ----------------------------------------------------------------------------------------------------------
@@ -265,6 +290,19 @@ def test_on_the_gpu_the_compiled_cross_entropy_is_within_the_bound_as_upstreams(
     _assert_within_bounds(*got, exact, logits, 2, "ours")
     _assert_within_bounds(*upstream, exact, logits, 1, "upstream")
     assert STATE.refused is None and all(kernel.ran for kernel in vars(COMPILED).values())
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_backward_scale_is_one_kernel_and_eagers_bit_for_bit() -> None:
+    """At Qwen3-0.6B's logits [4096, 151936]: the compiled scale of the bf16 gradient by each row's float32
+    incoming gradient runs one kernel, in place, and equals eager `mul_` bit for bit."""
+    gradient, row_grad = _scale_cases(TOKENS, VOCAB, "cuda")
+    expected = gradient.clone()
+    expected.mul_(row_grad)
+    COMPILED.scale_rows(gradient.clone(), row_grad)  # compiles
+    storage = gradient.data_ptr()
+    assert kernels_run(lambda: COMPILED.scale_rows(gradient, row_grad)) == 1
+    assert gradient.data_ptr() == storage and torch.equal(gradient, expected)
 
 
 @pytest.mark.gpu
