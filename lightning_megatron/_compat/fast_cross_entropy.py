@@ -27,8 +27,8 @@ and one in the backward:
 
 4. `scale_rows`, that gradient times the incoming per-token gradient, in place, and handed on. Eager, the `mul_` of
    bf16 rows by a broadcast float32 column runs PyTorch's generic kernel for inputs of mixed dtypes
-   (`elementwise_kernel<128, 4, gpu_kernel_impl<BinaryFunctor<float, float, float, MulFunctor>>>`, one element per
-   thread step, casting each): in a Qwen3-0.6B SFT + MTP step on an H200 that kernel ran 16 times (a main-head and an
+   (`elementwise_kernel<128, 4, gpu_kernel_impl<BinaryFunctor<float, float, float, ...>>>`, one element per thread
+   step, casting each): in a Qwen3-0.6B SFT + MTP step on an H200 that kernel ran 16 times (a main-head and an
    MTP loss per microbatch) for 2.65 ms each, 7.7% of the step's GPU time (`bench/results/h200_2026-12-06/
    sizes.json`), about five times what one read and one write of the bf16 gradient take. Compiled, it is one
    pass over the gradient with the same float32 product and one rounding: bit for bit eager's.
