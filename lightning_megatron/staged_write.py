@@ -143,10 +143,11 @@ class _Staging:
         self.pending.append(_Chunk(chunk.buffer[:chunk.filled], chunk.file, chunk.offset, copied, chunk.last_of))
 
     def copy(self, tensor: _Tensor, start: int, stop: int) -> None:
-        """Start copying `tensor.data[start:stop]` into the open chunk if it continues it, else into a new chunk in
-        the next buffer (the caller closes the open chunk and makes sure the staging is not `full`)."""
-        if not self.continues_open_chunk(tensor, start, stop):
-            assert self.open is None and not self.full()
+        """Start copying `tensor.data[start:stop]` into the open chunk, or into a new chunk in the next buffer where
+        none is open (the caller closes an open chunk this piece does not continue and makes sure the staging is not
+        `full`)."""
+        if self.open is None:
+            assert not self.full()
             self.open = _OpenChunk(self.buffers[self.turn], tensor.file, tensor.offset + start)
             self.turn = (self.turn + 1) % len(self.buffers)
         chunk = self.open
