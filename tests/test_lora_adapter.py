@@ -1,7 +1,9 @@
 """The PEFT adapter file a weight sync writes every few steps: streamed from the export into the layout of the last
 write, it is byte for byte what safetensors itself writes of megatron-bridge's PEFT state, at every write, after the
-adapters trained on, and after another set of adapters (a new layout); `peft` loads it onto the HF model with the
-Megatron model's logits. (A fit's export of both forms: tests/test_lora.py.)"""
+adapters trained on, and after another set of adapters (a new layout); from the second write of a set of adapters on,
+a model whole on its rank copies the file's bytes from the parameters without exporting (`_CopyPlan`), and falls back
+to the export where its parameters moved or the export is more than pieces of them; `peft` loads it onto the HF
+model with the Megatron model's logits. (A fit's export of both forms: tests/test_lora.py.)"""
 
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def test_every_adapter_file_is_safetensors_own_bytes_whether_streamed_or_laid_ou
     real_layout = lora.safetensors_layout
     monkeypatch.setattr(lora, "safetensors_layout", lambda specs: layouts.append(1) or real_layout(specs))
     bridge = create_bridge("megatron-bridge", checkpoint)
+    exports = _count_exports(bridge, monkeypatch)
     every_linear = _adapted(bridge, LoRAConfig(rank=4, alpha=8), seed=0)
     qkv_only = _adapted(bridge, LoRAConfig(target_modules=["linear_qkv"], rank=8, alpha=32), seed=1)
     configs = []
@@ -69,7 +72,9 @@ def test_every_adapter_file_is_safetensors_own_bytes_whether_streamed_or_laid_ou
                                                  (qkv_only, True), (every_linear, True)]):
         if step == 2:
             _train(every_linear, seed=2)  # the same adapters, other values: streamed into the same layout
+        exports.clear()
         folder = write_lora_adapter(bridge, chunks, tmp_path / f"v{step}", extra_files={"note.json": "{}\n"})
+        assert len(exports) == (3 if new_layout else 0), step  # the write's export and the two probes, or none
         assert (folder / "adapter_model.safetensors").read_bytes() == _library_file(bridge, chunks), step
         assert len(layouts) == new_layout, step
         assert sorted(path.name for path in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
@@ -82,6 +87,52 @@ def test_every_adapter_file_is_safetensors_own_bytes_whether_streamed_or_laid_ou
     assert (configs[0]["r"], configs[0]["lora_alpha"], len(configs[0]["target_modules"])) == (4, 8, 7)
     assert (configs[3]["r"], configs[3]["lora_alpha"]) == (8, 32)
     assert sorted(configs[3]["target_modules"]) == ["k_proj", "q_proj", "v_proj"]
+
+
+def _count_exports(bridge: Bridge, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one per export of the adapters through megatron-bridge (the real one runs)."""
+    calls: list[int] = []
+    real_export = bridge.export_adapter_weights
+    monkeypatch.setattr(bridge, "export_adapter_weights",
+                        lambda chunks, **options: calls.append(1) or real_export(chunks, **options))
+    return calls
+
+
+def test_the_copy_plan_pieces_a_fused_qkv_per_group_and_survives_nothing_it_cannot_see(model_parallel, checkpoint,
+                                                                                       tmp_path, monkeypatch):
+    bridge = create_bridge("megatron-bridge", checkpoint)
+    chunks = _adapted(bridge, LoRAConfig(rank=4, alpha=8), seed=0)
+    exports = _count_exports(bridge, monkeypatch)
+    write_lora_adapter(bridge, chunks, tmp_path / "v0")
+    plan = lora._COPY_PLANS[bridge]
+    groups = chunks[0].config.num_query_groups
+    # per layer: 4 linears' A and B, gate/up each its half of fc1's B, q, k, v of each query group
+    layers = len(chunks[0].decoder.layers)
+    assert len(plan.pieces) == layers * (2 * 4 + 1 + 3 * groups - 1 + 2 + 1), len(plan.pieces)
+    weight = next(module for module in chunks[0].modules() if type(module).__name__ == "LoRALinear").adapter.linear_out
+    for step in (1, 2):  # a parameter's memory moves (a reload, an offload): the plan no longer sees it
+        with torch.no_grad():
+            weight.weight.data = weight.weight.data.clone() + 1
+        exports.clear()
+        folder = write_lora_adapter(bridge, chunks, tmp_path / f"v{step}")
+        assert len(exports) == 3 and lora._COPY_PLANS[bridge] is not plan, step  # exported, probed again
+        assert (folder / "adapter_model.safetensors").read_bytes() == _library_file(bridge, chunks), step
+        plan = lora._COPY_PLANS[bridge]
+
+    def rounding(chunks: list[torch.nn.Module], **options: object):  # an export that computes: no plan
+        for name, tensor in real_export(chunks, **options):
+            yield name, tensor.to(torch.bfloat16).to(tensor.dtype)
+
+    real_export = bridge.export_adapter_weights
+    monkeypatch.setattr(bridge, "export_adapter_weights", rounding)
+    with torch.no_grad():
+        weight.weight.data = weight.weight.data.clone()
+    write_lora_adapter(bridge, chunks, tmp_path / "v3")
+    assert bridge not in lora._COPY_PLANS
+    _train(chunks, seed=6)
+    exports.clear()
+    folder = write_lora_adapter(bridge, chunks, tmp_path / "v4")
+    assert (folder / "adapter_model.safetensors").read_bytes() == _library_file(bridge, chunks)
 
 
 def test_a_streamed_adapter_loads_in_peft_with_the_megatron_logits(model_parallel, checkpoint, tmp_path):
@@ -109,7 +160,42 @@ def test_a_gpu_models_adapter_file_is_staged_from_the_gpu_with_the_same_bytes(mo
     bridge = create_bridge("megatron-bridge", checkpoint)
     chunks = _adapted(bridge, LoRAConfig(rank=4, alpha=8), seed=0)
     assert next(chunks[0].parameters()).is_cuda
-    for step in range(2):  # laid out afresh, then streamed into that layout
+    for step in range(3):  # laid out afresh, then copied from the parameters (the copy plan)
         _train(chunks, seed=step)
         folder = write_lora_adapter(bridge, chunks, tmp_path / f"v{step}")
         assert (folder / "adapter_model.safetensors").read_bytes() == _library_file(bridge, chunks), step
+        assert lora._COPY_PLANS[bridge].pieces[0].is_cuda
+
+
+def _data_parallel_writes(rank: int, world_size: int, tmp: str, checkpoint: str) -> dict[str, object]:
+    from megatron.core import parallel_state
+
+    from lightning_megatron._compat import prepare_megatron_core
+
+    prepare_megatron_core()
+    parallel_state.initialize_model_parallel(1, 1)  # two data-parallel replicas, each whole
+    bridge = create_bridge("megatron-bridge", Path(checkpoint))
+    chunks = _adapted(bridge, LoRAConfig(rank=4, alpha=8), seed=0)
+    calls: list[int] = []
+    real_export = bridge.export_adapter_weights
+    bridge.export_adapter_weights = lambda chunks, **options: calls.append(1) or real_export(chunks, **options)
+    exports = []
+    for step in range(3):
+        _train(chunks, seed=step)  # the same values on both replicas, as data-parallel training keeps them
+        calls.clear()
+        write_lora_adapter(bridge, chunks, Path(tmp) / f"v{step}")
+        exports.append(len(calls))
+    expected = _library_file(bridge, chunks) if rank == 0 else None
+    parallel_state.destroy_model_parallel()
+    return {"exports": exports, "expected": expected}
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_agree_on_the_copy_plan_and_rank_0_writes_the_exports_bytes(process_group, checkpoint,
+                                                                                          tmp_path):
+    from tests._distributed import run_distributed
+
+    ranks = run_distributed(_data_parallel_writes, tmp_path, str(tmp_path), str(checkpoint))
+    # rank 0 exports, then probes twice; rank 1 iterates the export (to refuse bad names with rank 0), then skips too
+    assert [rank["exports"] for rank in ranks] == [[3, 0, 0], [1, 0, 0]]
+    assert (tmp_path / "v2" / "adapter_model.safetensors").read_bytes() == ranks[0]["expected"]
