@@ -115,7 +115,7 @@ step() {
 gpu_tests() {  # pytest processes at once (the longest tests fit their CUDA graphs, compile, or start fresh Python
     # processes): each group below is one process, balanced on the H100 run's durations (bench/results/
     # h100_2026-12-05b/gputests.log), and one more runs every other test; a group leaves out the others' paths
-    local groups=("tests/cuda_graphs" "tests/bench tests/test_optimizer.py"
+    local groups=("tests/cuda_graphs" "tests/bench tests/test_optimizer.py tests/test_attention_varlen.py"
                   "tests/_compat/test_fast_rms_norm.py tests/_compat/test_fast_rope.py"
                   "tests/_compat/test_fast_cross_entropy.py tests/_compat/test_grouped_experts.py tests/_compat/test_fast_swiglu.py"
                   "tests/_compat" "tests/cli tests/callbacks")

@@ -29,6 +29,14 @@ from lightning_megatron.contract import MegatronStrategyContract
 from lightning_megatron.distributed import cpu_group
 from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, safetensors_layout
+from lightning_megatron.lora_folder import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    AdapterPlan,
+    CopyPlan,
+    find_copy_plan,
+    with_stand_ins,
+)
 from lightning_megatron.staged_write import FileLayout, StagedWriter
 
 # The linears of every transformer layer (MTP layer included), as megatron-bridge's LoRA names them.
@@ -205,12 +213,12 @@ def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str 
 
     The adapters stay on the model's device: rank 0 writes `adapter_model.safetensors` from there through pinned
     staging (`staged_write`), on a thread of its own while the export goes on, into the layout of the adapters the
-    last write of this bridge exported (`_AdapterPlan`: the file's header, the names PEFT gives them, the adapter
+    last write of this bridge exported (`AdapterPlan`: the file's header, the names PEFT gives them, the adapter
     config), checked against what the export yields: other adapters (a new model, another rank) are written again in
     their own layout. So a weight sync's work is the adapters' bytes, not a host copy and a safetensors
     serialisation per tensor. Where the model is whole on every rank (no tensor, pipeline or expert parallelism),
     the export itself runs only for the first write of a set of adapters: later writes copy the file's bytes
-    straight from the adapters' parameters (`_CopyPlan`)."""
+    straight from the adapters' parameters (`lora_folder.CopyPlan`)."""
     path = Path(path)
     adapters = _lora_adapters(chunks)
     trained = _trained_lora(adapters, "export_lora_adapter")
@@ -244,26 +252,8 @@ def _export_adapter_folder(bridge: Bridge, chunks: list[torch.nn.Module], traine
             pass
 
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-
-
-@dataclass(frozen=True)
-class _AdapterPlan:
-    """A PEFT folder's layout, from the adapters one export yielded (`exported`: names, shapes and dtypes in the
-    export's order) and the settings (`LoRA` type, rank, alpha, dropout, base model): `adapter_config.json`'s text,
-    the safetensors file's layout and, where PEFT stores every exported tensor as it is (not packed experts), the
-    name each goes under in the file (`file_names`)."""
-
-    exported: tuple[TensorSpec, ...]
-    settings: tuple[Any, ...]
-    config_text: str
-    layout: FileLayout
-    file_names: Mapping[str, str] | None
-
-
 # the last plan of each bridge: a weight sync writes the same adapters every time
-_PLANS: weakref.WeakKeyDictionary[Bridge, _AdapterPlan] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[Bridge, AdapterPlan] = weakref.WeakKeyDictionary()
 # the adapter names each bridge already checked against its checkpoint (`_check_adapter_names`)
 _CHECKED_NAMES: weakref.WeakKeyDictionary[Bridge, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -308,7 +298,7 @@ def _write_adapter_folder(bridge: Bridge, trained: Any, adapters: Iterable[tuple
 
 
 def _plan_adapter_folder(bridge: Bridge, trained: Any, exported: list[Any], specs: tuple[TensorSpec, ...],
-                         settings: tuple[Any, ...]) -> tuple[_AdapterPlan, dict[str, torch.Tensor]]:
+                         settings: tuple[Any, ...]) -> tuple[AdapterPlan, dict[str, torch.Tensor]]:
     """The plan of these exported adapters, and the PEFT state dict to write (megatron-bridge's PEFT layout)."""
     from megatron.bridge.models.conversion.peft_bridge import (
         build_adapter_config_dict,
@@ -331,7 +321,7 @@ def _plan_adapter_folder(bridge: Bridge, trained: Any, exported: list[Any], spec
     pairs = list(zip(exported, state.items()))
     as_they_are = len(state) == len(exported) and all(tensor is weight.weight for weight, (_, tensor) in pairs)
     file_names = {weight.param_name: name for weight, (name, _) in pairs} if as_they_are else None
-    return _AdapterPlan(specs, settings, json.dumps(config, indent=2) + "\n", layout, file_names), state
+    return AdapterPlan(specs, settings, json.dumps(config, indent=2) + "\n", layout, file_names), state
 
 
 def _lora_settings(bridge: Bridge, trained: Any) -> tuple[Any, ...]:
@@ -339,48 +329,7 @@ def _lora_settings(bridge: Bridge, trained: Any) -> tuple[Any, ...]:
     return type(trained).__name__, trained.dim, trained.alpha, trained.dropout, str(bridge.hf_path)
 
 
-# The exported tensors' provenance is probed with each adapter parameter's elements replaced by float64 ids:
-# parameter index * _ID_STRIDE + element index (exact below 2**53: up to 2**21 parameters of 2**32 elements).
-_ID_STRIDE = 2**32
-
-
-@dataclass(frozen=True)
-class _CopyPlan:
-    """Where every byte of the adapter file comes from, for a model whole on every rank.
-
-    megatron-bridge's export of such a model only picks pieces of the adapters' parameters (a fused QKV's B split
-    per projection, a gate/up B halved, an A yielded once per projection that shares it): no arithmetic, no gather.
-    `_probe_copy_plan` finds which pieces by exporting id-valued parameters once; then the file's data section is
-    the concatenation of `pieces` (views of the parameters, contiguous runs of their elements, in file order), so a
-    write is one concatenation on the device and one staged write of its bytes, instead of hundreds of exported
-    tensors each costing Python time. The plan holds the parameters it read (and so their memory) until the
-    bridge's next plan replaces it; a parameter whose memory moved, other parameters or other settings fall back
-    to the export."""
-
-    folder_plan: _AdapterPlan
-    parameters: tuple[torch.nn.Parameter, ...]
-    addresses: tuple[int, ...]  # each parameter's data_ptr when probed
-    pieces: tuple[torch.Tensor, ...]
-
-    def serves(self, settings: tuple[Any, ...], parameters: list[torch.nn.Parameter]) -> bool:
-        return (settings == self.folder_plan.settings and len(parameters) == len(self.parameters)
-                and all(mine is theirs and mine.data_ptr() == address
-                        for mine, theirs, address in zip(self.parameters, parameters, self.addresses)))
-
-    def write_folder(self, extra_files: Mapping[str, str], folder: Path) -> None:
-        """Rank 0's write: the data section from the parameters as they are now, the config, the extra files."""
-        layout = self.folder_plan.layout
-        data = torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0]
-        with StagedWriter({folder / ADAPTER_FILE: FileLayout(layout.prefix, {"data": (len(layout.prefix),
-                                                                                      data.nbytes)})},
-                          threads=1) as writer:
-            writer.write("data", data)
-        (folder / ADAPTER_CONFIG_FILE).write_text(self.folder_plan.config_text)
-        for name, text in extra_files.items():
-            (folder / name).write_text(text)
-
-
-_COPY_PLANS: weakref.WeakKeyDictionary[Bridge, _CopyPlan] = weakref.WeakKeyDictionary()
+_COPY_PLANS: weakref.WeakKeyDictionary[Bridge, CopyPlan] = weakref.WeakKeyDictionary()
 
 
 def _adapter_parameters(adapters: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
@@ -400,107 +349,28 @@ def _whole_model_on_every_rank() -> bool:
 
 
 def _probe_copy_plan(bridge: Bridge, chunks: list[torch.nn.Module], trained: Any,
-                     parameters: list[torch.nn.Parameter]) -> _CopyPlan | None:
-    """The copy plan of the adapters rank 0 has just written (`_PLANS`), or None where the export is more than
-    pieces of the parameters (a cast, packed experts, arithmetic) or the file holds what the probe did not yield.
+                     parameters: list[torch.nn.Parameter]) -> CopyPlan | None:
+    """The copy plan (`lora_folder.find_copy_plan`) of the adapters rank 0 has just written (`_PLANS`), or None.
 
-    Two probes: the export of id-valued parameters says which element each exported one is; the export of random
-    parameters (their own dtype) must then equal the pieces taken from them bit for bit, which an export that
-    computes anything (an id that survived a rounding included) fails. Rank 0 probes and tells the others, so every
-    rank takes the same path at the next write (the others write nothing: their plan only says so)."""
+    Rank 0 probes and tells the others, so every rank takes the same path at the next write (the others write
+    nothing: their plan only says so)."""
     settings = _lora_settings(bridge, trained)
     plan = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         folder_plan = _PLANS.get(bridge)
-        if (folder_plan is not None and folder_plan.file_names is not None and folder_plan.settings == settings
-                and len(parameters) < 2**53 // _ID_STRIDE
-                and all(parameter.numel() < _ID_STRIDE and parameter.is_contiguous() for parameter in parameters)):
-            plan = _copy_plan_from_probes(bridge, chunks, folder_plan, parameters)
+        on_host = not next(chunks[0].parameters()).is_cuda
+        if folder_plan is not None and folder_plan.settings == settings:
+            plan = find_copy_plan(partial(with_stand_ins, partial(bridge.export_adapter_weights, chunks,
+                                                                  on_host=on_host), parameters),
+                                  folder_plan, parameters)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return plan
     found = [plan is not None]
     dist.broadcast_object_list(found, src=0, group=cpu_group())
     if dist.get_rank() == 0 or not found[0]:
         return plan
-    stand_in = _AdapterPlan((), settings, "", FileLayout(b"", {}), {})
-    return _CopyPlan(stand_in, tuple(parameters), tuple(parameter.data_ptr() for parameter in parameters), ())
-
-
-def _export_of(bridge: Bridge, chunks: list[torch.nn.Module], parameters: list[torch.nn.Parameter],
-               stand_ins: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the export yields with the parameters' data replaced by `stand_ins` (theirs back whatever happens)."""
-    own = [parameter.data for parameter in parameters]
-    try:
-        with torch.no_grad():
-            for parameter, stand_in in zip(parameters, stand_ins, strict=True):
-                parameter.data = stand_in
-            return {name: tensor.detach().clone() for name, tensor in
-                    bridge.export_adapter_weights(chunks, on_host=not own[0].is_cuda)}
-    finally:
-        for parameter, data in zip(parameters, own, strict=True):
-            parameter.data = data
-
-
-def _copy_plan_from_probes(bridge: Bridge, chunks: list[torch.nn.Module], folder_plan: _AdapterPlan,
-                           parameters: list[torch.nn.Parameter]) -> _CopyPlan | None:
-    """The runs of parameter elements that make each exported tensor, in the file's order, checked (see
-    `_probe_copy_plan`); None where they do not make the file."""
-    file_names = folder_plan.file_names
-    assert file_names is not None
-    ids = [torch.arange(index * _ID_STRIDE, index * _ID_STRIDE + parameter.numel(), dtype=torch.float64,
-                        device=parameter.device).view(parameter.shape) for index, parameter in enumerate(parameters)]
-    probed = _export_of(bridge, chunks, parameters, ids)
-    specs = {spec.name: spec for spec in folder_plan.exported}
-    regions = folder_plan.layout.regions
-    if sorted(probed) != sorted(specs) or len(regions) != len(probed):
-        return None
-    placed: list[tuple[int, str, list[tuple[int, int, int]]]] = []
-    for name, tensor in probed.items():
-        spec, region = specs[name], regions.get(file_names[name])
-        runs = None if region is None or tuple(tensor.shape) != spec.shape else _runs(tensor.reshape(-1), parameters)
-        if runs is None or any(parameters[owner].dtype != spec.dtype for owner, _, _ in runs):
-            return None
-        placed.append((region[0], name, runs))
-    placed.sort(key=lambda item: item[0])
-    offset = len(folder_plan.layout.prefix)
-    for start, name, _ in placed:  # back to back from the header on: the data section is the runs in order
-        if start != offset:
-            return None
-        offset += specs[name].nbytes
-    generator = torch.Generator(device=parameters[0].device).manual_seed(0)
-    noise = [torch.randn(parameter.shape, generator=generator, device=parameter.device).to(parameter.dtype)
-             for parameter in parameters]
-    exported = _export_of(bridge, chunks, parameters, noise)
-    if any(not torch.equal(exported[name].reshape(-1).to(noise[0].device), torch.cat(_views(runs, noise)))
-           for _, name, runs in placed):
-        return None
-    pieces = _views([run for _, _, runs in placed for run in runs], [parameter.data for parameter in parameters])
-    return _CopyPlan(folder_plan, tuple(parameters), tuple(parameter.data_ptr() for parameter in parameters),
-                     tuple(pieces))
-
-
-def _runs(ids: torch.Tensor, parameters: list[torch.nn.Parameter]) -> list[tuple[int, int, int]] | None:
-    """`ids` (the id probe's values) as runs (parameter index, first element, length) of consecutive elements of
-    one parameter each; None where a value is no element's id."""
-    if ids.dtype != torch.float64:
-        return None
-    owner = torch.div(ids, _ID_STRIDE, rounding_mode="floor")
-    element = ids - owner * _ID_STRIDE
-    if not bool((element == element.round()).all()) or not bool(((owner >= 0) & (owner < len(parameters))).all()):
-        return None
-    owner, element = owner.long(), element.long()
-    breaks = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
-    breaks[1:] = (owner[1:] != owner[:-1]) | (element[1:] != element[:-1] + 1)
-    starts = torch.nonzero(breaks).flatten().tolist() + [ids.numel()]
-    runs = [(source, first, end - begin) for begin, end, source, first in
-            zip(starts[:-1], starts[1:], owner[starts[:-1]].tolist(), element[starts[:-1]].tolist())]
-    if any(first + length > parameters[source].numel() for source, first, length in runs):
-        return None
-    return runs
-
-
-def _views(runs: list[tuple[int, int, int]], data: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [data[source].reshape(-1)[first:first + length] for source, first, length in runs]
+    stand_in = AdapterPlan((), settings, "", FileLayout(b"", {}), {})
+    return CopyPlan(stand_in, tuple(parameters), tuple(parameter.data_ptr() for parameter in parameters), ())
 
 
 def _check_adapter_names(bridge: Bridge, names: list[str]) -> None:

@@ -111,6 +111,15 @@ def run_distributed(fn: Callable[..., Any], tmp_path: Path, *args: Any, world_si
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
+def init_one_gpu_process() -> None:
+    """In a process `run_in_fresh_process` started: NCCL and Megatron's parallel state as a one-GPU run sets them up
+    (the suite's gloo group cannot carry the distributed optimizer's collectives on CUDA tensors)."""
+    from lightning_megatron.distributed import free_port, init_single_process
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    init_single_process()
+
+
 def run_in_fresh_process(fn: Callable[..., None], tmp_path: Path, *args: str) -> Any:
     """Spawn one process running `fn(*args, out)` (a fresh CUDA context; `fn` sets up its own process group, as a
     single-GPU run does) and return what it saved to `out` with `torch.save`; a crash fails the test."""

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from lightning_megatron.atomic import write_atomically, write_file_atomically, write_text_atomically
+from lightning_megatron.atomic import (
+    remove_folder_soon,
+    wait_for_removals,
+    write_atomically,
+    write_file_atomically,
+    write_text_atomically,
+)
 from lightning_megatron.serving.disk import remove_partials
 
 
@@ -57,3 +63,36 @@ def test_staging_names_are_hidden_and_the_cleanup_removes_them(tmp_path: Path) -
     (tmp_path / "v00000005").mkdir()
     remove_partials(tmp_path)
     assert [path.name for path in tmp_path.iterdir()] == ["v00000005"]
+
+
+def test_a_folder_removed_soon_is_gone_from_its_name_at_once_and_its_hidden_name_is_a_leftover_cleanups_know(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pruned version leaves its name before its bytes are freed; a process that died meanwhile leaves a hidden
+    folder `remove_partials` removes."""
+    import threading
+
+    from lightning_megatron import atomic
+
+    for version in (1, 2):
+        (tmp_path / f"v0000000{version}").mkdir()
+        (tmp_path / f"v0000000{version}" / "model.safetensors").write_bytes(b"x" * 4096)
+    started, release = threading.Event(), threading.Event()
+    real_remove = atomic.remove_folder
+
+    def held(folder: Path, **options: bool) -> None:  # the deleting thread waits until the test has looked
+        started.set()
+        release.wait()
+        real_remove(folder, **options)
+
+    monkeypatch.setattr(atomic, "remove_folder", held)
+    remove_folder_soon(tmp_path / "v00000001")
+    started.wait()
+    names = sorted(path.name for path in tmp_path.iterdir())
+    assert names[1:] == ["v00000002"] and names[0].startswith(".v00000001.old-")  # out of sight, not yet freed
+    remove_partials(tmp_path)  # what a later run finds had this one died now
+    release.set()
+    wait_for_removals()
+    assert [path.name for path in tmp_path.iterdir()] == ["v00000002"]
+    remove_folder_soon(tmp_path / "v00000002")
+    wait_for_removals()
+    assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,6 @@ optimizer's `zero_grad` walks the parameters once between two steps."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
-from tests._distributed import run_in_fresh_process
+from tests._distributed import init_one_gpu_process, run_in_fresh_process
 
 SEQ, VOCAB, MICRO_BATCH, GLOBAL_BATCH = 16, 384, 1, 2
 TRAINING_STEP_METRICS = ("lm_loss", "mtp_loss", "mtp_accuracy")  # SFTModule's, with an MTP head
@@ -152,12 +151,8 @@ def test_a_lightning_without_the_internals_logs_every_metric_through_self_log(mt
 
 
 def _gpu_fit(checkpoint: str, root: str, out: str) -> None:
-    """In a fresh process with NCCL, as a one-GPU run sets up (the suite's gloo group cannot carry the distributed
-    optimizer's collectives on CUDA tensors): one epoch on the GPU with `self.log`'s calls counted."""
-    from lightning_megatron.distributed import free_port, init_single_process
-
-    os.environ["MASTER_PORT"] = str(free_port())
-    init_single_process()
+    """In a fresh process with NCCL: one epoch on the GPU with `self.log`'s calls counted."""
+    init_one_gpu_process()
     with pytest.MonkeyPatch.context() as monkeypatch:
         logged = _count_self_log(monkeypatch)
         _, recorder = _fit(Path(checkpoint), Path(root), SFTModule(enable_mtp=True, lr=1e-3), accelerator="gpu",

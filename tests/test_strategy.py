@@ -27,7 +27,7 @@ from lightning_megatron.module import SFTModule
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.datasets import RandomTokenDataset
-from tests._distributed import run_distributed
+from tests._distributed import init_one_gpu_process, run_distributed, run_in_fresh_process
 
 SEQ, VOCAB, SAMPLES = 16, 384, 32
 LR, WARMUP = 1e-3, 1
@@ -80,7 +80,7 @@ def _fit(tmp_path: Path, hf_checkpoint: Path, steps: int, devices: int = 1, call
 def _weights(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     from megatron.core.utils import unwrap_model
 
-    return {f"{index}.{name}": param.detach().clone()
+    return {f"{index}.{name}": param.detach().to("cpu", copy=True)
             for index, chunk in enumerate(chunks) for name, param in unwrap_model(chunk).named_parameters()}
 
 
@@ -306,23 +306,30 @@ def test_a_finished_fit_frees_its_model_once_the_trainer_is_dropped(process_grou
     assert chunk() is None, "the fit's model chunk is still referenced after the trainer, strategy and module went"
 
 
+def _memory_after_a_dropped_gpu_fit(checkpoint: str, root: str, out: str) -> None:
+    """In a fresh process with NCCL: the device memory before and after a fit whose objects are dropped."""
+    init_one_gpu_process()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    chunk = _fit_and_drop(Path(root), Path(checkpoint), accelerator="gpu", precision="bf16")
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.save({"kept": chunk() is not None, "extra_bytes": torch.cuda.memory_allocated() - before}, out)
+
+
 @pytest.mark.gpu
-def test_a_finished_bf16_fit_on_a_gpu_gives_its_memory_back(process_group, tmp_path):
+def test_a_finished_bf16_fit_on_a_gpu_gives_its_memory_back(tmp_path):
     """On the device, with bf16 weights, fp32 main weights and Adam states: a kept model would leave at least
     (2 + 4 + 4 + 4 + 4) bytes a parameter allocated (weights, grads, main weights, two Adam states); what may stay
     (the allocator's rounding, small module-level caches) is far below one bf16 copy of the weights."""
-    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", mtp=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    chunk = _fit_and_drop(tmp_path, checkpoint, accelerator="gpu", precision="bf16")
-    gc.collect()
-    torch.cuda.synchronize()
-    assert chunk() is None
     from safetensors.torch import load_file
 
+    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", mtp=True)
+    result = run_in_fresh_process(_memory_after_a_dropped_gpu_fit, tmp_path, str(checkpoint), str(tmp_path / "fit"))
+    assert not result["kept"]
     bf16_weights_bytes = 2 * sum(tensor.numel() for file in checkpoint.glob("*.safetensors")
                                  for tensor in load_file(file).values())
-    assert torch.cuda.memory_allocated() - before < bf16_weights_bytes
+    assert result["extra_bytes"] < bf16_weights_bytes
 
 
 def _fit_and_drop(tmp_path: Path, hf_checkpoint: Path, accelerator: str = "cpu",
@@ -352,31 +359,50 @@ class RecordStartWeights(pl.Callback):
         self.starts.append(_weights(trainer.strategy.model_chunks))
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_a_second_fit_goes_on_from_the_first_ones_weights_and_frees_its_wrappers(process_group, checkpoints,
-                                                                                  tmp_path, accelerator):
-    """As Lightning's second `fit` of a module: its weights as the first left them, a new optimizer. In bf16 with
-    the distributed optimizer: Float16Module and Megatron DDP (whose buffer held the parameters) wrap them anew; on
-    a GPU each fit captures its CUDA graph over its own wrappers."""
-    strategy = MegatronStrategy(hf_checkpoint=str(checkpoints["qwen3"]), micro_batch_size=2, global_batch_size=4,
+def _two_fits(checkpoint: Path, root: Path, accelerator: str) -> dict[str, Any]:
+    """Two fits of one module and strategy (the second goes on to twice the steps): what the test checks of them."""
+    strategy = MegatronStrategy(hf_checkpoint=str(checkpoint), micro_batch_size=2, global_batch_size=4,
                                 precision="bf16")
     recorder, weights = RecordLosses(), RecordStartWeights()
     steps = 3 if accelerator == "gpu" else 1  # a graph's warm-up, capture and replay
-    trainer = _trainer(tmp_path, strategy, steps, callbacks=[recorder, weights], accelerator=accelerator)
+    trainer = _trainer(root, strategy, steps, callbacks=[recorder, weights], accelerator=accelerator)
     module = SFTModule(lr=LR, warmup_steps=WARMUP)
     trainer.fit(module, _loader(2))
     first, trained = weakref.ref(strategy.model_chunks[0]), _weights(strategy.model_chunks)
     trainer.fit_loop.epoch_loop.max_steps = 2 * steps
     trainer.fit(module, _loader(2))
     gc.collect()
-    assert trainer.global_step == 2 * steps and len(recorder.losses) == 2 * steps
+    graph = strategy.cuda_graphs.graph
+    return {"steps": steps, "global_step": trainer.global_step, "losses": len(recorder.losses),
+            "graph_counts": None if graph is None else graph.counts(), "first_kept": first() is not None,
+            "trained": trained, "starts": weights.starts, "after": _weights(strategy.model_chunks)}
+
+
+def _two_fits_on_a_gpu(checkpoint: str, root: str, out: str) -> None:
+    """`_two_fits` in a fresh process with NCCL."""
+    init_one_gpu_process()
+    torch.save(_two_fits(Path(checkpoint), Path(root), "gpu"), out)
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_second_fit_goes_on_from_the_first_ones_weights_and_frees_its_wrappers(process_group, checkpoints,
+                                                                                  tmp_path, accelerator):
+    """As Lightning's second `fit` of a module: its weights as the first left them, a new optimizer. In bf16 with
+    the distributed optimizer: Float16Module and Megatron DDP (whose buffer held the parameters) wrap them anew; on
+    a GPU each fit captures its CUDA graph over its own wrappers."""
     if accelerator == "gpu":
-        assert strategy.cuda_graphs.graph.counts() == {"warmups": 1, "captures": 1, "replays": 1, "eager": 0}
-    assert first() is None, "the first fit's wrapped chunk is still referenced after the second fit wrapped anew"
-    assert any(not torch.equal(trained[name], weights.starts[0][name]) for name in trained)  # the first fit stepped
-    assert weights.starts[1].keys() == trained.keys()
-    assert [name for name in trained if not torch.equal(weights.starts[1][name], trained[name])] == []
-    assert any(not torch.equal(tensor, trained[name]) for name, tensor in _weights(strategy.model_chunks).items())
+        fits = run_in_fresh_process(_two_fits_on_a_gpu, tmp_path, str(checkpoints["qwen3"]), str(tmp_path / "fits"))
+    else:
+        fits = _two_fits(checkpoints["qwen3"], tmp_path, accelerator)
+    steps, trained, starts = fits["steps"], fits["trained"], fits["starts"]
+    assert fits["global_step"] == 2 * steps and fits["losses"] == 2 * steps
+    if accelerator == "gpu":
+        assert fits["graph_counts"] == {"warmups": 1, "captures": 1, "replays": 1, "eager": 0}
+    assert not fits["first_kept"], "the first fit's wrapped chunk is still referenced after the second fit wrapped anew"
+    assert any(not torch.equal(trained[name], starts[0][name]) for name in trained)  # the first fit stepped
+    assert starts[1].keys() == trained.keys()
+    assert [name for name in trained if not torch.equal(starts[1][name], trained[name])] == []
+    assert any(not torch.equal(tensor, trained[name]) for name, tensor in fits["after"].items())
 
 
 def _lm_loss(chunk: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]]) -> float:

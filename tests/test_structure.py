@@ -59,6 +59,7 @@ FLOORS: dict[str, int] = {
     "lightning_megatron.contract": 3,
     "lightning_megatron.module": 3,
     "lightning_megatron.lora": 3,
+    "lightning_megatron.lora_folder": 3,
     "lightning_megatron.vl": 3,
     # 2: bridges (the VL bridge glue among them), MTP, serving, speculative decoding and their helpers
     "lightning_megatron.bridges": 2,

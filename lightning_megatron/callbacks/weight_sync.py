@@ -52,6 +52,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_megatron.atomic import wait_for_removals
 from lightning_megatron.bridges import Bridge
 from lightning_megatron.callbacks.lora import LoRACallback
 from lightning_megatron.contract import MegatronLightningModule, MegatronStrategyContract, megatron_strategy
@@ -254,6 +255,7 @@ class WeightSync(pl.Callback):
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        wait_for_removals()  # the fit ends with the versions it pruned deleted, not only out of sight
 
     def sync(self, trainer: pl.Trainer, *, full: bool = False) -> SyncReport:
         """Send the current weights now, as version `trainer.global_step` (every rank calls it); `full`: every

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_megatron.atomic import remove_folder, write_atomically, write_text_atomically
+from lightning_megatron.atomic import remove_folder_soon, write_atomically, write_text_atomically
 from lightning_megatron.hf_io import (
     TensorSpec,
     checkpoint_tensor_specs,
@@ -80,7 +80,8 @@ def publish_latest(root: Path, folder: Path) -> None:
 
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` versions up to the one `latest` names (never that one), and every
-    version above it; returns what went.
+    version above it; returns what went (gone from its name on return, its bytes freed on a thread:
+    `atomic.remove_folder_soon`).
 
     A version above `latest` was written by an earlier run that went further than this one (a run resumed from an
     earlier step, or a new run into the same root): `latest` never names it again, and kept it would outlast this
@@ -91,15 +92,15 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     stale = [folder for version, folder in found if current is not None and version > current]
     ordered = [folder for version, folder in found if current is None or version <= current]
     doomed = [folder for folder in ordered[:max(0, len(ordered) - keep_last)] if folder != latest] + stale
-    for folder in doomed:
-        remove_folder(folder, ignore_errors=True)
+    for folder in doomed:  # gone from its name at once, its bytes freed on a thread (a sync need not wait)
+        remove_folder_soon(folder)
     return doomed
 
 
 def remove_partials(root: Path) -> None:
     """Staging folders, replaced versions and pointer files a killed run left behind (hidden: no reader ever looked
     at them; a version written again, as a resumed run does, retires the old folder under `.vNNNNNNNN.old-PID`
-    before deleting it)."""
+    before deleting it, and a pruned one goes under `.vNNNNNNNN.old-PID-N` while a thread deletes it)."""
     for leftover in [*root.glob(".v*.partial-*"), *root.glob(".v*.old-*")] if root.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob(".latest.*.partial") if root.is_dir() else ():
