@@ -43,7 +43,6 @@ class AdapterPlan:
     file_names: Mapping[str, str] | None
 
 
-
 # The exported tensors' provenance is probed with each adapter parameter's elements replaced by float64 ids:
 # parameter index * ID_STRIDE + element index (exact below 2**53: up to 2**21 parameters of 2**32 elements).
 ID_STRIDE = 2**32
