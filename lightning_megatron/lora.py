@@ -30,12 +30,12 @@ from lightning_megatron.distributed import cpu_group
 from lightning_megatron.families import is_hf_mtp_tensor
 from lightning_megatron.hf_io import TensorSpec, checkpoint_tensor_specs, safetensors_layout
 from lightning_megatron.lora_folder import (
-    ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     AdapterPlan,
     CopyPlan,
     find_copy_plan,
     with_stand_ins,
+    write_config_and_extras,
 )
 from lightning_megatron.staged_write import FileLayout, StagedWriter
 
@@ -241,7 +241,7 @@ def write_lora_adapter(bridge: Bridge, chunks: list[torch.nn.Module], path: str 
 def _export_adapter_folder(bridge: Bridge, chunks: list[torch.nn.Module], trained: Any, path: Path,
                            extra_files: Mapping[str, str]) -> None:
     """The adapters through megatron-bridge's export, rank 0 writing them as they come."""
-    adapters = bridge.export_adapter_weights(chunks, on_host=not next(chunks[0].parameters()).is_cuda)
+    adapters = bridge.export_adapter_weights(chunks, on_host=_exports_to_host(chunks))
     try:
         if not dist.is_initialized() or dist.get_rank() == 0:
             write_atomically(path, partial(_write_adapter_folder, bridge, trained, adapters, extra_files))
@@ -250,6 +250,11 @@ def _export_adapter_folder(bridge: Bridge, chunks: list[torch.nn.Module], traine
     finally:
         for _ in adapters:  # every rank iterates the export to its end (its collectives)
             pass
+
+
+def _exports_to_host(chunks: list[torch.nn.Module]) -> bool:
+    """A model on the host exports host tensors; one on a GPU keeps its adapters there for the staged write."""
+    return not next(chunks[0].parameters()).is_cuda
 
 
 # the last plan of each bridge: a weight sync writes the same adapters every time
@@ -292,9 +297,7 @@ def _write_adapter_folder(bridge: Bridge, trained: Any, adapters: Iterable[tuple
         if writer is not None:
             writer.close(raise_error=False)
         raise
-    (folder / ADAPTER_CONFIG_FILE).write_text(plan.config_text)
-    for name, text in extra_files.items():
-        (folder / name).write_text(text)
+    write_config_and_extras(folder, plan.config_text, extra_files)
 
 
 def _plan_adapter_folder(bridge: Bridge, trained: Any, exported: list[Any], specs: tuple[TensorSpec, ...],
@@ -358,11 +361,9 @@ def _probe_copy_plan(bridge: Bridge, chunks: list[torch.nn.Module], trained: Any
     plan = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         folder_plan = _PLANS.get(bridge)
-        on_host = not next(chunks[0].parameters()).is_cuda
         if folder_plan is not None and folder_plan.settings == settings:
-            plan = find_copy_plan(partial(with_stand_ins, partial(bridge.export_adapter_weights, chunks,
-                                                                  on_host=on_host), parameters),
-                                  folder_plan, parameters)
+            export = partial(bridge.export_adapter_weights, chunks, on_host=_exports_to_host(chunks))
+            plan = find_copy_plan(partial(with_stand_ins, export, parameters), folder_plan, parameters)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return plan
     found = [plan is not None]

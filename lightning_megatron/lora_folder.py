@@ -76,9 +76,14 @@ class CopyPlan:
                                                                                       data.nbytes)})},
                           threads=1) as writer:
             writer.write("data", data)
-        (folder / ADAPTER_CONFIG_FILE).write_text(self.folder_plan.config_text)
-        for name, text in extra_files.items():
-            (folder / name).write_text(text)
+        write_config_and_extras(folder, self.folder_plan.config_text, extra_files)
+
+
+def write_config_and_extras(folder: Path, config_text: str, extra_files: Mapping[str, str]) -> None:
+    """The folder's `adapter_config.json` and the caller's extra files (a version's metadata), beside the adapters."""
+    (folder / ADAPTER_CONFIG_FILE).write_text(config_text)
+    for name, text in extra_files.items():
+        (folder / name).write_text(text)
 
 
 def probeable(parameters: list[torch.nn.Parameter]) -> bool:

@@ -176,15 +176,14 @@ def _data_parallel_writes(rank: int, world_size: int, tmp: str, checkpoint: str)
     parallel_state.initialize_model_parallel(1, 1)  # two data-parallel replicas, each whole
     bridge = create_bridge("megatron-bridge", Path(checkpoint))
     chunks = _adapted(bridge, LoRAConfig(rank=4, alpha=8), seed=0)
-    calls: list[int] = []
-    real_export = bridge.export_adapter_weights
-    bridge.export_adapter_weights = lambda chunks, **options: calls.append(1) or real_export(chunks, **options)
     exports = []
-    for step in range(3):
-        _train(chunks, seed=step)  # the same values on both replicas, as data-parallel training keeps them
-        calls.clear()
-        write_lora_adapter(bridge, chunks, Path(tmp) / f"v{step}")
-        exports.append(len(calls))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = _count_exports(bridge, monkeypatch)
+        for step in range(3):
+            _train(chunks, seed=step)  # the same values on both replicas, as data-parallel training keeps them
+            calls.clear()
+            write_lora_adapter(bridge, chunks, Path(tmp) / f"v{step}")
+            exports.append(len(calls))
     expected = _library_file(bridge, chunks) if rank == 0 else None
     parallel_state.destroy_model_parallel()
     return {"exports": exports, "expected": expected}
