@@ -150,7 +150,8 @@ def cpu_group() -> Any:
 
 def init_single_process(seed: int = 1234) -> None:
     """One process: gloo (or NCCL with a GPU), Megatron parallel state TP=PP=1, seeded; what scripts and benchmarks
-    outside a Trainer need. Calling it again keeps the groups and seeds again."""
+    outside a Trainer need. Calling it again keeps the groups and seeds again. A process group made here is
+    destroyed when Python exits (NCCL otherwise warns of a leak at exit, which the script's user cannot act on)."""
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_megatron._compat import prepare_megatron_core
@@ -160,9 +161,15 @@ def init_single_process(seed: int = 1234) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+        atexit.register(_destroy_the_default_group)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _destroy_the_default_group() -> None:
+    if dist.is_initialized():  # unless the script destroyed it itself
+        dist.destroy_process_group()
 
 
 def megatron_rng_states() -> dict[str, torch.Tensor]:

@@ -56,3 +56,25 @@ def test_exit_before_finalization_runs_every_exit_handler_once(ending: str, stat
     assert result.returncode == status, result.stderr
     assert result.stdout == "unflushedregistered after\nregistered before\n"
     assert ("RuntimeError: failed" in result.stderr) == (status == 1)
+
+
+def test_the_group_init_single_process_made_is_destroyed_at_exit_and_one_it_found_is_left_alone() -> None:
+    """Exit handlers run last-registered first: one registered before `init_single_process` runs after its own and
+    sees no group left (NCCL would otherwise warn of a leak as the process ends); a group the script made itself
+    stays the script's."""
+    probe = "atexit.register(lambda: print('at exit, initialized:', dist.is_initialized()))\n"
+    made_here = ("import atexit, torch.distributed as dist\n" + probe +
+                 "from lightning_megatron.distributed import init_single_process\ninit_single_process()\n"
+                 "print('after init, initialized:', dist.is_initialized())\n")
+    found = ("import atexit, os, torch.distributed as dist\nfrom lightning_megatron.distributed import free_port, "
+             "init_single_process\nos.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))\n"
+             "dist.init_process_group('gloo', rank=0, world_size=1)\n" + probe + "init_single_process()\n")
+    printed = {}
+    for name, script in (("made_here", made_here), ("found", found)):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed[name] = result.stdout.splitlines()
+    assert printed["made_here"] == ["after init, initialized: True", "at exit, initialized: False"]
+    assert printed["found"] == ["at exit, initialized: True"]

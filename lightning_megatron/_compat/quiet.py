@@ -8,7 +8,8 @@ Norm", megatron-bridge's disabled gradient-accumulation fusion), and the notices
 its calls (megatron-core's own default cuda_graph_modules, "GPTModel IS DEPRECATED", the advice to pre-compute
 DDP layouts, torch's renamed collectives and checkpoint-loading notices read by megatron-core, Lightning's
 `LeafSpec`, transformers' `torch_dtype` read by megatron-bridge). At megatron-bridge's import
-(`BRIDGE_IMPORT_ADJUSTMENTS`): modelopt's `@torch.jit.script` at import. At the first checkpoint save
+(`BRIDGE_IMPORT_ADJUSTMENTS`): modelopt's `@torch.jit.script` at import, and its warning that the installed
+transformers is not one it tested (megatron-bridge uses none of modelopt's HF features). At the first checkpoint save
 (`SAVE_ADJUSTMENTS`, installed by `prepare_megatron_core`), megatron-core's "MCore's async save is deprecated ...
 set `async_strategy` to `nvrx`": its own synchronous save writes through that writer
 (`TorchDistSaveShardedStrategy.save` calls `async_save(..., async_strategy="mcore")`), so every save logs it, and the
@@ -274,27 +275,33 @@ SAVE_ADJUSTMENTS = (_SAVE_ADJUSTMENT,)
 
 _MODELOPT_QUANTIZATION = "modelopt.torch.quantization"
 TORCH_JIT_SCRIPT_DEPRECATED = "`torch.jit.script` is deprecated"
+# modelopt/torch/__init__.py:51-58, for transformers outside [4.57, 5.15): megatron-bridge uses no modelopt feature
+# that reads HF models, and its advice (`pip install -U nvidia-modelopt[hf]`) would replace the user's transformers
+MODELOPT_UNTESTED_TRANSFORMERS = r"transformers \S+ is not tested with current version of modelopt"
 
 
 def _modelopt_not_imported_yet() -> bool:
     return _MODELOPT_QUANTIZATION not in sys.modules and importlib.util.find_spec("modelopt") is not None
 
 
-def _import_modelopt_quantization_without_the_jit_notice(patches: Patches) -> None:
-    """Import it here, ignoring torch's notice during that import only: the notice names torch's own frame, so a
-    filter left in place would hide every later `torch.jit.script` notice too (a user's own code among them)."""
+def _import_modelopt_quantization_without_its_import_notices(patches: Patches) -> None:
+    """Import it here, ignoring its import's two notices during that import only: torch's names torch's own frame,
+    so a filter left in place would hide every later `torch.jit.script` notice too (a user's own code among them)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(TORCH_JIT_SCRIPT_DEPRECATED), category=FutureWarning)
+        warnings.filterwarnings("ignore", message=MODELOPT_UNTESTED_TRANSFORMERS, category=UserWarning,
+                                module=r"modelopt\.torch$")
         importlib.import_module(_MODELOPT_QUANTIZATION)
 
 
 BRIDGE_IMPORT_ADJUSTMENTS = (
     Adjustment(
-        "modelopt.quiet_torch_jit_script_at_import",
+        "modelopt.quiet_import_notices",
         "modelopt/torch/quantization/tensor_quant.py:290 decorates with `@torch.jit.script` at import, which "
-        "torch/jit/_script.py:1491 deprecates; megatron/bridge/training/checkpointing.py, gpt_step.py and train.py "
-        "import modelopt when megatron-bridge is imported",
+        "torch/jit/_script.py:1491 deprecates, and modelopt/torch/__init__.py:51-58 warns 'transformers X is not "
+        "tested with current version of modelopt' for transformers outside [4.57, 5.15); megatron/bridge/training/"
+        "checkpointing.py, gpt_step.py and train.py import modelopt when megatron-bridge is imported",
         _modelopt_not_imported_yet,
-        _import_modelopt_quantization_without_the_jit_notice,
+        _import_modelopt_quantization_without_its_import_notices,
     ),
 )

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 STEP_METRICS = ("lm_loss", "mtp_loss", "mtp_accuracy", "grad_norm", "tokens_per_s")
-VALIDATION_METRICS = ("val_lm_loss", "val_mtp_acceptance")
+VALIDATION_METRICS = ("val_lm_loss", "val_mtp_acceptance", "val_mtp_sampled_acceptance")
 
 
 class TokensPerSecond(pl.Callback):
@@ -101,7 +101,8 @@ def plot_curves(steps: dict[str, list[tuple[int, float]]]):
             losses.plot(x, y, marker="o" if name.startswith("val_") else None, label=name)
     losses.set(xlabel="optimizer step", ylabel="loss", title="losses")
     for name, label in (("mtp_accuracy", "mtp_accuracy (train, vs labels)"),
-                        ("val_mtp_acceptance", "val_mtp_acceptance (vs the model's greedy)")):
+                        ("val_mtp_acceptance", "val_mtp_acceptance (vs the model's greedy)"),
+                        ("val_mtp_sampled_acceptance", "val_mtp_sampled_acceptance (speculative sampling)")):
         if steps.get(name):
             x, y = zip(*steps[name])
             acceptance.plot(x, y, marker="o" if name.startswith("val_") else None, label=label)

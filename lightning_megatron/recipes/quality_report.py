@@ -115,14 +115,13 @@ def plot(summary: dict[str, Any]):
                ylabel="tokens per verification step (95% interval)",
                title="accepted length, solid: sampled T = 1, dotted: greedy")
     curves.legend(fontsize=6)
-    for name, curve in summary["val_mtp_sampled_acceptance_by_step"].items():
-        if curve:
-            x, y = zip(*curve)
-            by_step.plot(x, y, marker="o", label=f"{name}: sampled (teacher-forced)")
-    for name, curve in summary["val_mtp_acceptance_by_step"].items():
-        if curve:
-            x, y = zip(*curve)
-            by_step.plot(x, y, marker=".", linestyle=":", label=f"{name}: greedy (teacher-forced)")
+    for key, mode, style, marker in (("val_mtp_sampled_acceptance_by_step", "sampled", "-", "o"),
+                                     ("val_mtp_acceptance_by_step", "greedy", ":", ".")):
+        for name, curve in summary[key].items():
+            if curve:  # each head in the colour the other panels give it
+                x, y = zip(*curve)
+                by_step.plot(x, y, marker=marker, linestyle=style, label=f"{name}: {mode} (teacher-forced)",
+                             color=f"C{names.index(name)}" if name in names else None)
     by_step.set(xlabel="MTP-only optimizer step", ylabel="validation acceptance", ylim=(0, 1),
                 title="MTP-only training from the reset head")
     by_step.legend(fontsize=6)

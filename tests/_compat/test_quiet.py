@@ -6,6 +6,7 @@ deprecation notice from Megatron-Core's checkpointing, which its own synchronous
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -120,3 +121,40 @@ def test_a_fit_saving_checkpoints_without_async_save_logs_no_checkpointing_depre
         _fit(tmp_path / "fit", hf_checkpoint, 2, callbacks=(saver,), trainer_kwargs=dict(enable_checkpointing=True))
     assert megatron_checkpoint.is_complete(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
     assert _checkpointing_deprecations(caplog.records, caught) == []
+
+
+# modelopt warns at import when the installed transformers is outside the range it tested (the GPU machine's 5.17);
+# the snippet makes modelopt compare the lock's transformers version as 5.17.0 (its message still names the
+# installed version) before anything imports modelopt
+MODELOPT_SNIPPET = """
+import importlib.metadata, sys, warnings
+import packaging.version
+
+installed = importlib.metadata.version("transformers")
+
+class Version(packaging.version.Version):
+    def __init__(self, version):
+        super().__init__("5.17.0" if version == installed else version)
+
+packaging.version.Version = Version
+warnings.simplefilter("always")
+from lightning_megatron._compat import quiet
+if sys.argv[1] == "quiet":
+    print("active:", [a.name for a in quiet.BRIDGE_IMPORT_ADJUSTMENTS if a.apply()], flush=True)
+import modelopt.torch.quantization
+warnings.warn_explicit(f"transformers {installed} is not tested with current version of modelopt (after)",
+                       UserWarning, "x.py", 1, module="modelopt.torch")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("modelopt") is None, reason="modelopt is not installed")
+def test_modelopt_imports_without_its_notices_and_only_during_that_import() -> None:
+    installed = importlib.metadata.version("transformers")
+    untested = f"transformers {installed} is not tested with current version of modelopt"
+    loud, quiet_output = _run("-c", MODELOPT_SNIPPET, "loud"), _run("-c", MODELOPT_SNIPPET, "quiet")
+    assert f"{untested} and may cause issues" in loud
+    assert "`torch.jit.script` is deprecated" in loud
+    assert "active: ['modelopt.quiet_import_notices']" in quiet_output
+    assert f"{untested} and may cause issues" not in quiet_output
+    assert "`torch.jit.script` is deprecated" not in quiet_output
+    assert f"{untested} (after)" in quiet_output  # the filter lived for the import only

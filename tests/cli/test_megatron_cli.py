@@ -46,7 +46,7 @@ NOISE = ("No CUDA runtime is found", "Transformer Engine and Apex are not instal
          "GPTModel IS DEPRECATED", "full_param_layout not provided", "gradient_accumulation_fusion requires",
          "not a leaf Tensor", "`torch.distributed.reduce_scatter_tensor` is deprecated",
          "`torch.distributed.all_gather_into_tensor` is deprecated", "LeafSpec", "`torch_dtype` is deprecated",
-         "`torch.jit.script` is deprecated", "Traceback")
+         "`torch.jit.script` is deprecated", "is not tested with current version of modelopt", "Traceback")
 
 
 def _write_default_config(folder: Path, device: str) -> None:
@@ -209,7 +209,7 @@ def test_default_config_fits_and_writes_logs_checkpoint_plot_audit_and_export(cl
         assert list(log_dir.glob("events.out.tfevents.*"))
     curves = json.loads((log_dir / "curves.json").read_text())
     assert [step for step, _ in curves["lm_loss"]] == [1, 2, 3, 4]
-    assert len(curves["val_mtp_acceptance"]) == 2
+    assert len(curves["val_mtp_acceptance"]) == len(curves["val_mtp_sampled_acceptance"]) == 2
     assert (log_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((folder / "mtp_only_audit.json").read_text())["frozen_bit_identical"]
     assert (folder / "checkpoints" / "last.ckpt" / "COMPLETE").is_file()

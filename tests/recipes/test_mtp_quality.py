@@ -49,6 +49,9 @@ def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(early_runs)
                                        "tv_best", "tv_best_sampled_at_least_target",
                                        "tv_best_sampled_above_self_distill_paired",
                                        "tv_best_greedy_within_or_above_continuations"}
+    for variant in ("self_distill", "labels_continuations", "tv"):  # validated every 10 of 30 steps
+        assert len(summary["val_mtp_acceptance_by_step"][variant]) == 3
+        assert len(summary["val_mtp_sampled_acceptance_by_step"][variant]) == 3
     assert summary["greedy_identical_throughout"] and summary["frozen_bit_identical"]
     assert (out / "mtp_quality.png").read_bytes()[:4] == b"\x89PNG"
 
