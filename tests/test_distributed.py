@@ -70,10 +70,11 @@ def test_the_group_init_single_process_made_is_destroyed_at_exit_and_one_it_foun
              "init_single_process\nos.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))\n"
              "dist.init_process_group('gloo', rank=0, world_size=1)\n" + probe + "init_single_process()\n")
     printed = {}
+    # a rendezvous address this test process set (other tests' groups) would be taken already
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     for name, script in (("made_here", made_here), ("found", found)):
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
-                                timeout=300)
+                                env={**env, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         printed[name] = result.stdout.splitlines()
     assert printed["made_here"] == ["after init, initialized: True", "at exit, initialized: False"]
