@@ -52,8 +52,11 @@
 #                             there: fla_core-*.whl and einops-*.whl; without it the PyTorch path runs and the layer
 #                             comparison is skipped with the reason)
 # Recipes (not in the default list: each wants a call of its own), their JSON and figure copied into $OUT:
-#   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (about 12 minutes)
-#   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark)
+#   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (928 s on an H100)
+#   mtp_quality_long          the same with --variants self_distill tv_kl --mtp-only-steps 400: (a) and the KL/TV
+#                             blend trained past the early phase where TV lags (about 10 minutes on an H100)
+#   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
+#                             three rounds, about 20 minutes on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
 # bench/report.py then writes the markdown tables to $OUT/table.md. A failed step prints the end of its log; the
 # others still run, and the exit status is 1. Packages come from PYTHONPATH=/tmp/site:. (wheels installed with
@@ -153,10 +156,13 @@ install_fla() {  # fla-core (the gated DeltaNet's Triton kernels; pure Python, n
         $(compgen -G "$wheels/einops-*.whl") || echo "   installing fla-core failed: the DeltaNet layers run the PyTorch path"
 }
 
-recipe() {  # a recipe's run in the scratch folder; its summary and figure into $OUT (the checkpoints stay behind)
-    local name=$1 folder="$SCRATCH/lightning_megatron_bench.$1" rc=0
-    python3 -m "lightning_megatron.recipes.$name" "$folder" --size gpu || rc=1
-    cp "$folder/$name.json" "$folder/$name.png" "$OUT/" 2>/dev/null || rc=1
+recipe() {  # a recipe's run in the scratch folder, with any further arguments; its summary and figure into $OUT
+    # under the step's name (the checkpoints stay behind)
+    local step=$1 name=$2 folder="$SCRATCH/lightning_megatron_bench.$1" rc=0
+    shift 2
+    python3 -m "lightning_megatron.recipes.$name" "$folder" --size gpu "$@" || rc=1
+    cp "$folder/$name.json" "$OUT/$step.json" 2>/dev/null || rc=1
+    cp "$folder/$name.png" "$OUT/$step.png" 2>/dev/null || rc=1
     return $rc
 }
 
@@ -193,7 +199,8 @@ for name in $STEPS; do
                          python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --profile-deltas \
                          --out "$OUT/$name.json" ;;
         families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
-        mtp_quality|mtp_drift) step "$name" recipe "$name" ;;
+        mtp_quality|mtp_drift) step "$name" recipe "$name" "$name" ;;
+        mtp_quality_long) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 400 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done
