@@ -6,7 +6,7 @@
 A stand-in for an RL loop that moves the policy as RL does, round by round on data that shift: the stdlib corpus
 (`stdlib_corpus`) cut into `rounds` domains (contiguous runs of files), each round one SFT fit of the policy on
 the next domain. Before the rounds: a joint SFT + MTP fit (the released model with its head), then two MTP-only fits
-of its head: self-distillation (`self_distill`) and the acceptance loss (`--best-loss`, default `tv`). The head is
+of its head: self-distillation (`self_distill`) and the acceptance loss (`--best-loss`, default `tv_kl`). The head is
 then handled four ways, every round:
 - `frozen`: the self-distilled head, never trained again;
 - `joint`: the policy's rounds run with the MTP loss on (detached heads: the policy is the same), from that head;
@@ -20,8 +20,9 @@ its own copy. Per round and way: greedy and sampled (T = 1) acceptance by specul
 prompts (the evaluator, with intervals over prompts), the training time the head cost beyond the policy's own fit,
 and the disk syncs the way needs, each with and without a delta (the bytes that differ from the version before,
 found by comparing the tensors; the time of writing them, the rest hard-linked, against writing every tensor).
-Writes `mtp_drift.json` (with `statement`: the cheapest way within `TOLERANCE` of the converged head's sampled
-acceptance in every round, and how far the frozen head fell) and `mtp_drift.png`.
+Writes `mtp_drift.json` after every round, atomically (`rounds_done`; `statement`: the cheapest way within
+`TOLERANCE` of the converged head's sampled acceptance in every round so far, and how far the frozen head fell), and
+`mtp_drift.png` at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_megatron import _compat
+from lightning_megatron.atomic import write_text_atomically
 from lightning_megatron.mtp.restore import restore_mtp_head
 from lightning_megatron.recipes import stdlib_corpus
 from lightning_megatron.recipes.mtp_quality import CORPUS_OVERRIDES, CPU_OVERRIDES, MEASURE, export_without_mtp
@@ -63,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}-steps", type=int, default=None,
                             help=f"steps of each {name.replace('_', ' ')} fit (gpu {STEPS['gpu'][name]}, "
                             f"cpu {STEPS['cpu'][name]})")
-    parser.add_argument("--best-loss", choices=("tv", "tv_kl", "self_distill"), default="tv",
-                        help="the loss of the best_loss_frozen head (the package's best sampled-acceptance loss)")
+    parser.add_argument("--best-loss", choices=("tv", "tv_kl", "self_distill"), default="tv_kl",
+                        help="the loss of the best_loss_frozen head (default tv_kl: the acceptance loss that kept up "
+                        "with self-distillation in the quality recipe, docs/mtp_quality.md)")
     args = parser.parse_args(argv)
     size, out = args.size, args.out.resolve()
     given = {"--rounds": args.rounds, **{f"--{name.replace('_', '-')}-steps": getattr(args, f"{name}_steps")
@@ -128,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                    syncs=syncs, acceptance={way: measured(f"r{index}_{way}", heads[way])
                                             for way in (*WAYS, CONVERGED)})
         rows.append(row)
-    summary = {"size": size, "rounds": rounds, "steps": steps, "best_loss": args.best_loss, "per_round": rows,
-               "statement": statement(rows), "measure": {key: measure[key] for key in ("prompts", "max_new_tokens")},
-               "seconds": round(time.perf_counter() - started, 1),
-               "command": " ".join(["python3 -m lightning_megatron.recipes.mtp_drift", *(argv or sys.argv[1:])])}
-    (out / "mtp_drift.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = {"size": size, "rounds": rounds, "rounds_done": index, "steps": steps, "best_loss": args.best_loss,
+                   "per_round": rows, "statement": statement(rows),
+                   "measure": {key: measure[key] for key in ("prompts", "max_new_tokens")},
+                   "seconds": round(time.perf_counter() - started, 1),
+                   "command": " ".join(["python3 -m lightning_megatron.recipes.mtp_drift", *(argv or sys.argv[1:])])}
+        write_text_atomically(out / "mtp_drift.json", json.dumps(summary, indent=2) + "\n")  # each round's kept
     plot(summary).savefig(out / "mtp_drift.png", dpi=100)
     print(json.dumps(summary["statement"], indent=2))
     print(f"wrote {out / 'mtp_drift.json'} and {out / 'mtp_drift.png'}")

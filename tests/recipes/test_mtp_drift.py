@@ -34,6 +34,7 @@ def test_the_drift_benchmark_measures_every_way_each_round_with_its_cost(early_r
     out = folder / "out"
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = json.loads((out / "mtp_drift.json").read_text())
+    assert summary["rounds_done"] == summary["rounds"] == 1
     first, round_one = summary["per_round"]
     assert (first["round"], round_one["round"]) == (0, 1)
     for way in (*WAYS, CONVERGED):
