@@ -54,9 +54,12 @@
 # Recipes (not in the default list: each wants a call of its own), their JSON and figure copied into $OUT:
 #   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (928 s on an H100)
 #   mtp_quality_long          the same with --variants self_distill tv_kl --mtp-only-steps 400: (a) and the KL/TV
-#                             blend trained past the early phase where TV lags (about 10 minutes on an H100)
+#                             blend trained past the early phase where TV lags (530 s on an H100)
+#   mtp_quality_depths        the same with --variants self_distill self_distill_k3 tv_kl tv_kl_k3
+#                             --mtp-only-steps 400: each loss at depth 1 and trained at depths 1..3, paired (about
+#                             14 minutes on an H100, estimated from mtp_quality_long's fits)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
-#                             three rounds, about 20 minutes on an H100)
+#                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
 # bench/report.py then writes the markdown tables to $OUT/table.md. A failed step prints the end of its log; the
 # others still run, and the exit status is 1. Packages come from PYTHONPATH=/tmp/site:. (wheels installed with
@@ -201,6 +204,8 @@ for name in $STEPS; do
         families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
         mtp_quality|mtp_drift) step "$name" recipe "$name" "$name" ;;
         mtp_quality_long) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 400 ;;
+        mtp_quality_depths) step "$name" recipe "$name" mtp_quality --variants self_distill self_distill_k3 tv_kl \
+                                tv_kl_k3 --mtp-only-steps 400 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

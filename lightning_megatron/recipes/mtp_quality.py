@@ -89,6 +89,7 @@ class Variant:
     summary: str
     model: Mapping[str, Any] = field(default_factory=dict)
     trunk_cache: bool = False  # later epochs read the frozen trunk's output from disk
+    depth_one: str | None = None  # K-depth training: the variant of the same loss at depth 1 it is compared with
 
     @property
     def distills(self) -> bool:
@@ -107,8 +108,14 @@ VARIANTS: dict[str, Variant] = {
     # (a+): self-distillation for as many steps as (c)'s wall time pays for (--distill-steps)
     LONG_VARIANT: Variant("self_distill", "corpus", "(a+) (a) for (c)'s wall time", trunk_cache=True),
     CACHED_VARIANT: Variant("self_distill", "corpus", "(a) from the trunk cache", trunk_cache=True),
-    # the one MTP layer trained at drafting depths 1..3 (`SFTModule(mtp_depths=3)`), compared with "tv" (depth 1)
-    "tv_k3": Variant("tv", "corpus", "TV at drafting depths 1..3, one layer", model={"mtp_depths": 3}),
+    # the one MTP layer trained at drafting depths 1..3 (`SFTModule(mtp_depths=3)`), each compared with its loss
+    # at depth 1
+    "tv_k3": Variant("tv", "corpus", "TV at drafting depths 1..3, one layer", model={"mtp_depths": 3},
+                     depth_one="tv"),
+    "tv_kl_k3": Variant("tv_kl", "corpus", "the KL/TV blend at drafting depths 1..3, one layer",
+                        model={"mtp_depths": 3}, depth_one="tv_kl"),
+    "self_distill_k3": Variant("self_distill", "corpus", "(a) at drafting depths 1..3, one layer",
+                               model={"mtp_depths": 3}, depth_one="self_distill"),
 }
 CHOOSABLE = tuple(name for name in VARIANTS if name != CACHED_VARIANT)
 DEFAULT_VARIANTS = {"gpu": ("self_distill", "labels_continuations", "tv", "tv_kl", "tv_k3"),
@@ -352,15 +359,19 @@ def _tv_targets(heads: dict[str, Any], compared: dict[str, Any]) -> dict[str, An
 
 
 def _depth_targets(heads: dict[str, Any], compared: dict[str, Any]) -> dict[str, Any]:
-    """Issue 42's targets for K-depth training ("tv_k3"): a K = 3 sampled accepted length of at least
-    `DEPTHS_ACCEPTED_LENGTH_TARGET`, above depth-1 training ("tv") with the paired interval excluding zero."""
-    if "tv_k3" not in heads:
-        return {}
-    targets = {"tv_k3_sampled_length_k3_at_least_target":
-               (heads["tv_k3"].get("sampled_accepted_length_k3") or 0.0) >= DEPTHS_ACCEPTED_LENGTH_TARGET}
-    paired = compared.get("tv_k3 - tv", {}).get("sampled_accepted_length_k3")
-    if paired is not None:
-        targets["tv_k3_sampled_length_k3_above_tv_paired"] = paired["low"] is not None and paired["low"] > 0
+    """Issue 42's targets for each K-depth variant that ran (`Variant.depth_one`): a K = 3 sampled accepted length
+    of at least `DEPTHS_ACCEPTED_LENGTH_TARGET`, above its loss at depth 1 with the paired interval excluding
+    zero (where that ran too)."""
+    targets: dict[str, Any] = {}
+    for name, variant in VARIANTS.items():
+        if variant.depth_one is None or name not in heads:
+            continue
+        targets[f"{name}_sampled_length_k3_at_least_target"] = (
+            (heads[name].get("sampled_accepted_length_k3") or 0.0) >= DEPTHS_ACCEPTED_LENGTH_TARGET)
+        paired = compared.get(f"{name} - {variant.depth_one}", {}).get("sampled_accepted_length_k3")
+        if paired is not None:
+            targets[f"{name}_sampled_length_k3_above_{variant.depth_one}_paired"] = (
+                paired["low"] is not None and paired["low"] > 0)
     return targets
 
 

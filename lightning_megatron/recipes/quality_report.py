@@ -22,7 +22,7 @@ from lightning_megatron.speculative.stats import (
 
 # the heads every trained head is compared with, where they ran: TV at depth 1 (what K-depth TV training is
 # measured against), (a), (c) and the jointly trained head
-REFERENCES = ("tv", "self_distill", "labels_continuations", "joint")
+REFERENCES = ("tv_kl", "tv", "self_distill", "labels_continuations", "joint")  # K-depth heads meet their depth 1
 NOT_COMPARED = ("reset",)  # a random head: every trained head beats it, and the report says by how much anyway
 
 

@@ -9,7 +9,7 @@ import io
 import pytest
 from transformers import AutoTokenizer
 
-from lightning_megatron.recipes.mtp_quality import _table, _tv_targets
+from lightning_megatron.recipes.mtp_quality import _depth_targets, _table, _tv_targets
 from lightning_megatron.recipes.quality_report import comparisons, head_row, plot
 from lightning_megatron.speculative import load_mtp_head, load_target, measure
 from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
@@ -70,6 +70,19 @@ def test_the_tv_targets_take_the_better_tv_head():
         "tv_best": "tv", "tv_best_sampled_at_least_target": True, "tv_best_sampled_above_self_distill_paired": True,
         "tv_best_greedy_within_or_above_continuations": False}
     assert _tv_targets({"labels_continuations": heads["labels_continuations"]}, {}) == {}
+
+
+def test_each_k_depth_head_meets_its_own_loss_at_depth_one(results):
+    """tv_kl_k3 is judged against tv_kl, not against tv; a K-depth head whose depth-1 run is absent gets only the
+    length target."""
+    heads = {"tv_kl_k3": {"sampled_accepted_length_k3": 2.75}, "tv_kl": {"sampled_accepted_length_k3": 2.60},
+             "self_distill_k3": {"sampled_accepted_length_k3": 2.65}}
+    compared = {"tv_kl_k3 - tv_kl": {"sampled_accepted_length_k3": {"value": 0.15, "low": 0.04, "high": 0.26}},
+                "tv_kl_k3 - tv": {"sampled_accepted_length_k3": {"value": -0.1, "low": -0.2, "high": -0.01}}}
+    assert _depth_targets(heads, compared) == {
+        "tv_kl_k3_sampled_length_k3_at_least_target": True, "tv_kl_k3_sampled_length_k3_above_tv_kl_paired": True,
+        "self_distill_k3_sampled_length_k3_at_least_target": False}
+    assert "tv_kl_k3 - tv_kl" in comparisons({"tv_kl": results["tv"], "tv_kl_k3": results["self_distill"]})
 
 
 def test_the_figure_and_the_table(results):
