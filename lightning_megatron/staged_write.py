@@ -57,10 +57,29 @@ class FileLayout:
     prefix: bytes
     regions: Mapping[str, tuple[int, int]]
 
+    def tiled_size(self) -> int | None:
+        """The file's size when the prefix and the regions cover it back to back (every byte written), else None."""
+        end = len(self.prefix)
+        for offset, size in sorted(self.regions.values()):
+            if offset != end:
+                return None
+            end += size
+        return end
+
 
 def create_file(path: Path, layout: FileLayout) -> int:
-    """Create `path` holding the layout's prefix; returns the descriptor the tensors are written through."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    """Create `path` holding the layout's prefix; returns the descriptor the tensors are written through.
+
+    A file already at `path` of exactly the size of a layout that covers it (`FileLayout.tiled_size`: every byte is
+    written again) is kept, not truncated: a preallocated file (`lora_folder`'s spare) keeps its allocated pages,
+    which on tmpfs halves the write's time."""
+    flags = os.O_WRONLY | os.O_CREAT
+    size = layout.tiled_size()
+    try:
+        keep = size is not None and os.stat(path).st_size == size
+    except FileNotFoundError:
+        keep = False
+    descriptor = os.open(path, flags if keep else flags | os.O_TRUNC, 0o666)
     try:
         _write_all(descriptor, memoryview(layout.prefix), 0)
     except BaseException:

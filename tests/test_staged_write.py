@@ -53,6 +53,33 @@ def test_a_file_written_out_of_order_in_small_chunks_is_safetensors_own_bytes(tm
     assert (tmp_path / "model.safetensors").read_bytes() == _library_bytes(tensors)
 
 
+def test_a_file_of_exactly_the_layouts_size_is_written_in_place_and_any_other_is_truncated_first(tmp_path,
+                                                                                                 monkeypatch):
+    """A preallocated file is opened without truncation (it keeps its allocated pages) and still ends as
+    safetensors' own bytes; one of another size, or under a layout with a gap (a byte the write would not cover),
+    is truncated as before."""
+    truncated: dict[str, bool] = {}
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, flags, *mode: truncated.__setitem__(Path(path).name, bool(
+        flags & os.O_TRUNC)) or real_open(path, flags, *mode))
+    tensors = _tensors()
+    layout = safetensors_layout(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    size = layout.tiled_size()
+    assert size == len(_library_bytes(tensors))
+    for name, existing, truncates in (("exact", size, False), ("longer", size + 7, True), ("new", None, True)):
+        path = tmp_path / f"{name}.safetensors"
+        if existing is not None:
+            path.write_bytes(b"\xff" * existing)  # stale bytes: all of them must be gone
+        _write_out_of_order(path, tensors, chunk_bytes=40, threads=1)
+        assert path.read_bytes() == _library_bytes(tensors), name
+        assert truncated[path.name] is truncates, name
+    gapped = FileLayout(b"head", {"x": (8, 4)})  # bytes 4..7 are nobody's
+    assert gapped.tiled_size() is None
+    (tmp_path / "gapped").write_bytes(b"\xff" * 12)
+    os.close(staged_write.create_file(tmp_path / "gapped", gapped))
+    assert (tmp_path / "gapped").read_bytes() == b"head"
+
+
 def test_host_tensors_written_at_once_are_safetensors_own_bytes_and_a_wrong_tensor_is_refused(tmp_path):
     tensors = _tensors()
     layout = safetensors_layout(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items())

@@ -98,12 +98,15 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 
 def remove_partials(root: Path) -> None:
-    """Staging folders, replaced versions and pointer files a killed run left behind (hidden: no reader ever looked
-    at them; a version written again, as a resumed run does, retires the old folder under `.vNNNNNNNN.old-PID`
-    before deleting it, and a pruned one goes under `.vNNNNNNNN.old-PID-N` while a thread deletes it)."""
+    """Staging folders, replaced versions, pointer files and spare adapter files a killed run left behind (hidden:
+    no reader ever looked at them; a version written again, as a resumed run does, retires the old folder under
+    `.vNNNNNNNN.old-PID` before deleting it, a pruned one goes under `.vNNNNNNNN.old-PID-N` while a thread deletes
+    it, and an adapter-only sync preallocates its next file as `lora_folder.SPARE_PREFIX`-PID-N)."""
+    from lightning_megatron.lora_folder import SPARE_PREFIX
+
     for leftover in [*root.glob(".v*.partial-*"), *root.glob(".v*.old-*")] if root.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in root.glob(".latest.*.partial") if root.is_dir() else ():
+    for leftover in [*root.glob(".latest.*.partial"), *root.glob(f"{SPARE_PREFIX}*")] if root.is_dir() else ():
         leftover.unlink(missing_ok=True)
 
 
