@@ -276,6 +276,8 @@ CLI_NAMESPACE = "a jsonargparse value: a strategy given as class_path + init_arg
 NAMED_ATTRIBUTES_ALLOWED: dict[tuple[str, str], str] = {
     ("_compat/_adjustment.py", "__dict__"): "any patched target: a module, a class or an instance",
     ("_compat/grouped_experts.py", "_grouped_mm"): "torch's grouped GEMM, absent before torch 2.8",
+    ("_compat/grouped_experts.py", "main_grad"): MEGATRON,  # set by Megatron DDP only
+    ("_compat/grouped_experts.py", "grad_added_to_main_grad"): MEGATRON,
     **{("contract.py", name): "Lightning's private internals the step metrics' short path writes through "
        "(2.5.0-2.6.6 have them); without them every metric goes through self.log"
        for name in ("_results", "should_reset_tensors", "update_metrics")},
