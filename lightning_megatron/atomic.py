@@ -3,7 +3,9 @@ when complete.
 
 A reader never sees a half-written folder or file: a run killed mid-write leaves only the hidden staging name
 (`.NAME.partial-PID` for a folder, `.NAME.XXXX.partial` for a file), which no reader picks. Used by HF exports,
-training checkpoints, weight-sync versions, reports and the tiny-checkpoint makers.
+training checkpoints, weight-sync versions, reports and the tiny-checkpoint makers. A spare file
+(`preallocate_spare`, `.spare-NAME`) is a file allocated ahead of the write that will fill it, moved into the
+staging folder by `take_spare`.
 A leaf: it imports nothing of `lightning_megatron` but the distributed helpers.
 """
 
@@ -155,3 +157,37 @@ def write_text_atomically(path: Path, text: str, *, mode: int | None = None, fsy
     """`text` (UTF-8) to `path` through `write_file_atomically`."""
     write_file_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), mode=mode,
                           fsync=fsync)
+
+
+SPARE_FILE_PREFIX = ".spare-"  # hidden; what a killed run left, `serving.disk.remove_partials` clears
+
+
+def preallocate_spare(directory: Path, name: str, size: int) -> Path | None:
+    """A hidden file of `size` bytes in `directory` whose pages are allocated now (`os.posix_fallocate`), for a
+    later write to fill instead of a new file (`take_spare`); None, and nothing left, where the file system cannot.
+    On tmpfs half of a fresh file's write time is the kernel allocating and zeroing its pages."""
+    path = Path(directory) / f"{SPARE_FILE_PREFIX}{name}"
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.posix_fallocate(descriptor, 0, size)
+        finally:
+            os.close(descriptor)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def take_spare(spare: Path, target: Path, size: int) -> bool:
+    """Rename `spare` to `target` (inside a staging folder, on the spare's file system) when it still has `size`
+    bytes, else remove it; whether it was taken. The writer then writes over it (`staged_write.create_file` keeps a
+    file of its layout's exact size)."""
+    try:
+        if spare.stat().st_size == size:
+            os.rename(spare, target)
+            return True
+    except OSError:
+        pass
+    spare.unlink(missing_ok=True)
+    return False

@@ -15,10 +15,10 @@ Knows no Lightning and no Megatron-Core: `lora.py` brings the export and decides
 Why a spare file: what is left of a copy plan's write is the write itself, and on tmpfs (`/dev/shm`, where a
 weight sync's versions live) half of a fresh file's write time is the kernel allocating and zeroing its pages:
 90 MB took 31 ms into a new file and 15 ms into a preallocated one (`os.posix_fallocate`). So after each write a
-thread preallocates the next file beside the folder (`.adapter_model.safetensors.spare-PID-N`, hidden; removed at exit
-and by `serving.disk.remove_partials`), and the next write renames it into its folder and writes over it
-(`staged_write.create_file` keeps a file of the layout's exact size). The engine reading the last version is never
-touched: the spare is a new file, never one a version held.
+thread preallocates the next file beside the folder (`atomic.preallocate_spare`: hidden, removed when the plan goes,
+at exit and by `serving.disk.remove_partials`), and the next write takes it into its folder and writes over it
+(`atomic.take_spare`). The engine reading the last version is never touched: the spare is a new file, never one a
+version held.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.atomic import SPARE_FILE_PREFIX, preallocate_spare, take_spare
 from lightning_megatron.hf_io import TensorSpec
 from lightning_megatron.staged_write import FileLayout, StagedWriter
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
-SPARE_PREFIX = f".{ADAPTER_FILE}.spare-"  # a spare adapter file: SPARE_PREFIX + process id + "-" + a number
-_SPARE_NUMBERS = itertools.count()
+_SPARE_NUMBERS = itertools.count()  # a spare's name: the adapter file's, the process id and one of these
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ ExportWith = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
 
 class SpareFile:
     """The next adapter file, preallocated on a thread of its own (the module's docstring says why). Best effort:
-    a file system that cannot preallocate or rename, or another size, leaves the write as it was. Whatever spare is
-    left goes when the plan does, or at exit."""
+    a file system that cannot preallocate, or another size, leaves the write as it was. Whatever spare is left goes
+    when the plan does, or at exit."""
 
     def __init__(self) -> None:
         self._path: Path | None = None
@@ -79,9 +79,10 @@ class SpareFile:
     def prepare(self, directory: Path, size: int) -> None:
         """Start preallocating `size` bytes in `directory` (where the next version's folder is staged)."""
         self.discard()
-        self._path = directory / f"{SPARE_PREFIX}{os.getpid()}-{next(_SPARE_NUMBERS)}"
+        name = f"{ADAPTER_FILE}-{os.getpid()}-{next(_SPARE_NUMBERS)}"
+        self._path = directory / f"{SPARE_FILE_PREFIX}{name}"
         self._made.add(self._path)
-        self._thread = threading.Thread(target=_preallocate, args=(self._path, size), name="adapter-spare",
+        self._thread = threading.Thread(target=preallocate_spare, args=(directory, name, size), name="adapter-spare",
                                         daemon=True)
         self._thread.start()
 
@@ -92,37 +93,19 @@ class SpareFile:
         return self._path
 
     def move_to(self, target: Path, size: int) -> bool:
-        """Rename the spare to `target` when it is ready and of `size` bytes; whether it was."""
+        """Take the spare into `target` when it is ready and of `size` bytes; whether it was."""
         path = self.wait()
         if path is None:
             return False
         self._thread = self._path = None
         self._made.discard(path)
-        try:
-            if path.stat().st_size == size:
-                os.rename(path, target)
-                return True
-        except OSError:
-            pass
-        path.unlink(missing_ok=True)
-        return False
+        return take_spare(path, target, size)
 
     def discard(self) -> None:
         if (path := self.wait()) is not None:
             path.unlink(missing_ok=True)
             self._made.discard(path)
         self._thread = self._path = None
-
-
-def _preallocate(path: Path, size: int) -> None:
-    try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.posix_fallocate(descriptor, 0, size)
-        finally:
-            os.close(descriptor)
-    except OSError:
-        path.unlink(missing_ok=True)
 
 
 def _remove_spares(paths: set[Path]) -> None:

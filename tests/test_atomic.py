@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from lightning_megatron.atomic import (
+    SPARE_FILE_PREFIX,
     remove_folder_soon,
     wait_for_removals,
     write_atomically,
     write_file_atomically,
     write_text_atomically,
 )
-from lightning_megatron.lora_folder import SPARE_PREFIX
 from lightning_megatron.serving.disk import remove_partials
 
 
@@ -61,7 +61,7 @@ def test_staging_names_are_hidden_and_the_cleanup_removes_them(tmp_path: Path) -
     assert all(path.name.startswith(".") for path in staged)
     staged[0].mkdir()  # what a killed run would have left (a failing one cleans up after itself)
     staged[1].write_text("v00000010\n")
-    (tmp_path / f"{SPARE_PREFIX}123-0").write_bytes(b"\0" * 64)  # an adapter sync's preallocated next file
+    (tmp_path / f"{SPARE_FILE_PREFIX}adapter_model.safetensors-123-0").write_bytes(b"\0" * 64)  # a spare
     (tmp_path / "v00000005").mkdir()
     remove_partials(tmp_path)
     assert [path.name for path in tmp_path.iterdir()] == ["v00000005"]

@@ -96,25 +96,26 @@ def test_a_repeated_write_goes_into_the_spare_file_prepared_after_the_last_and_n
     adapters as trained since."""
     import gc
 
-    from lightning_megatron.lora_folder import ADAPTER_FILE, SPARE_PREFIX
+    from lightning_megatron.atomic import SPARE_FILE_PREFIX
+    from lightning_megatron.lora_folder import ADAPTER_FILE
 
     bridge = create_bridge("megatron-bridge", checkpoint)
     chunks = _adapted(bridge, LoRAConfig(rank=4, alpha=8), seed=0)
     write_lora_adapter(bridge, chunks, tmp_path / "v0")  # exported, then probed: no copy plan write yet
-    assert list(tmp_path.glob(f"{SPARE_PREFIX}*")) == []
+    assert list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == []
     write_lora_adapter(bridge, chunks, tmp_path / "v1")  # the plan's first write
     spare = lora._COPY_PLANS[bridge].spare.wait()
-    assert list(tmp_path.glob(f"{SPARE_PREFIX}*")) == [spare]
+    assert list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == [spare]
     assert spare.stat().st_size == (tmp_path / "v1" / ADAPTER_FILE).stat().st_size
     inode = spare.stat().st_ino
     _train(chunks, seed=3)
     folder = write_lora_adapter(bridge, chunks, tmp_path / "v2")
     assert (folder / ADAPTER_FILE).stat().st_ino == inode
     assert (folder / ADAPTER_FILE).read_bytes() == _library_file(bridge, chunks)
-    assert [path.name for path in tmp_path.glob(f"{SPARE_PREFIX}*")] != [spare.name]  # the next one, prepared
+    assert [path.name for path in tmp_path.glob(f"{SPARE_FILE_PREFIX}*")] != [spare.name]  # the next one, prepared
     del lora._COPY_PLANS[bridge]
     gc.collect()
-    assert list(tmp_path.glob(f"{SPARE_PREFIX}*")) == []
+    assert list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == []
 
 
 def _count_exports(bridge: Bridge, monkeypatch: pytest.MonkeyPatch) -> list[int]:

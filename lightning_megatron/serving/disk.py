@@ -36,7 +36,12 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_megatron.atomic import remove_folder_soon, write_atomically, write_text_atomically
+from lightning_megatron.atomic import (
+    SPARE_FILE_PREFIX,
+    remove_folder_soon,
+    write_atomically,
+    write_text_atomically,
+)
 from lightning_megatron.hf_io import (
     TensorSpec,
     checkpoint_tensor_specs,
@@ -101,12 +106,10 @@ def remove_partials(root: Path) -> None:
     """Staging folders, replaced versions, pointer files and spare adapter files a killed run left behind (hidden:
     no reader ever looked at them; a version written again, as a resumed run does, retires the old folder under
     `.vNNNNNNNN.old-PID` before deleting it, a pruned one goes under `.vNNNNNNNN.old-PID-N` while a thread deletes
-    it, and an adapter-only sync preallocates its next file as `lora_folder.SPARE_PREFIX`-PID-N)."""
-    from lightning_megatron.lora_folder import SPARE_PREFIX
-
+    it, and an adapter-only sync preallocates its next file as `.spare-NAME`: `atomic.preallocate_spare`)."""
     for leftover in [*root.glob(".v*.partial-*"), *root.glob(".v*.old-*")] if root.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in [*root.glob(".latest.*.partial"), *root.glob(f"{SPARE_PREFIX}*")] if root.is_dir() else ():
+    for leftover in [*root.glob(".latest.*.partial"), *root.glob(f"{SPARE_FILE_PREFIX}*")] if root.is_dir() else ():
         leftover.unlink(missing_ok=True)
 
 
