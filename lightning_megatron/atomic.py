@@ -165,7 +165,7 @@ SPARE_FILE_PREFIX = ".spare-"  # hidden; what a killed run left, `serving.disk.r
 def preallocate_spare(directory: Path, name: str, size: int) -> Path | None:
     """A hidden file of `size` bytes in `directory` whose pages are allocated now (`os.posix_fallocate`), for a
     later write to fill instead of a new file (`take_spare`); None, and nothing left, where the file system cannot.
-    On tmpfs half of a fresh file's write time is the kernel allocating and zeroing its pages."""
+    On tmpfs a good part of a fresh file's write time is the kernel allocating and zeroing its pages."""
     path = Path(directory) / f"{SPARE_FILE_PREFIX}{name}"
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)

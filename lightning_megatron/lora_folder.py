@@ -13,8 +13,9 @@ experts (`file_names` None), dtypes other than the parameters', a file whose dat
 Knows no Lightning and no Megatron-Core: `lora.py` brings the export and decides who probes.
 
 Why a spare file: what is left of a copy plan's write is the write itself, and on tmpfs (`/dev/shm`, where a
-weight sync's versions live) half of a fresh file's write time is the kernel allocating and zeroing its pages:
-90 MB took 31 ms into a new file and 15 ms into a preallocated one (`os.posix_fallocate`). So after each write a
+weight sync's versions live) a good part of a fresh file's write time is the kernel allocating and zeroing its
+pages: 90 MB took 28.7 ms into a new file and 21.9 ms into a preallocated one (`os.posix_fallocate`) on the H100
+machine, 31 and 15 ms on a 2-core CPU machine (`bench/results/h100_2026-12-06b/`). So after each write a
 thread preallocates the next file beside the folder (`atomic.preallocate_spare`: hidden, removed when the plan goes,
 at exit and by `serving.disk.remove_partials`), and the next write takes it into its folder and writes over it
 (`atomic.take_spare`). The engine reading the last version is never touched: the spare is a new file, never one a
