@@ -71,8 +71,8 @@ def create_file(path: Path, layout: FileLayout) -> int:
     """Create `path` holding the layout's prefix; returns the descriptor the tensors are written through.
 
     A file already at `path` of exactly the size of a layout that covers it (`FileLayout.tiled_size`: every byte is
-    written again) is kept, not truncated: a preallocated file (`lora_folder`'s spare) keeps its allocated pages,
-    which on tmpfs halves the write's time."""
+    written again) is kept, not truncated: a preallocated file (`lora_folder`'s spare) keeps its allocated pages
+    (90 MB into tmpfs: 21.9 ms instead of 28.7 ms on the H100 machine)."""
     flags = os.O_WRONLY | os.O_CREAT
     size = layout.tiled_size()
     try:
