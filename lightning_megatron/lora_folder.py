@@ -68,21 +68,20 @@ ExportWith = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
 
 class SpareFile:
     """The next adapter file, preallocated on a thread of its own (the module's docstring says why). Best effort:
-    a file system that cannot preallocate, or another size, leaves the write as it was. Whatever spare is left goes
+    a file system that cannot preallocate, or another size, leaves the write as it was. A spare left over goes
     when the plan does, or at exit."""
 
     def __init__(self) -> None:
         self._path: Path | None = None
         self._thread: threading.Thread | None = None
-        self._made: set[Path] = set()
-        weakref.finalize(self, _remove_spares, self._made)  # also runs at exit
+        self._removal: weakref.finalize | None = None
 
     def prepare(self, directory: Path, size: int) -> None:
         """Start preallocating `size` bytes in `directory` (where the next version's folder is staged)."""
         self.discard()
         name = f"{ADAPTER_FILE}-{os.getpid()}-{next(_SPARE_NUMBERS)}"
         self._path = directory / f"{SPARE_FILE_PREFIX}{name}"
-        self._made.add(self._path)
+        self._removal = weakref.finalize(self, self._path.unlink, missing_ok=True)  # also runs at exit
         self._thread = threading.Thread(target=preallocate_spare, args=(directory, name, size), name="adapter-spare",
                                         daemon=True)
         self._thread.start()
@@ -95,23 +94,20 @@ class SpareFile:
 
     def move_to(self, target: Path, size: int) -> bool:
         """Take the spare into `target` when it is ready and of `size` bytes; whether it was."""
-        path = self.wait()
-        if path is None:
-            return False
-        self._thread = self._path = None
-        self._made.discard(path)
-        return take_spare(path, target, size)
+        path = self._forget()
+        return path is not None and take_spare(path, target, size)
 
     def discard(self) -> None:
-        if (path := self.wait()) is not None:
+        if (path := self._forget()) is not None:
             path.unlink(missing_ok=True)
-            self._made.discard(path)
-        self._thread = self._path = None
 
-
-def _remove_spares(paths: set[Path]) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
+    def _forget(self) -> Path | None:
+        """The spare once ready, no longer this object's to remove."""
+        path = self.wait()
+        if self._removal is not None:
+            self._removal.detach()
+        self._path = self._thread = self._removal = None
+        return path
 
 
 @dataclass(frozen=True)

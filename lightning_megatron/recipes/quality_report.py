@@ -20,9 +20,9 @@ from lightning_megatron.speculative.stats import (
     ratio_interval,
 )
 
-# the heads every trained head is compared with, where they ran: TV at depth 1 (what K-depth TV training is
-# measured against), (a), (c) and the jointly trained head
-REFERENCES = ("tv_kl", "tv", "self_distill", "labels_continuations", "joint")  # K-depth heads meet their depth 1
+# the heads every trained head is compared with, where they ran: the blend and TV at depth 1 (what their K-depth
+# training is measured against), (a) (likewise), (c) and the jointly trained head
+REFERENCES = ("tv_kl", "tv", "self_distill", "labels_continuations", "joint")
 NOT_COMPARED = ("reset",)  # a random head: every trained head beats it, and the report says by how much anyway
 
 
