@@ -55,10 +55,10 @@
 #   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (928 s on an H100)
 #   mtp_quality_long          the same with --variants self_distill tv_kl --mtp-only-steps 400: (a) and the KL/TV
 #                             blend trained past the early phase where TV lags (530 s on an H100)
-#   mtp_quality_400           the same with --variants self_distill self_distill_k3 tv_kl tv_kl_k3
-#                             labels_continuations --mtp-only-steps 400: each loss at depth 1 and at depths 1..3, and
-#                             (c), all at 400 steps, paired (about 19 minutes on an H100, estimated from
-#                             mtp_quality_long's fits and mtp_quality's generation step)
+#   mtp_quality_400           the same with --variants tv_kl tv_kl_k3 labels_continuations --mtp-only-steps 400:
+#                             the KL/TV blend at depth 1 and at depths 1..3, and (c), all at 400 steps, paired (about
+#                             13 minutes on an H100, estimated from mtp_quality_long's fits and mtp_quality's
+#                             generation step; (a) at 400 steps is mtp_quality_long's)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -124,7 +124,7 @@ gpu_tests() {  # pytest processes at once (the longest tests fit their CUDA grap
     # h100_2026-12-05b/gputests.log), and one more runs every other test; a group leaves out the others' paths
     local groups=("tests/cuda_graphs" "tests/bench tests/test_optimizer.py tests/test_attention_varlen.py"
                   "tests/_compat/test_fast_rms_norm.py tests/_compat/test_fast_rope.py"
-                  "tests/_compat/test_fast_cross_entropy.py tests/_compat/test_grouped_experts.py tests/_compat/test_fast_swiglu.py"
+                  "tests/_compat/test_fast_cross_entropy.py tests/_compat/test_grouped_experts.py tests/_compat/test_fast_swiglu.py tests/_compat/test_grouped_experts_layout.py tests/_compat/test_moe_permutation.py"
                   "tests/_compat" "tests/cli tests/callbacks")
     local every=() group index=0 rc=0 pids=() logs=() paths skip
     for group in "${groups[@]}"; do read -ra paths <<<"$group"; every+=("${paths[@]}"); done
@@ -205,8 +205,8 @@ for name in $STEPS; do
         families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
         mtp_quality|mtp_drift) step "$name" recipe "$name" "$name" ;;
         mtp_quality_long) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 400 ;;
-        mtp_quality_400) step "$name" recipe "$name" mtp_quality --variants self_distill self_distill_k3 tv_kl \
-                             tv_kl_k3 labels_continuations --mtp-only-steps 400 ;;
+        mtp_quality_400) step "$name" recipe "$name" mtp_quality --variants tv_kl tv_kl_k3 labels_continuations \
+                             --mtp-only-steps 400 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

@@ -24,6 +24,7 @@ from lightning_megatron._compat import (
     grouped_experts,
     mbridge,
     moe,
+    moe_permutation,
     mtp_stage,
     no_te,
     packed_mtp_roll,
@@ -47,6 +48,7 @@ def prepare_megatron_core() -> list[str]:
     adjustments = (*cpu.ADJUSTMENTS, *no_te.MEGATRON_CORE_ADJUSTMENTS, *fused_adam.ADJUSTMENTS,
                    *context_parallel.ADJUSTMENTS,
                    *moe.MEGATRON_CORE_ADJUSTMENTS, *grouped_experts.MEGATRON_CORE_ADJUSTMENTS,
+                   *moe_permutation.MEGATRON_CORE_ADJUSTMENTS,
                    *packed_rope.ADJUSTMENTS, *fast_rope.ADJUSTMENTS, *fast_cross_entropy.ADJUSTMENTS,
                    *fast_swiglu.ADJUSTMENTS, *packed_mtp_roll.ADJUSTMENTS, *mtp_stage.ADJUSTMENTS,
                    *quiet.SAVE_ADJUSTMENTS, *gated_delta_net.ADJUSTMENTS, *fast_rms_norm.ADJUSTMENTS)

@@ -12,21 +12,27 @@ the router, the token dispatcher and expert parallelism are untouched) and repla
 CUDA tensors in bf16, more than one local expert, experts without biases, no FP8/FP4, widths aligned to 16 bytes. The
 forward is `MLP.forward` (megatron/core/transformer/mlp.py:258-357: fc1, the gated or plain activation, the routing
 probabilities per token, fc2; with `bias_activation_fusion` SwiGLU and the probabilities fused, as upstream's loop
-fuses them, through `fast_swiglu`), so the result equals the loop's to rounding; the per-expert weights are
-stacked for the GEMM and stacked again in backward rather than kept (a copy of every expert weight per layer would
+fuses them, through `fast_swiglu`), so the result equals the loop's to rounding. The GEMMs read the weights as one
+[experts, out, in] tensor: where Megatron DDP's distributed optimizer laid them out at one stride (`ExpertLayout`),
+a view of its buffer, with the groups (and the tokens, sorted by the layer) in the buffer's order; elsewhere a
+stack, made for the GEMM and again in backward rather than kept (a copy of every expert weight per layer would
 otherwise live from forward to backward). Anything else, and the CPU, runs upstream's loop. A grouped GEMM the
-device refuses (an unsupported GPU or layout) is logged once and that module goes back to the loop.
+device refuses (an unsupported GPU or layout) is logged once and that module goes back to the loop (over the
+groups' order for a forward whose tokens were already sorted that way).
 
 Under Megatron DDP the backward accumulates the experts' weight gradients as Megatron's own linear layers do with
 `gradient_accumulation_fusion` (megatron/core/tensor_parallel/layers.py:658-721): added into every `main_grad` at
-once (one upcast of the grouped GEMM's output, one `torch._foreach_add_`) and `grad_added_to_main_grad` set, so
-DDP's hook (megatron/core/distributed/distributed_data_parallel.py:490-494) skips its one add per expert weight
-(2,048 kernels and adds a step in `bench/moe.py`). torch 2.14's `_grouped_mm` refuses an `out_dtype` other than its
-inputs' (ATen/native/GroupedMMUtils.h `_resolve_grouped_mm_out_dtype`, on CPU and CUDA alike), so the gradients are
-computed in bf16 and rounded as the loop's are before the fp32 add; the upcast holds 4 bytes an expert weight of
-the layer's projection for the add, and costs GPU time: for 16 experts of 1408 x 2048 on an H100, 348 us and 11
-profiled CUDA events against 230 us and 35 for one add per weight (a mixed-dtype `_foreach_add_` takes that slow
-path). The launches and hooks it saves are what a host-bound step waits on.
+once and `grad_added_to_main_grad` set, so DDP's hook (megatron/core/distributed/distributed_data_parallel.py:490-494)
+skips its one add per expert weight (2,048 kernels and adds a step in `bench/moe.py`). torch 2.14's `_grouped_mm`
+refuses an `out_dtype` other than its inputs' (ATen/native/GroupedMMUtils.h `_resolve_grouped_mm_out_dtype`, on CPU
+and CUDA alike), so the gradients are computed in bf16 and rounded as the loop's are before the fp32 add. Where the
+`main_grad`s lie at one stride that add is one in-place add of the bf16 gradients into their view (10 bytes an
+element moved); elsewhere one upcast and one `torch._foreach_add_` (18 bytes an element: a mixed-dtype foreach add
+takes a slow path, 348 us against 230 us for 16 experts of 1408 x 2048 on an H100). The 2,048 launches and hooks
+it saves are what a host-bound step waits on; the upcast and the stacks were about 55 ms of the 0.512 s MoE step
+that followed (`bench/results/h100_2026-12-06b/moe.json`'s profile). With the views, the one add and the
+permutation by gathers (`moe_permutation.py`) the step's GPU time fell from 0.391 s to 0.337 s
+(`bench/results/h100_2026-12-06c/moe.json`).
 
 `megatron_core.grouped_experts_counts_on_device` spares the grouped layers the all-to-all dispatcher's host round trip:
 upstream copies `tokens_per_expert` to the host for the loop's `.tolist()` and waits on that copy before the experts
@@ -36,16 +42,20 @@ one TP x EP rank the wait is for nothing else but the sort by local expert, whic
 microbatch, the grouped forward's blocking copy of host counts back to the device, goes for every dispatcher: counts
 left on the host (pinned by the dispatcher's non-blocking copy, or its own) now come over without blocking. With
 both, `bench/moe.py` on an H100 went from 1.68x to 1.57x the dense step (0.554 s to 0.512 s, 13,083 to 11,291
-kernels, 135 to 7 host syncs: the dense step's).
+kernels, 135 to 7 host syncs: the dense step's). At one TP x EP rank, dropless, the same `MoELayer.preprocess` sorts
+the routing map's columns (and the probabilities') in the experts' `ExpertLayout` order, so the permutation hands
+the experts their rows in the buffer's order (the combine undoes the same permutation).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +69,8 @@ _LOG = logging.getLogger(__name__)
 _ALIGNMENT_BYTES = 16
 _COUNTS_ON_DEVICE = "_lightning_megatron_counts_on_device"  # set on a dispatcher per forward by `MoELayer.preprocess`
 REFUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # experts whose grouped GEMM the device refused
+# experts whose layer sorted this forward's tokens in a layout's order -> that layout (set by `MoELayer.preprocess`)
+TOKENS_IN_GROUP_ORDER: weakref.WeakKeyDictionary[torch.nn.Module, ExpertLayout] = weakref.WeakKeyDictionary()
 
 
 def grouped_mm_available() -> bool:
@@ -75,56 +87,194 @@ def _accumulates_in_main_grads(weights: Sequence[torch.Tensor]) -> bool:
     return all(hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad") for weight in weights)
 
 
-def _add_to_main_grads(weights: Sequence[torch.Tensor], grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`grads` ([len(weights), out, in]) added into the weights' `main_grad`s in one foreach add, marked as Megatron's
-    fused linear layers mark them (layers.py:692-721); returns the stand-ins DDP's hook then discards."""
-    main_grads = [weight.main_grad for weight in weights]
-    torch._foreach_add_(main_grads, list(grads.to(main_grads[0].dtype).unbind(0)))  # same dtype: the fused path
-    for weight in weights:
-        weight.grad_added_to_main_grad = True
-    # Megatron returns an unused tensor of the weight's shape (zeros only for `zero_out_wgrad`, which
-    # language_module.py:261 sets on the tied embedding alone); the bf16 gradients stand in without another copy
-    return grads.unbind(0)
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a layer's expert weights (and their `main_grad`s) lie, and the order of the grouped GEMMs' groups.
+
+    Megatron DDP with the distributed optimizer places every trained parameter in one buffer, in reverse order of
+    registration (megatron/core/optimizer/distrib_optimizer.py:552, param_and_grad_buffer.py:1275-1299) and its
+    `main_grad` in another (:1360-1362): a layer's experts then lie at one fixed stride (fc1 and fc2 interleaved,
+    the last expert first) unless a bucket's padding falls between them. Where they do, one strided view stands for
+    the stacked weights (no copy) and one for the `main_grad`s (one add of the bf16 gradients: no fp32 copy of
+    them, no list of adds); the groups then follow the buffer's order (`order[g]` is group g's expert), and the
+    layer's tokens are sorted in that order (`MoELayer.preprocess`, below). A stride is None where there is none
+    (separate tensors without the distributed optimizer, frozen experts, padding): those weights are stacked, those
+    gradients added per weight, in `order`. Only offsets are kept: the views are made per use, so a layout never
+    holds a buffer that DDP let go."""
+
+    order: tuple[int, ...]
+    order_index: torch.Tensor  # `order` on the weights' device, to sort a routing map's columns by
+    weight_strides: tuple[int | None, int | None]  # fc1's, fc2's, between consecutive groups, in elements
+    main_grad_strides: tuple[int | None, int | None]
+    addresses: tuple[int, ...]  # what it was read from: the weights' and `main_grad`s' data pointers
+
+    @property
+    def in_expert_order(self) -> bool:
+        return self.order == tuple(range(len(self.order)))
+
+    def in_experts_order(self) -> ExpertLayout:
+        """For rows sorted by expert: the weights stacked in the experts' order, no views (they follow `order`)."""
+        experts = tuple(range(len(self.order)))
+        return ExpertLayout(experts, torch.arange(len(experts), device=self.order_index.device), (None, None),
+                            (None, None), self.addresses)
+
+    def weights(self, fc: int, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """fc1's (`fc` 1) or fc2's weights as one [groups, out, in] view in group order, or None."""
+        return self._view(weights[self.order[0]], self.weight_strides[fc - 1])
+
+    def main_grads(self, fc: int, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        return self._view(weights[self.order[0]].main_grad, self.main_grad_strides[fc - 1])
+
+    def _view(self, first: torch.Tensor, stride: int | None) -> torch.Tensor | None:
+        if stride is None:
+            return None
+        return first.detach().as_strided((len(self.order), *first.shape), (stride, *first.stride()))
+
+
+def _addresses(experts: Any) -> tuple[int, ...]:
+    weights = [weight for expert in experts.local_experts
+               for weight in (expert.linear_fc1.weight, expert.linear_fc2.weight)]
+    return (*(weight.data_ptr() for weight in weights),
+            *(getattr(weight, "main_grad", weight).data_ptr() for weight in weights))
+
+
+def _offsets_in_one_storage(tensors: Sequence[torch.Tensor]) -> list[int] | None:
+    storage = tensors[0].untyped_storage().data_ptr()
+    if any(tensor.untyped_storage().data_ptr() != storage for tensor in tensors):
+        return None
+    return [tensor.storage_offset() for tensor in tensors]
+
+
+def _fixed_stride(tensors: Sequence[torch.Tensor]) -> int | None:
+    """The stride at which `tensors` lie in this order, if they are contiguous, alike, in one storage, apart, and
+    each one's start 16-byte aligned (`_grouped_mm`'s TMA loads): `torch.stack(tensors)` is then a view."""
+    first = tensors[0]
+    if not all(tensor.is_contiguous() and tensor.shape == first.shape and tensor.dtype == first.dtype
+               for tensor in tensors):
+        return None
+    offsets = _offsets_in_one_storage(tensors)
+    if offsets is None:
+        return None
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else first.numel()
+    if (stride < first.numel() or any(later - earlier != stride for earlier, later in itertools.pairwise(offsets))
+            or stride * first.element_size() % _ALIGNMENT_BYTES or first.data_ptr() % _ALIGNMENT_BYTES):
+        return None
+    return stride
+
+
+def _read_layout(experts: Any) -> ExpertLayout:
+    fc1 = [expert.linear_fc1.weight for expert in experts.local_experts]
+    fc2 = [expert.linear_fc2.weight for expert in experts.local_experts]
+    with_main_grads = _accumulates_in_main_grads([*fc1, *fc2])
+    placed = [weight.main_grad for weight in fc1] if with_main_grads else fc1
+    offsets = _offsets_in_one_storage(placed) or _offsets_in_one_storage(fc1)
+    order = tuple(sorted(range(len(fc1)), key=offsets.__getitem__)) if offsets else tuple(range(len(fc1)))
+
+    def stride(tensors: Sequence[torch.Tensor]) -> int | None:
+        return _fixed_stride([tensors[expert] for expert in order])
+
+    weight_strides = (stride(fc1), stride(fc2))
+    main_grad_strides = ((stride([weight.main_grad for weight in fc1]), stride([weight.main_grad for weight in fc2]))
+                         if with_main_grads else (None, None))
+    if weight_strides == main_grad_strides == (None, None):  # nothing to gain from another order
+        order = tuple(range(len(fc1)))
+    return ExpertLayout(order, torch.tensor(order, device=fc1[0].device), weight_strides, main_grad_strides,
+                        _addresses(experts))
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, ExpertLayout] = weakref.WeakKeyDictionary()
+
+
+def expert_layout(experts: Any) -> ExpertLayout:
+    """`experts`' layout, read again whenever a weight or `main_grad` moved (DDP wrapping a model, a reload)."""
+    layout = _LAYOUTS.get(experts)
+    if layout is None or layout.addresses != _addresses(experts):
+        layout = _LAYOUTS[experts] = _read_layout(experts)
+    return layout
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """`x @ W_e^T` for each expert's rows (`offs`: cumulative row counts), the weights stacked only while used."""
+    """`x @ W_e^T` for each group's rows (`offs`: cumulative row counts; group g is expert `layout.order[g]`), the
+    weights a view of where they lie or stacked only while used."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor, layout: ExpertLayout, fc: int,
+                *weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, offs, *weights)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+        ctx.layout, ctx.fc = layout, fc
+        return torch._grouped_mm(x, _grouped_weights(layout, fc, weights).transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, offs, *weights = ctx.saved_tensors
+        layout, fc = ctx.layout, ctx.fc
         grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
-        trained = ctx.needs_input_grad[2:]
+        grad_x = (torch._grouped_mm(grad, _grouped_weights(layout, fc, weights), offs=offs)
+                  if ctx.needs_input_grad[0] else None)
+        trained = ctx.needs_input_grad[4:]
         if not any(trained):  # frozen experts (LoRA, MTP-only's trunk): a third of the GEMMs and their memory saved
-            return (grad_x, None, *(None for _ in trained))
-        grad_weights = torch._grouped_mm(grad.t(), x, offs=offs)  # [experts, out, in], in x's dtype
+            return (grad_x, None, None, None, *(None for _ in trained))
+        grad_groups = torch._grouped_mm(grad.t(), x, offs=offs)  # [experts, out, in] in group order, x's dtype
         if all(trained) and _accumulates_in_main_grads(weights):  # under Megatron DDP
-            return (grad_x, None, *_add_to_main_grads(weights, grad_weights))
-        return (grad_x, None,
-                *(g if wanted else None for g, wanted in zip(grad_weights.unbind(0), trained, strict=True)))
+            _add_to_main_grads(layout, fc, weights, grad_groups)
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+        for group, expert in enumerate(layout.order):
+            grads[expert] = grad_groups[group] if trained[expert] else None
+        return (grad_x, None, None, None, *grads)
+
+
+def _grouped_weights(layout: ExpertLayout, fc: int, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[experts, out, in] in group order: the view where the weights lie at one stride, else a stack."""
+    view = layout.weights(fc, weights)
+    return view if view is not None else torch.stack([weights[expert] for expert in layout.order])
+
+
+def _add_to_main_grads(layout: ExpertLayout, fc: int, weights: Sequence[torch.Tensor],
+                       grad_groups: torch.Tensor) -> None:
+    """`grad_groups` added into the weights' `main_grad`s and marked as Megatron's fused linear layers mark them
+    (layers.py:692-721): one add into their view where they lie at one stride (bf16 read, fp32 added in place),
+    else one upcast and one foreach add. The gradients returned after this are stand-ins DDP's hook discards
+    (Megatron returns an unused tensor of the weight's shape: zeros only for `zero_out_wgrad`, which
+    language_module.py:261 sets on the tied embedding alone)."""
+    view = layout.main_grads(fc, weights)
+    if view is not None:
+        view.add_(grad_groups)
+    else:
+        main_grads = [weights[expert].main_grad for expert in layout.order]
+        torch._foreach_add_(main_grads, list(grad_groups.to(main_grads[0].dtype).unbind(0)))  # same dtype: fused
+    for weight in weights:
+        weight.grad_added_to_main_grad = True
+
+
+def _probabilities_on_input(experts: Any, hidden: torch.Tensor,
+                            probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As upstream (experts.py:1326-1336): with `moe_apply_probs_on_input` the probabilities scale the input, then
+    count as 1."""
+    if not experts.config.moe_apply_probs_on_input:
+        return hidden, probs
+    return (probs.unsqueeze(-1) * hidden).to(hidden.dtype), torch.ones_like(probs)
 
 
 def grouped_experts_forward(experts: Any, hidden: torch.Tensor, tokens_per_expert: torch.Tensor,
-                            probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """`SequentialMLP.forward` of `experts` as two grouped GEMMs (its rows are already permuted by expert)."""
+                            probs: torch.Tensor, *, rows_in: ExpertLayout | None = None) -> tuple[torch.Tensor, None]:
+    """`SequentialMLP.forward` of `experts` as two grouped GEMMs. Its rows are already permuted by expert, in the
+    experts' order or in `rows_in.order` (the counts too), `rows_in` read in this forward."""
     config = experts.config
-    if config.moe_apply_probs_on_input:  # as upstream: the probabilities scale the input, then count as 1
-        hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
-        probs = torch.ones_like(probs)
+    hidden, probs = _probabilities_on_input(experts, hidden, probs)
+    layout = rows_in
+    if layout is None:
+        layout = expert_layout(experts)
+        if not layout.in_expert_order:
+            layout = layout.in_experts_order()
     # counts the dispatcher left on the host (pinned by its non-blocking copy, or its own) come over without a sync
     offs = torch.cumsum(tokens_per_expert.to(hidden.device, non_blocking=True), 0).to(torch.int32)
     fc1 = [expert.linear_fc1.weight for expert in experts.local_experts]
     fc2 = [expert.linear_fc2.weight for expert in experts.local_experts]
-    intermediate = _GroupedLinear.apply(hidden, offs, *fc1)
+    intermediate = _GroupedLinear.apply(hidden, offs, layout, 1, *fc1)
     if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
         # upstream's fused branch (mlp.py:276-285): SwiGLU and the probabilities in one kernel (`fast_swiglu`)
-        return _GroupedLinear.apply(fused_or_unfused_swiglu(intermediate, probs.unsqueeze(-1)), offs, *fc2), None
+        intermediate = fused_or_unfused_swiglu(intermediate, probs.unsqueeze(-1))
+        return _GroupedLinear.apply(intermediate, offs, layout, 2, *fc2), None
     if config.gated_linear_unit:
         gate, linear = torch.chunk(intermediate, 2, dim=-1)
         if (clamp := config.activation_func_clamp_value) is not None:
@@ -133,7 +283,18 @@ def grouped_experts_forward(experts: Any, hidden: torch.Tensor, tokens_per_exper
     else:
         intermediate = config.activation_func(intermediate)
     intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
-    return _GroupedLinear.apply(intermediate, offs, *fc2), None
+    return _GroupedLinear.apply(intermediate, offs, layout, 2, *fc2), None
+
+
+def _loop_in_order(experts: Any, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                   order: Sequence[int]) -> tuple[torch.Tensor, None]:
+    """Upstream's loop (experts.py:1350-1370, no FP8) over rows sorted in `order`: what a layer whose grouped GEMM
+    is refused after its tokens were sorted that way runs."""
+    hidden, probs = _probabilities_on_input(experts, hidden, probs)
+    counts = tokens_per_expert.tolist()
+    outputs = [experts.local_experts[expert](rows, row_probs)[0]
+               for expert, rows, row_probs in zip(order, hidden.split(counts), probs.split(counts), strict=True)]
+    return torch.cat(outputs), None
 
 
 def grouped_experts_apply(experts: Any, hidden: torch.Tensor) -> bool:
@@ -156,10 +317,11 @@ def _install_grouped_experts(patches: Patches) -> None:
     @functools.wraps(loop)
     def forward(self: Any, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> Any:
+        rows_in = TOKENS_IN_GROUP_ORDER.get(self)
         if grouped_experts_apply(self, permuted_local_hidden_states):
             try:
                 return grouped_experts_forward(self, permuted_local_hidden_states, tokens_per_expert,
-                                               permuted_probs)
+                                               permuted_probs, rows_in=rows_in)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as error:  # a device or layout the grouped GEMM does not take: the loop, from now
@@ -170,6 +332,9 @@ def _install_grouped_experts(patches: Patches) -> None:
                 if _accumulates_in_main_grads(weights):  # the loop's gradients go through DDP's hook again
                     for weight in weights:
                         weight.grad_added_to_main_grad = False
+        if rows_in is not None:
+            return _loop_in_order(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                                  rows_in.order)
         return loop(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
 
     patches.setattr(SequentialMLP, "forward", forward)
@@ -184,12 +349,18 @@ def _experts_run_grouped(layer: Any, hidden: torch.Tensor) -> bool:
             and grouped_experts_apply(layer.experts, hidden))
 
 
+def _one_rank_dropless(dispatcher: Any) -> bool:
+    """One TP x EP rank, several local experts, no token dropping or padding: the dispatcher's experts are the
+    layer's, in one chunk each, sorted by the routing map's columns (token_dispatcher.py:659-672, moe_utils.py:447-462),
+    and the sort by local expert (:747-781) and its inverse (:796-815) keep the order."""
+    return dispatcher.tp_size * dispatcher.ep_size == 1 and dispatcher.num_local_experts > 1 \
+        and not dispatcher.drop_and_pad
+
+
 def _sorts_keep_the_order(dispatcher: Any) -> bool:
-    """One TP x EP rank, several local experts, dropless: the sort by local expert (token_dispatcher.py:747-781) and
-    its inverse (:796-815) keep the order, and they are the only reason besides the experts' counts to wait for the
-    host copies (the sync point `before_permutation_2`, :607-611; token dropping or padding waits earlier, :543-546)."""
-    return (dispatcher.tp_size * dispatcher.ep_size == 1 and dispatcher.num_local_experts > 1
-            and not dispatcher.drop_and_pad and dispatcher.cuda_sync_point == "before_permutation_2")
+    """`_one_rank_dropless`, and those sorts are the only reason besides the experts' counts to wait for the host
+    copies (the sync point `before_permutation_2`, :607-611; token dropping or padding waits earlier, :543-546)."""
+    return _one_rank_dropless(dispatcher) and dispatcher.cuda_sync_point == "before_permutation_2"
 
 
 def _upstream_copies_counts_to_the_host() -> bool:
@@ -216,7 +387,15 @@ def _install_counts_on_device(patches: Patches) -> None:
     @functools.wraps(preprocess)
     def preprocess_noting_grouped_experts(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor,
                                           routing_map: torch.Tensor) -> Any:
-        setattr(self.token_dispatcher, _COUNTS_ON_DEVICE, _experts_run_grouped(self, hidden_states))
+        grouped = _experts_run_grouped(self, hidden_states)
+        setattr(self.token_dispatcher, _COUNTS_ON_DEVICE, grouped)
+        TOKENS_IN_GROUP_ORDER.pop(self.experts, None)
+        if grouped and isinstance(self.token_dispatcher, Dispatcher) and _one_rank_dropless(self.token_dispatcher):
+            layout = expert_layout(self.experts)
+            if not layout.in_expert_order:  # the columns in the layout's order: the permutation sorts rows by it
+                index = layout.order_index
+                routing_map, probs = routing_map.index_select(1, index), probs.index_select(1, index)
+                TOKENS_IN_GROUP_ORDER[self.experts] = layout
         return preprocess(self, hidden_states, probs, routing_map)
 
     @functools.wraps(dtoh_and_synchronize)
@@ -253,7 +432,9 @@ GROUPED_MM_EXPERTS = Adjustment(
     "megatron/core/transformer/moe/experts.py:1318-1370 SequentialMLP.forward runs one expert after another "
     "(TEGroupedMLP, the grouped GEMM, needs Transformer Engine: megatron/core/models/backends.py:133-142); "
     "megatron/core/distributed/distributed_data_parallel.py:490-494 adds each expert weight's gradient on its own "
-    "unless marked as megatron/core/tensor_parallel/layers.py:692-721 marks it",
+    "unless marked as megatron/core/tensor_parallel/layers.py:692-721 marks it; the distributed optimizer's buffers "
+    "hold the experts at one stride (megatron/core/optimizer/distrib_optimizer.py:552, "
+    "megatron/core/distributed/param_and_grad_buffer.py:1275-1299, :1360-1362)",
     _on_cuda_without_te,
     _install_grouped_experts,
 )
@@ -264,7 +445,8 @@ COUNTS_ON_DEVICE = Adjustment(
     "to the host (:927-928) and waits for the copy (:948-950, at the sync point chosen at :598-611) for "
     "SequentialMLP's .tolist() (experts.py:1352); with one TP x EP rank the sorts by local expert (:747-781, "
     ":796-815) keep the order but split by host sizes (moe_utils.py:607-611); MoELayer.preprocess "
-    "(moe_layer.py:447-487) decides per forward",
+    "(moe_layer.py:447-487) decides per forward, and there sorts the routing map's columns in the order Megatron "
+    "DDP's buffers hold the experts (permute sorts rows by them: moe_utils.py:447-462)",
     _counts_on_device_needed,
     _install_counts_on_device,
 )

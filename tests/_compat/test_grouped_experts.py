@@ -158,8 +158,8 @@ def test_on_the_gpu_bf16_experts_take_the_grouped_gemm_and_equal_the_loop(model_
 def _lift_the_device_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU stands in for the GPU: the grouped forward's predicate passes the float32 CPU tensors of these tests
     (their layout passes it on a GPU in bf16) and what it decides is what the tests check."""
-    monkeypatch.setattr(grouped_experts, "grouped_experts_apply",
-                        lambda experts, hidden: len(experts.local_experts) > 1)
+    monkeypatch.setattr(grouped_experts, "grouped_experts_apply", lambda experts, hidden: len(
+        experts.local_experts) > 1 and experts not in grouped_experts.REFUSED)
 
 
 def _main_grads_after(forward, ddp: torch.nn.Module, microbatches: list[tuple[torch.Tensor, ...]]):
@@ -357,8 +357,8 @@ def test_on_the_gpu_a_bf16_moe_layer_runs_grouped_with_no_host_sync_and_equals_t
     received, waits = [], []
     forward, synchronize = grouped_experts.grouped_experts_forward, torch.cuda.Event.synchronize
     monkeypatch.setattr(grouped_experts, "grouped_experts_forward",
-                        lambda experts, hidden, tokens, probs: received.append(tokens) or forward(experts, hidden,
-                                                                                                 tokens, probs))
+                        lambda experts, hidden, tokens, probs, **kwargs: received.append(tokens) or forward(
+                            experts, hidden, tokens, probs, **kwargs))
     monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: waits.append(event) or synchronize(event))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -374,3 +374,4 @@ def test_on_the_gpu_a_bf16_moe_layer_runs_grouped_with_no_host_sync_and_equals_t
     for name in loop:
         scale = loop[name].float().abs().max().item() or 1.0
         torch.testing.assert_close(ours[name].float(), loop[name].float(), rtol=0, atol=4 * 2**-8 * scale, msg=name)
+
