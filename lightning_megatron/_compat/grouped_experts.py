@@ -87,7 +87,7 @@ def _accumulates_in_main_grads(weights: Sequence[torch.Tensor]) -> bool:
     return all(hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad") for weight in weights)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: `order_index` is a tensor
 class ExpertLayout:
     """Where a layer's expert weights (and their `main_grad`s) lie, and the order of the grouped GEMMs' groups.
 
@@ -112,6 +112,7 @@ class ExpertLayout:
     def in_expert_order(self) -> bool:
         return self.order == tuple(range(len(self.order)))
 
+    @functools.cached_property
     def in_experts_order(self) -> ExpertLayout:
         """For rows sorted by expert: the weights stacked in the experts' order, no views (they follow `order`)."""
         experts = tuple(range(len(self.order)))
@@ -265,7 +266,7 @@ def grouped_experts_forward(experts: Any, hidden: torch.Tensor, tokens_per_exper
     if layout is None:
         layout = expert_layout(experts)
         if not layout.in_expert_order:
-            layout = layout.in_experts_order()
+            layout = layout.in_experts_order
     # counts the dispatcher left on the host (pinned by its non-blocking copy, or its own) come over without a sync
     offs = torch.cumsum(tokens_per_expert.to(hidden.device, non_blocking=True), 0).to(torch.int32)
     fc1 = [expert.linear_fc1.weight for expert in experts.local_experts]
