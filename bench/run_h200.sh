@@ -56,9 +56,8 @@
 #   mtp_quality_long          the same with --variants self_distill tv_kl --mtp-only-steps 400: (a) and the KL/TV
 #                             blend trained past the early phase where TV lags (530 s on an H100)
 #   mtp_quality_400           the same with --variants tv_kl tv_kl_k3 labels_continuations --mtp-only-steps 400:
-#                             the KL/TV blend at depth 1 and at depths 1..3, and (c), all at 400 steps, paired (about
-#                             13 minutes on an H100, estimated from mtp_quality_long's fits and mtp_quality's
-#                             generation step; (a) at 400 steps is mtp_quality_long's)
+#                             the KL/TV blend at depth 1 and at depths 1..3, and (c), all at 400 steps, paired (655 s
+#                             on an H100; (a) at 400 steps is mtp_quality_long's)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
