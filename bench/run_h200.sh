@@ -58,6 +58,8 @@
 #   mtp_quality_400           the same with --variants tv_kl tv_kl_k3 labels_continuations --mtp-only-steps 400:
 #                             the KL/TV blend at depth 1 and at depths 1..3, and (c), all at 400 steps, paired (655 s
 #                             on an H100; (a) at 400 steps is mtp_quality_long's)
+#   mtp_quality_depths        the same with --variants tv_kl tv_kl_k3_decay: depths 1..3 weighted 4:2:1 against
+#                             depth 1, paired (about 9 minutes on an H100, estimated from mtp_quality_400's parts)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -206,6 +208,8 @@ for name in $STEPS; do
         mtp_quality_long) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 400 ;;
         mtp_quality_400) step "$name" recipe "$name" mtp_quality --variants tv_kl tv_kl_k3 labels_continuations \
                              --mtp-only-steps 400 ;;
+        mtp_quality_depths) step "$name" recipe "$name" mtp_quality --variants tv_kl tv_kl_k3_decay \
+                                --mtp-only-steps 400 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

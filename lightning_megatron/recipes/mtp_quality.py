@@ -114,6 +114,10 @@ VARIANTS: dict[str, Variant] = {
                      depth_one="tv"),
     "tv_kl_k3": Variant("tv_kl", "corpus", "the KL/TV blend at drafting depths 1..3, one layer",
                         model={"mtp_depths": 3}, depth_one="tv_kl"),
+    # equal depth weights gave depth 1 a third of the gradient and cost its acceptance (bench/results/
+    # h100_2026-12-06c): halving each deeper depth's share keeps 4/7 on depth 1
+    "tv_kl_k3_decay": Variant("tv_kl", "corpus", "the KL/TV blend at depths 1..3 weighted 4:2:1, one layer",
+                              model={"mtp_depths": 3, "mtp_depth_weights": [4.0, 2.0, 1.0]}, depth_one="tv_kl"),
     "self_distill_k3": Variant("self_distill", "corpus", "(a) at drafting depths 1..3, one layer",
                                model={"mtp_depths": 3}, depth_one="self_distill"),
 }
