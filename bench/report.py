@@ -4,9 +4,9 @@ Reads `bench/results/*.json` by default. Knows the JSON of `lightning_overhead.p
 per model shape, against the plain Megatron-Core MTP-only loop), `trunk_cache.py`, `families.py` (the same per
 family, and its gated DeltaNet layer comparison), `gdn.py`, `hf_io.py` (P3), `attention.py` (P4, and the older
 attention results without MFU), `packing.py` (P5), `tree.py` (P6), `weight_sync.py` (P7), `async_save.py` and
-`sizes.py` and `norms.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table, the sizes table, a
-table of the ratios against their targets, an HF load/save table, the packing layouts and the source of every figure
-(command, device, versions, date).
+`sizes.py` and `norms.py` (issue 41); other JSON files are skipped with a note. Prints a training-step table, the
+sizes table, a table of the ratios against their targets, an HF load/save table, the packing layouts and the source
+of every figure (command, device, versions, date).
 """
 
 from __future__ import annotations
@@ -253,6 +253,8 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                                   ("delta_vs_full_colocated", "P7 MTP-only delta / full sync, colocated"),
                                   ("lora_adapter_vs_merged_disk",
                                    "P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk"),
+                                  ("lora_adapter_between_steps_vs_merged_disk",
+                                   "P7 LoRA adapter-only / merged sync, disk, each sync after 0.5 s of steps"),
                                   ("lora_adapter_vs_full_disk",
                                    "P7 LoRA adapter-only / the plain model's full sync, disk (reference)")):
                 if figure in data.get("delta", {}):  # results from before the merged baseline lack it

@@ -20,11 +20,20 @@ thread preallocates the next file beside the folder (`atomic.preallocate_spare`:
 at exit and by `serving.disk.remove_partials`), and the next write takes it into its folder and writes over it
 (`atomic.take_spare`). The engine reading the last version is never touched: the spare is a new file, never one a
 version held.
+
+Why mapped: even into preallocated pages, `pwrite` copies the bytes a second time (from the pinned staging buffer
+into the page cache, one file at a time under its inode lock: 90 MB in 21 ms on the H100 machine, as long as 1% of
+the merged sync). So the same thread maps the spare into this process (`mmap`, shared), writes the file's header
+into it, and, for adapters on a GPU, registers its pages with CUDA (`cudaHostRegister`): the write is then one copy
+from the device straight into the file's pages, by DMA, with no staging and no write call. A file system that cannot
+map, or CUDA refusing the registration, leaves the staged write or a copy through the driver's own staging; the
+mapping is released (unregistered, unmapped) by the next preparation's thread, off the sync.
 """
 
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
 import weakref
@@ -66,43 +75,103 @@ ID_STRIDE = 2**32
 ExportWith = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
 
 
+class MappedSpare:
+    """A spare file's pages mapped into this process, its header already written: `pages[len(prefix):]` is where
+    the adapters' bytes go. Registered with CUDA for a copy from a GPU when `register` (and CUDA agrees)."""
+
+    def __init__(self, path: Path, prefix: bytes, size: int, *, register: bool) -> None:
+        descriptor = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(descriptor, size)  # shared, read and write: the file's own pages
+        finally:
+            os.close(descriptor)
+        self._map[:len(prefix)] = prefix
+        self.pages = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.registered = register and _register_with_cuda(self.pages)
+
+    def close(self) -> None:
+        """Unregister and unmap (the file keeps its bytes)."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
+            self.registered = False
+        del self.pages  # the map's last export: it can close now
+        self._map.close()
+
+
+def _register_with_cuda(pages: torch.Tensor) -> bool:
+    """Page-lock `pages` for DMA from the GPU (`cudaHostRegisterPortable`); whether CUDA agreed."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 1)) == 0
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _release(path: Path | None, mappings: list[MappedSpare]) -> None:
+    """Close every mapping a spare file left, then remove the spare not taken (`path`, if any)."""
+    while mappings:
+        mappings.pop().close()
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
 class SpareFile:
-    """The next adapter file, preallocated on a thread of its own (the module's docstring says why). Best effort:
-    a file system that cannot preallocate, or another size, leaves the write as it was. A spare left over goes
-    when the plan does, or at exit."""
+    """The next adapter file, preallocated and mapped on a thread of its own (the module's docstring says why). Best
+    effort: a file system that cannot preallocate or map, or another size, leaves the write as it was. A spare left
+    over goes when the plan does, or at exit."""
 
     def __init__(self) -> None:
         self._path: Path | None = None
         self._thread: threading.Thread | None = None
+        self._mappings: list[MappedSpare] = []  # the prepared spare's (last), and one taken and written since
         self._removal: weakref.finalize | None = None
 
-    def prepare(self, directory: Path, size: int) -> None:
-        """Start preallocating `size` bytes in `directory` (where the next version's folder is staged)."""
+    def prepare(self, directory: Path, prefix: bytes, size: int, *, register: bool) -> None:
+        """Start preparing a spare of `size` bytes in `directory` (where the next version's folder is staged), its
+        header `prefix` written, its pages registered with CUDA when `register`."""
         self.discard()
         name = f"{ADAPTER_FILE}-{os.getpid()}-{next(_SPARE_NUMBERS)}"
         self._path = directory / f"{SPARE_FILE_PREFIX}{name}"
-        self._removal = weakref.finalize(self, self._path.unlink, missing_ok=True)  # also runs at exit
-        self._thread = threading.Thread(target=preallocate_spare, args=(directory, name, size), name="adapter-spare",
-                                        daemon=True)
+        self._removal = weakref.finalize(self, _release, self._path, self._mappings)  # also runs at exit
+        self._thread = threading.Thread(target=self._prepare, args=(directory, name, prefix, size, register),
+                                        name="adapter-spare", daemon=True)
         self._thread.start()
 
+    def _prepare(self, directory: Path, name: str, prefix: bytes, size: int, register: bool) -> None:
+        _release(None, self._mappings)  # the last write's mapping: its bytes are in the file
+        path = preallocate_spare(directory, name, size)
+        if path is not None:
+            try:
+                self._mappings.append(MappedSpare(path, prefix, size, register=register))
+            except (OSError, ValueError):  # no mapping here: the staged write fills the spare
+                pass
+
     def wait(self) -> Path | None:
-        """The spare, once its preallocation ended (None: none prepared)."""
+        """The spare, once its preparation ended (None: none prepared)."""
         if self._thread is not None:
             self._thread.join()
         return self._path
 
-    def move_to(self, target: Path, size: int) -> bool:
-        """Take the spare into `target` when it is ready and of `size` bytes; whether it was."""
+    def mapping(self) -> MappedSpare | None:
+        """The prepared spare's mapping, once its preparation ended (None: no spare, or not mapped)."""
+        return self._mappings[-1] if self.wait() is not None and self._mappings else None
+
+    def move_to(self, target: Path, size: int) -> MappedSpare | None:
+        """Take the spare into `target` when it is ready and of `size` bytes; its mapping, where the bytes are to be
+        copied (None: none taken, or not mapped, and the writer writes `target`)."""
+        mapping = self.mapping()
         path = self._forget()
-        return path is not None and take_spare(path, target, size)
+        if path is not None and take_spare(path, target, size):
+            return mapping
+        _release(None, self._mappings)
+        return None
 
     def discard(self) -> None:
+        """Remove a spare not taken, with its mapping (one taken is released by the next preparation's thread)."""
         if (path := self._forget()) is not None:
-            path.unlink(missing_ok=True)
+            _release(path, self._mappings)
 
     def _forget(self) -> Path | None:
-        """The spare once ready, no longer this object's to remove."""
+        """The spare once ready, no longer this object's to remove (its mapping stays until released)."""
         path = self.wait()
         if self._removal is not None:
             self._removal.detach()
@@ -133,13 +202,16 @@ class CopyPlan:
         layout = self.folder_plan.layout
         data = torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0]
         size = len(layout.prefix) + data.nbytes
-        self.spare.move_to(folder / ADAPTER_FILE, size)
-        with StagedWriter({folder / ADAPTER_FILE: FileLayout(layout.prefix, {"data": (len(layout.prefix),
-                                                                                      data.nbytes)})},
-                          threads=1) as writer:
-            writer.write("data", data)
+        mapping = self.spare.move_to(folder / ADAPTER_FILE, size)
+        if mapping is not None:  # the header is there: the data straight into the file's pages
+            mapping.pages[len(layout.prefix):].copy_(data.reshape(-1).view(torch.uint8))
+        else:
+            with StagedWriter({folder / ADAPTER_FILE: FileLayout(layout.prefix, {"data": (len(layout.prefix),
+                                                                                          data.nbytes)})},
+                              threads=1) as writer:
+                writer.write("data", data)
         write_config_and_extras(folder, self.folder_plan.config_text, extra_files)
-        self.spare.prepare(folder.parent, size)
+        self.spare.prepare(folder.parent, layout.prefix, size, register=data.is_cuda)
 
 
 def write_config_and_extras(folder: Path, config_text: str, extra_files: Mapping[str, str]) -> None:

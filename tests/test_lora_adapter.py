@@ -106,6 +106,7 @@ def test_a_repeated_write_goes_into_the_spare_file_prepared_after_the_last_and_n
     write_lora_adapter(bridge, chunks, tmp_path / "v1")  # the plan's first write
     spare = lora._COPY_PLANS[bridge].spare.wait()
     assert list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == [spare]
+    assert lora._COPY_PLANS[bridge].spare.mapping() is not None  # the next write copies into its pages
     assert spare.stat().st_size == (tmp_path / "v1" / ADAPTER_FILE).stat().st_size
     inode = spare.stat().st_ino
     _train(chunks, seed=3)
@@ -116,6 +117,35 @@ def test_a_repeated_write_goes_into_the_spare_file_prepared_after_the_last_and_n
     del lora._COPY_PLANS[bridge]
     gc.collect()
     assert list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == []
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps `path` (Linux's /proc/self/maps)."""
+    return any(line.rstrip("\n").endswith(str(path)) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_a_spare_is_mapped_with_its_header_takes_the_bytes_into_its_pages_and_lets_go_of_them_once_written(tmp_path):
+    """The next file's header is in place before the write, the write is a copy into the mapped pages, and the
+    mapping goes with the next preparation (the file keeps the bytes); a spare of another size is not taken."""
+    from lightning_megatron.lora_folder import ADAPTER_FILE, SpareFile
+
+    prefix, data = b"a header", torch.arange(100, dtype=torch.uint8)
+    size = len(prefix) + data.numel()
+    spare = SpareFile()
+    spare.prepare(tmp_path, prefix, size, register=False)
+    (tmp_path / "v0").mkdir()
+    mapping = spare.move_to(tmp_path / "v0" / ADAPTER_FILE, size)
+    assert mapping is not None and not mapping.registered and _mapped(tmp_path / "v0" / ADAPTER_FILE)
+    mapping.pages[len(prefix):].copy_(data)
+    assert (tmp_path / "v0" / ADAPTER_FILE).read_bytes() == prefix + bytes(range(100))
+    spare.prepare(tmp_path, prefix, size, register=False)
+    next_spare = spare.wait()
+    assert next_spare is not None and _mapped(next_spare) and not _mapped(tmp_path / "v0" / ADAPTER_FILE)
+    assert next_spare.read_bytes()[:len(prefix)] == prefix
+    (tmp_path / "v1").mkdir()
+    assert spare.move_to(tmp_path / "v1" / ADAPTER_FILE, size + 1) is None  # another size: removed, unmapped
+    assert not next_spare.exists() and not _mapped(next_spare) and not (tmp_path / "v1" / ADAPTER_FILE).exists()
+    assert (tmp_path / "v0" / ADAPTER_FILE).read_bytes() == prefix + bytes(range(100))
 
 
 def _count_exports(bridge: Bridge, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -194,6 +224,8 @@ def test_a_gpu_models_adapter_file_is_staged_from_the_gpu_with_the_same_bytes(mo
         folder = write_lora_adapter(bridge, chunks, tmp_path / f"v{step}")
         assert (folder / "adapter_model.safetensors").read_bytes() == _library_file(bridge, chunks), step
         assert lora._COPY_PLANS[bridge].pieces[0].is_cuda
+    mapping = lora._COPY_PLANS[bridge].spare.mapping()  # the next write's: copied into by DMA
+    assert mapping is not None and mapping.registered
 
 
 def _data_parallel_writes(rank: int, world_size: int, tmp: str, checkpoint: str) -> dict[str, object]:

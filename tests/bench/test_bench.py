@@ -325,7 +325,8 @@ def test_weight_sync_benchmark_runs_tiny(tiny_runs):
     delta = result["delta"]
     assert 0 < delta["mtp_head_bytes"] < delta["model_bytes"] / 2 and delta["lora_adapter_bytes"] > 0
     assert all(delta[figure] > 0 for figure in ("delta_vs_full_disk", "delta_vs_full_colocated", "lora_adapted_tensors",
-                                                "lora_adapter_vs_merged_disk", "lora_adapter_vs_full_disk"))
+                                                "lora_adapter_vs_merged_disk", "lora_adapter_vs_full_disk",
+                                                "lora_adapter_between_steps_vs_merged_disk"))
     assert "P7 MTP-only delta / full sync, colocated" in table and "the LoRA run's full (merged) sync" in table
 
 
