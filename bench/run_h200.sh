@@ -18,6 +18,7 @@
 #   weight_sync         P7    WeightSync disk / colocated at the Qwen3-8B shape; delta syncs after MTP-only training
 #                             and the LoRA adapter-only version against full syncs (the LoRA run's merged one and
 #                             the plain model's), with a cProfile of each delta kind in the JSON
+#   weight_sync_delta         weight_sync's delta syncs only (MTP-only and LoRA adapter; ~80 s; not default)
 #   moe                       MoE (16 experts, top 4) vs the dense model of the same active FLOPs
 #   sizes                     issue 41: Qwen3-8B LoRA, 4B full SFT, 0.6B SFT + MTP (default, eager, graphed) and
 #                             30B-A3B LoRA, packed rows of 4096, each beside the plain Megatron-Core loop (~6 min)
@@ -205,6 +206,9 @@ for name in $STEPS; do
         weight_sync) step "$name" env TMPDIR="$BIG_TMPDIR" \
                          python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --profile-deltas \
                          --out "$OUT/$name.json" ;;
+        weight_sync_delta) step "$name" env TMPDIR="$BIG_TMPDIR" \
+                               python3 -m bench.weight_sync --checkpoint "$CHECKPOINT_8B" --parts delta \
+                               --profile-deltas --out "$OUT/$name.json" ;;
         families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
         families_glm) step "$name" python3 -m bench.families --families glm4_5_air --no-gdn --out "$OUT/$name.json" ;;
         mtp_quality|mtp_drift) step "$name" recipe "$name" "$name" ;;
