@@ -95,7 +95,10 @@ class MappedSpare:
             torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
             self.registered = False
         del self.pages  # the map's last export: it can close now
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view outlived the write (held by a traceback): unmapped when it goes
+            pass
 
 
 def _register_with_cuda(pages: torch.Tensor) -> bool:
@@ -142,7 +145,7 @@ class SpareFile:
         if path is not None:
             try:
                 self._mappings.append(MappedSpare(path, prefix, size, register=register))
-            except (OSError, ValueError):  # no mapping here: the staged write fills the spare
+            except (OSError, ValueError):  # no mapping on this file system: the staged write fills the spare
                 pass
 
     def wait(self) -> Path | None:
