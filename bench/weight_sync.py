@@ -186,7 +186,7 @@ def measure_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: floa
 def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb: float, profile: bool = False
                         ) -> dict:
     from lightning_megatron.bridges import create_bridge
-    from lightning_megatron.lora import LoRAConfig, add_lora_adapters, write_lora_adapter
+    from lightning_megatron.lora import LoRAConfig, add_lora_adapters, next_adapter_file, write_lora_adapter
     from lightning_megatron.mtp.parameters import is_mtp_parameter
     from lightning_megatron.options import ModelOptions
     from lightning_megatron.serving import ColocatedSender, disk
@@ -269,6 +269,9 @@ def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb
     adapter_disk_s = _median(adapter_disk, repeats, warmups=2)
     # and as a training loop syncs: after steps, which the next spare file's preparation overlaps (its thread)
     adapter_between_steps_s = _median_between_steps(adapter_disk, 2 * repeats + 1, STEPS_BETWEEN_SYNCS_S)
+    spare = next_adapter_file(bridge)  # what the timed writes went into: by DMA, or why not
+    spare_file = {"mapped": spare is not None, "registered": spare is not None and spare.registered,
+                  "refusal": None if spare is None else spare.refusal}
     if profile:
         profiles["lora_adapter_disk"] = _profile(adapter_disk)
     return {
@@ -289,6 +292,7 @@ def measure_delta_syncs(checkpoint: Path, workdir: Path, repeats: int, bucket_mb
         "lora_adapter_vs_merged_disk": adapter_disk_s / merged_disk_s,
         "lora_adapter_disk_between_steps_sync_s": adapter_between_steps_s,
         "steps_between_syncs_stand_in_s": STEPS_BETWEEN_SYNCS_S,
+        "lora_adapter_spare_file": spare_file,
         "lora_adapter_between_steps_vs_merged_disk": adapter_between_steps_s / merged_disk_s,
         "lora_adapter_vs_full_disk": adapter_disk_s / full_disk_s,
         **({"profiles": profiles} if profile else {}),

@@ -33,6 +33,7 @@ from lightning_megatron.lora_folder import (
     ADAPTER_FILE,
     AdapterPlan,
     CopyPlan,
+    MappedSpare,
     find_copy_plan,
     with_stand_ins,
     write_config_and_extras,
@@ -333,6 +334,13 @@ def _lora_settings(bridge: Bridge, trained: Any) -> tuple[Any, ...]:
 
 
 _COPY_PLANS: weakref.WeakKeyDictionary[Bridge, CopyPlan] = weakref.WeakKeyDictionary()
+
+
+def next_adapter_file(bridge: Bridge) -> MappedSpare | None:
+    """Where `bridge`'s next adapter write goes, when it copies into a mapped spare file (`lora_folder`): whether that
+    copy is a DMA (`registered`) or why not (`refusal`). None: no copy plan yet, no spare, or not mapped."""
+    plan = _COPY_PLANS.get(bridge)
+    return None if plan is None else plan.spare.mapping()
 
 
 def _adapter_parameters(adapters: list[torch.nn.Module]) -> list[torch.nn.Parameter]:

@@ -77,7 +77,8 @@ ExportWith = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
 
 class MappedSpare:
     """A spare file's pages mapped into this process, its header already written: `pages[len(prefix):]` is where
-    the adapters' bytes go. Registered with CUDA for a copy from a GPU when `register` (and CUDA agrees)."""
+    the adapters' bytes go. Registered with CUDA for a copy from a GPU when `register` and CUDA agrees (`refusal`
+    says why not: a copy into pages not registered goes through the driver's staging)."""
 
     def __init__(self, path: Path, prefix: bytes, size: int, *, register: bool) -> None:
         descriptor = os.open(path, os.O_RDWR)
@@ -87,7 +88,8 @@ class MappedSpare:
             os.close(descriptor)
         self._map[:len(prefix)] = prefix
         self.pages = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.registered = register and _register_with_cuda(self.pages)
+        self.refusal = _register_with_cuda(self.pages) if register else "not asked"
+        self.registered = self.refusal is None
 
     def close(self) -> None:
         """Unregister and unmap (the file keeps its bytes)."""
@@ -101,12 +103,13 @@ class MappedSpare:
             pass
 
 
-def _register_with_cuda(pages: torch.Tensor) -> bool:
-    """Page-lock `pages` for DMA from the GPU (`cudaHostRegisterPortable`); whether CUDA agreed."""
+def _register_with_cuda(pages: torch.Tensor) -> str | None:
+    """Page-lock `pages` for DMA from the GPU (`cudaHostRegisterPortable`); None, or why CUDA refused."""
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 1)) == 0
-    except (RuntimeError, AttributeError):
-        return False
+        error = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 1)
+    except (RuntimeError, AttributeError) as refusal:
+        return f"{type(refusal).__name__}: {refusal}"
+    return None if int(error) == 0 else f"cudaHostRegister returned {error} ({int(error)})"
 
 
 def _release(path: Path | None, mappings: list[MappedSpare]) -> None:
