@@ -234,31 +234,7 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
                 rows.append(_target_row(f"P3 {bridge} save / raw write", timings["save_vs_raw_write"],
                                         data.get("target_save_vs_raw", target), source))
         if kind(data) == "weight_sync":
-            sync, targets = data["sync"], data["targets"]
-            rows.append(_target_row("P7 disk sync / raw write", sync["disk_sync_vs_raw_write"],
-                                    targets["disk_sync_vs_raw_write"], source))
-            rows.append(_target_row("P7 colocated sync / disk round trip", sync["colocated_vs_disk_round_trip"],
-                                    targets["colocated_vs_disk_round_trip"], source))
-            met = "yes" if sync["colocated_sync_s"] <= targets["colocated_sync_s"] else "no"
-            rows.append(row(["P7 colocated sync of the whole model", seconds(sync["colocated_sync_s"]),
-                             f"<= {targets['colocated_sync_s']} s", met, source]))
-            if sync["colocated_extra_sender_memory_bytes"] is not None:
-                extra = sync["colocated_extra_sender_memory_bytes"] / 2**30
-                rows.append(row(["P7 extra sender GPU memory", f"{extra:.2f} GiB",
-                                 f"<= {sync['colocated_extra_memory_limit_bytes'] / 2**30:.2f} GiB",
-                                 "yes" if sync["colocated_extra_memory_within_limit"] else "no", source]))
-            rows.append(_target_row("P7 step time with WeightSync / without",
-                                    data["steps_between_syncs"]["step_time_ratio"], targets["step_time_ratio"], source))
-            for figure, label in (("delta_vs_full_disk", "P7 MTP-only delta / full sync, disk"),
-                                  ("delta_vs_full_colocated", "P7 MTP-only delta / full sync, colocated"),
-                                  ("lora_adapter_vs_merged_disk",
-                                   "P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk"),
-                                  ("lora_adapter_between_steps_vs_merged_disk",
-                                   "P7 LoRA adapter-only / merged sync, disk, each sync after 0.5 s of steps"),
-                                  ("lora_adapter_vs_full_disk",
-                                   "P7 LoRA adapter-only / the plain model's full sync, disk (reference)")):
-                if figure in data.get("delta", {}):  # results from before the merged baseline lack it
-                    rows.append(_target_row(label, data["delta"][figure], targets[figure], source))
+            rows += _weight_sync_target_rows(data, source)
         if kind(data) == "async_save":
             figures, targets = data["figures"], data["targets"]
             rows.append(_target_row("async save: time a step is blocked / synchronous save's",
@@ -277,6 +253,40 @@ def targets_table(results: list[Result], sources: dict[str, int]) -> list[str]:
 
 _SIZES_FIGURES = {"tokens_per_s": ("tokens/s", tokens), "mfu": ("MFU", percent),
                   "lightning_over_plain_step_time": ("Lightning / plain step time", times)}
+
+
+def _weight_sync_target_rows(data: dict, source: str) -> list[str]:
+    """P7's rows, of the parts the run measured (`--parts`: sync, delta, steps)."""
+    rows: list[str] = []
+    targets = data["targets"]
+    if "sync" in data:
+        sync = data["sync"]
+        rows.append(_target_row("P7 disk sync / raw write", sync["disk_sync_vs_raw_write"],
+                                targets["disk_sync_vs_raw_write"], source))
+        rows.append(_target_row("P7 colocated sync / disk round trip", sync["colocated_vs_disk_round_trip"],
+                                targets["colocated_vs_disk_round_trip"], source))
+        met = "yes" if sync["colocated_sync_s"] <= targets["colocated_sync_s"] else "no"
+        rows.append(row(["P7 colocated sync of the whole model", seconds(sync["colocated_sync_s"]),
+                         f"<= {targets['colocated_sync_s']} s", met, source]))
+        if sync["colocated_extra_sender_memory_bytes"] is not None:
+            extra = sync["colocated_extra_sender_memory_bytes"] / 2**30
+            rows.append(row(["P7 extra sender GPU memory", f"{extra:.2f} GiB",
+                             f"<= {sync['colocated_extra_memory_limit_bytes'] / 2**30:.2f} GiB",
+                             "yes" if sync["colocated_extra_memory_within_limit"] else "no", source]))
+    if "steps_between_syncs" in data:
+        rows.append(_target_row("P7 step time with WeightSync / without",
+                                data["steps_between_syncs"]["step_time_ratio"], targets["step_time_ratio"], source))
+    for figure, label in (("delta_vs_full_disk", "P7 MTP-only delta / full sync, disk"),
+                          ("delta_vs_full_colocated", "P7 MTP-only delta / full sync, colocated"),
+                          ("lora_adapter_vs_merged_disk",
+                           "P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk, back to back"),
+                          ("lora_adapter_between_steps_vs_merged_disk",
+                           "P7 LoRA adapter-only / merged sync, disk, each sync after 0.5 s of steps"),
+                          ("lora_adapter_vs_full_disk",
+                           "P7 LoRA adapter-only / the plain model's full sync, disk (reference)")):
+        if figure in data.get("delta", {}):  # results from before the merged baseline lack it
+            rows.append(_target_row(label, data["delta"][figure], targets[figure], source))
+    return rows
 
 
 def _sizes_target_rows(data: dict[str, Any], source: str) -> list[str]:

@@ -200,9 +200,24 @@ def test_report_tables_the_adapter_sync_against_the_lora_runs_merged_sync_and_th
     lines = report.targets_table([("new.json", _weight_sync_result(delta))], {"new.json": 1})
     assert "| P7 MTP-only delta / full sync, disk | 0.040x | <= 0.05x | yes | [1] |" in lines
     assert "| P7 MTP-only delta / full sync, colocated | 0.060x | <= 0.05x | no | [1] |" in lines
-    assert "| P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk | 0.009x | <= 0.01x | yes | [1] |" in lines
+    assert ("| P7 LoRA adapter-only / the LoRA run's full (merged) sync, disk, back to back | 0.009x | <= 0.01x | yes "
+            "| [1] |" in lines)
     assert ("| P7 LoRA adapter-only / the plain model's full sync, disk (reference) | 0.011x | <= 0.01x | no | [1] |"
             in lines)
     del delta["lora_adapter_vs_merged_disk"]
     older = report.targets_table([("old.json", _weight_sync_result(delta))], {"old.json": 1})
     assert not any("merged" in line for line in older) and any("plain model's full sync" in line for line in older)
+
+
+def test_report_tables_a_delta_only_weight_sync_run():
+    """`bench.weight_sync --parts delta` has no full-sync or step-time part: only the delta rows, the adapter syncs
+    spaced by steps among them."""
+    result = _weight_sync_result({"delta_vs_full_disk": 0.014, "delta_vs_full_colocated": 0.039,
+                                  "lora_adapter_vs_merged_disk": 0.043, "lora_adapter_vs_full_disk": 0.015,
+                                  "lora_adapter_between_steps_vs_merged_disk": 0.0059})
+    del result["sync"], result["steps_between_syncs"]
+    result["targets"]["lora_adapter_between_steps_vs_merged_disk"] = 0.01
+    lines = report.targets_table([("delta.json", result)], {"delta.json": 1})
+    assert not any("raw write" in line or "step time" in line for line in lines)
+    assert ("| P7 LoRA adapter-only / merged sync, disk, each sync after 0.5 s of steps | 0.006x | <= 0.01x | yes "
+            "| [1] |" in lines)
