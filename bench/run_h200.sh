@@ -62,7 +62,7 @@
 #                             the KL/TV blend at depth 1 and at depths 1..3, and (c), all at 400 steps, paired (655 s
 #                             on an H100; (a) at 400 steps is mtp_quality_long's)
 #   mtp_quality_depths        the same with --variants tv_kl tv_kl_k3_decay: depths 1..3 weighted 4:2:1 against
-#                             depth 1, paired (about 9 minutes on an H100, estimated from mtp_quality_400's parts)
+#                             depth 1, paired (556 s on an H100, `h100_2026-12-06d`)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
