@@ -130,11 +130,17 @@ class SpareFile:
         self._thread: threading.Thread | None = None
         self._mappings: list[MappedSpare] = []  # the prepared spare's (last), and one taken and written since
         self._removal: weakref.finalize | None = None
+        self._settings: tuple[Path, bytes, int, bool] | None = None  # the pending spare's `prepare` arguments
 
     def prepare(self, directory: Path, prefix: bytes, size: int, *, register: bool) -> None:
         """Start preparing a spare of `size` bytes in `directory` (where the next version's folder is staged), its
-        header `prefix` written, its pages registered with CUDA when `register`."""
+        header `prefix` written, its pages registered with CUDA when `register`. A spare of the same settings not
+        taken yet (its preparation had not ended when the last write came) is kept for the next write instead."""
+        settings = (Path(directory), prefix, size, register)
+        if self._path is not None and self._settings == settings:
+            return
         self.discard()
+        self._settings = settings
         name = f"{ADAPTER_FILE}-{os.getpid()}-{next(_SPARE_NUMBERS)}"
         self._path = directory / f"{SPARE_FILE_PREFIX}{name}"
         self._removal = weakref.finalize(self, _release, self._path, self._mappings)  # also runs at exit
@@ -163,7 +169,10 @@ class SpareFile:
 
     def move_to(self, target: Path, size: int) -> MappedSpare | None:
         """Take the spare into `target` when it is ready and of `size` bytes; its mapping, where the bytes are to be
-        copied (None: none taken, or not mapped, and the writer writes `target`)."""
+        copied (None: none taken, or not mapped, and the writer writes `target`). A spare still being prepared (a
+        write right after the last one) is not waited for: it stays for the next write."""
+        if self._thread is not None and self._thread.is_alive():
+            return None
         mapping = self.mapping()
         path = self._forget()
         if path is not None and take_spare(path, target, size):
@@ -181,7 +190,7 @@ class SpareFile:
         path = self.wait()
         if self._removal is not None:
             self._removal.detach()
-        self._path = self._thread = self._removal = None
+        self._path = self._thread = self._removal = self._settings = None
         return path
 
 

@@ -148,6 +148,40 @@ def test_a_spare_is_mapped_with_its_header_takes_the_bytes_into_its_pages_and_le
     assert (tmp_path / "v0" / ADAPTER_FILE).read_bytes() == prefix + bytes(range(100))
 
 
+def test_a_write_right_after_the_last_does_not_wait_for_the_spare_which_serves_the_next_write(tmp_path, monkeypatch):
+    """Syncs back to back: the spare's preparation (held here until released) has not ended when the next write
+    comes; that write goes without it at once, the spare is kept (not prepared twice) and the write after takes it.
+    Other settings replace it."""
+    import threading
+
+    from lightning_megatron import lora_folder
+    from lightning_megatron.atomic import SPARE_FILE_PREFIX
+    from lightning_megatron.lora_folder import ADAPTER_FILE, SpareFile
+
+    released = threading.Event()
+    preallocate = lora_folder.preallocate_spare
+    monkeypatch.setattr(lora_folder, "preallocate_spare",
+                        lambda *arguments: preallocate(*arguments) if released.wait(60) else None)
+    prefix, size = b"a header", 108
+    spare = SpareFile()
+    spare.prepare(tmp_path, prefix, size, register=False)
+    for version in ("v0", "v1"):
+        (tmp_path / version).mkdir()
+    assert spare.move_to(tmp_path / "v0" / ADAPTER_FILE, size) is None  # not waited for
+    spare.prepare(tmp_path, prefix, size, register=False)  # the same settings: kept
+    released.set()
+    prepared = spare.wait()
+    assert prepared is not None and list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == [prepared]
+    mapping = spare.move_to(tmp_path / "v1" / ADAPTER_FILE, size)
+    assert mapping is not None and (tmp_path / "v1" / ADAPTER_FILE).read_bytes()[:len(prefix)] == prefix
+    spare.prepare(tmp_path, prefix, size, register=False)
+    first = spare.wait()
+    spare.prepare(tmp_path, prefix, size + 1, register=False)  # other settings: the pending spare goes
+    second = spare.wait()
+    assert first is not None and not first.exists() and list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == [second]
+    spare.discard()
+
+
 def _count_exports(bridge: Bridge, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one per export of the adapters through megatron-bridge (the real one runs)."""
     calls: list[int] = []
