@@ -133,6 +133,7 @@ def test_a_spare_is_mapped_with_its_header_takes_the_bytes_into_its_pages_and_le
     size = len(prefix) + data.numel()
     spare = SpareFile()
     spare.prepare(tmp_path, prefix, size, register=False)
+    spare.wait()  # a write that comes before the preparation ends goes without the spare (the next test)
     (tmp_path / "v0").mkdir()
     mapping = spare.move_to(tmp_path / "v0" / ADAPTER_FILE, size)
     assert mapping is not None and not mapping.registered and _mapped(tmp_path / "v0" / ADAPTER_FILE)
@@ -158,10 +159,14 @@ def test_a_write_right_after_the_last_does_not_wait_for_the_spare_which_serves_t
     from lightning_megatron.atomic import SPARE_FILE_PREFIX
     from lightning_megatron.lora_folder import ADAPTER_FILE, SpareFile
 
-    released = threading.Event()
+    released, started = threading.Event(), []
     preallocate = lora_folder.preallocate_spare
-    monkeypatch.setattr(lora_folder, "preallocate_spare",
-                        lambda *arguments: preallocate(*arguments) if released.wait(60) else None)
+
+    def held_preallocation(*arguments):
+        started.append(arguments)
+        return preallocate(*arguments) if released.wait(30) else None
+
+    monkeypatch.setattr(lora_folder, "preallocate_spare", held_preallocation)
     prefix, size = b"a header", 108
     spare = SpareFile()
     spare.prepare(tmp_path, prefix, size, register=False)
@@ -171,6 +176,7 @@ def test_a_write_right_after_the_last_does_not_wait_for_the_spare_which_serves_t
     spare.prepare(tmp_path, prefix, size, register=False)  # the same settings: kept
     released.set()
     prepared = spare.wait()
+    assert len(started) == 1  # one preparation served both prepares, none timed out waiting
     assert prepared is not None and list(tmp_path.glob(f"{SPARE_FILE_PREFIX}*")) == [prepared]
     mapping = spare.move_to(tmp_path / "v1" / ADAPTER_FILE, size)
     assert mapping is not None and (tmp_path / "v1" / ADAPTER_FILE).read_bytes()[:len(prefix)] == prefix
