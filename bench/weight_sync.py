@@ -24,8 +24,9 @@ folder is removed at the end, and each write first checks that the folder's file
   before, against the plain model's full disk sync (`lora_adapter_vs_full_disk`). The adapter syncs are timed back
   to back and, as a training loop runs them, each after 0.5 s standing in for the steps between syncs
   (`lora_adapter_between_steps_vs_merged_disk`): a sync leaves the next spare file's preparation (preallocated,
-  mapped, its pages registered with CUDA: `lightning_megatron/lora_folder.py`) to a thread that the steps overlap,
-  and back to back the next sync waits for it.
+  mapped, its pages registered with CUDA: `lightning_megatron/lora_folder.py`) to a thread that the steps overlap;
+  back to back, a sync that finds it still running writes staged instead (`lora_adapter_spare_file`: whether the
+  spare was mapped and registered, or CUDA's refusal).
 `collective` needs two GPUs (NCCL refuses two ranks on one); `--tiny` runs it over gloo on the CPU too.
 `--tiny`: a tiny checkpoint, everything on the CPU (the colocated hand-over through shared memory).
 """
