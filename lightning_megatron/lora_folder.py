@@ -3,14 +3,14 @@ its bytes copied straight from the adapters' parameters (`CopyPlan`).
 
 Why a copy plan: megatron-bridge's adapter export of a model without tensor, pipeline or expert parallelism only
 picks pieces of the adapters' parameters (a fused QKV's B split per projection and query group, a gate/up B halved,
-an A yielded once per projection that shares it): no arithmetic, no gather. Yet it costs Python time per tensor,
-~70 ms for the 518 tensors of Qwen3-8B's adapters on every linear, each weight sync. `find_copy_plan` finds the
-pieces once by two probes of the export: id-valued parameters say which element each exported one is, random
-ones in the parameters' own dtype must then come out equal to the pieces bit for bit (an export that computes, a
-cast or a rounding that kept ids whole, fails it). Then a write is one concatenation on the device and one staged
-write. What it refuses (None, and the export runs every time): exported tensors that are not pieces, packed
-experts (`file_names` None), dtypes other than the parameters', a file whose data is not the pieces back to back.
-Knows no Lightning and no Megatron-Core: `lora.py` brings the export and decides who probes.
+an A yielded once per projection that shares it): no arithmetic, no gather. Yet it costs Python time per tensor, ~70
+ms for the 518 tensors of Qwen3-8B's adapters on every linear, each weight sync. `find_copy_plan` finds the pieces
+once by two probes of the export: id-valued parameters say which element each exported one is, random ones in the
+parameters' own dtype must then come out equal to the pieces bit for bit (an export that computes, a cast or a
+rounding that kept ids whole, fails it). Then a write is one concatenation on the device and one copy into the spare
+file (below), or one staged write. What it refuses (None, and the export runs every time): exported tensors that are
+not pieces, packed experts (`file_names` None), dtypes other than the parameters', a file whose data is not the
+pieces back to back. Knows no Lightning and no Megatron-Core: `lora.py` brings the export and decides who probes.
 
 Why a spare file: what is left of a copy plan's write is the write itself, and on tmpfs (`/dev/shm`, where a
 weight sync's versions live) a good part of a fresh file's write time is the kernel allocating and zeroing its
@@ -25,12 +25,12 @@ Why mapped: even into preallocated pages, `pwrite` copies the bytes a second tim
 into the page cache, one file at a time under its inode lock: 90 MB in 21 ms on the H100 machine, as long as 1% of
 the merged sync). So the same thread maps the spare into this process (`mmap`, shared), writes the file's header
 into it, and, for adapters on a GPU, registers its pages with CUDA (`cudaHostRegister`): the write is then one copy
-from the device straight into the file's pages, by DMA, with no staging and no write call. A file system that cannot
-map, or CUDA refusing the registration, leaves the staged write or a copy through the driver's own staging; the
-mapping is released (unregistered, unmapped) by the next preparation's thread, off the sync. The preparation takes
-tens of milliseconds (the registration 30 ms for 90 MB on the H100 machine), which the training steps between two
-syncs overlap; a write that comes before it ended (syncs back to back) does not wait: it writes staged, and the
-spare serves the write after.
+from the device straight into the file's pages, by DMA, with no staging and no write call (2 ms for the 90 MB,
+`bench/results/h100_2026-12-06d/`). A file system that cannot map, or CUDA refusing the registration, leaves the
+staged write or a copy through the driver's own staging; the mapping is released (unregistered, unmapped) by the
+next preparation's thread, off the sync. The preparation takes tens of milliseconds (the registration 30 ms for 90
+MB on the H100 machine), which the training steps between two syncs overlap; a write that comes before it ended
+(syncs back to back) does not wait: it writes staged, and the spare serves the write after.
 """
 
 from __future__ import annotations
