@@ -30,7 +30,8 @@ from the device straight into the file's pages, by DMA, with no staging and no w
 staged write or a copy through the driver's own staging; the mapping is released (unregistered, unmapped) by the
 next preparation's thread, off the sync. The preparation takes tens of milliseconds (the registration 30 ms for 90
 MB on the H100 machine), which the training steps between two syncs overlap; a write that comes before it ended
-(syncs back to back) does not wait: it writes staged, and the spare serves the write after.
+(syncs back to back) does not wait: it writes staged, and the spare serves the write after. torch's binding of
+`cudaHostRegister` keeps the GIL: the training thread may wait that long once per sync.
 """
 
 from __future__ import annotations
