@@ -54,6 +54,8 @@
 #                             comparison is skipped with the reason)
 #   families_glm              issue 40: the GLM-4.5-Air MTP-only comparison of `families` alone (no DeltaNet layer;
 #                             86 s on an H100 at its 3-layer cut; not default)
+#   sizes_moe_lora            issue 41: the Qwen3-30B-A3B LoRA configuration of `sizes` alone (it needs more than an
+#                             80 GB card; not default)
 # Recipes (not in the default list: each wants a call of its own), their JSON and figure copied into $OUT:
 #   mtp_quality               python -m lightning_megatron.recipes.mtp_quality --size gpu (928 s on an H100)
 #   mtp_quality_long          the same with --variants self_distill tv_kl --mtp-only-steps 400: (a) and the KL/TV
@@ -211,6 +213,7 @@ for name in $STEPS; do
                                --profile-deltas --out "$OUT/$name.json" ;;
         families) install_fla; step "$name" python3 -m bench.families --out "$OUT/$name.json" ;;
         families_glm) step "$name" python3 -m bench.families --families glm4_5_air --no-gdn --out "$OUT/$name.json" ;;
+        sizes_moe_lora) step "$name" python3 -m bench.sizes --configs qwen3_30b_a3b_lora --out "$OUT/$name.json" ;;
         mtp_quality|mtp_drift) step "$name" recipe "$name" "$name" ;;
         mtp_quality_long) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 400 ;;
         mtp_quality_400) step "$name" recipe "$name" mtp_quality --variants tv_kl tv_kl_k3 labels_continuations \

@@ -16,7 +16,11 @@ fuses them, through `fast_swiglu`), so the result equals the loop's to rounding.
 [experts, out, in] tensor: where Megatron DDP's distributed optimizer laid them out at one stride (`ExpertLayout`),
 a view of its buffer, with the groups (and the tokens, sorted by the layer) in the buffer's order; elsewhere a
 stack, made for the GEMM and again in backward rather than kept (a copy of every expert weight per layer would
-otherwise live from forward to backward). Anything else, and the CPU, runs upstream's loop. A grouped GEMM the
+otherwise live from forward to backward). Weights DDP does not manage (frozen: MTP-only's trunk, a LoRA base; or a
+run without DDP) are stacked once instead, at the first forward, and stay so: each expert's `Parameter` becomes a
+view of its row of one tensor per linear (`lay_out_in_one_tensor`: the same values, the separate tensors freed, so
+no memory is added), where GLM-4.5-Air's 128 experts were otherwise copied, 4.4 GB per MoE layer, in every
+microbatch's forward. Anything else, and the CPU, runs upstream's loop. A grouped GEMM the
 device refuses (an unsupported GPU or layout) is logged once and that module goes back to the loop (over the
 groups' order for a forward whose tokens were already sorted that way).
 
@@ -98,7 +102,7 @@ class ExpertLayout:
     the stacked weights (no copy) and one for the `main_grad`s (one add of the bf16 gradients: no fp32 copy of
     them, no list of adds); the groups then follow the buffer's order (`order[g]` is group g's expert), and the
     layer's tokens are sorted in that order (`MoELayer.preprocess`, below). A stride is None where there is none
-    (separate tensors without the distributed optimizer, frozen experts, padding): those weights are stacked, those
+    (separate tensors under DDP without the distributed optimizer, padding): those weights are stacked, those
     gradients added per weight, in `order`. Only offsets are kept: the views are made per use, so a layout never
     holds a buffer that DDP let go."""
 
@@ -186,11 +190,42 @@ def _read_layout(experts: Any) -> ExpertLayout:
 _LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, ExpertLayout] = weakref.WeakKeyDictionary()
 
 
+def _to_lay_out(experts: Any, layout: ExpertLayout) -> bool:
+    """Whether `experts`' weights lie apart, Megatron DDP does not manage them, and stacked they would lie at one
+    stride (alike, contiguous, 16-byte rows)."""
+    linears = [[getattr(expert, linear).weight for expert in experts.local_experts]
+               for linear in ("linear_fc1", "linear_fc2")]
+    return (None in layout.weight_strides and len(linears[0]) > 1
+            and not any(hasattr(weight, "main_grad") for weights in linears for weight in weights)
+            and all(weight.is_contiguous() and weight.shape == weights[0].shape and weight.dtype == weights[0].dtype
+                    and weight.device == weights[0].device for weights in linears for weight in weights)
+            and all(weights[0].numel() * weights[0].element_size() % _ALIGNMENT_BYTES == 0 for weights in linears))
+
+
+def lay_out_in_one_tensor(experts: Any) -> None:
+    """Move each linear's expert weights into one [experts, out, in] tensor, each expert's `Parameter` a view of its
+    row: the same values and `Parameter` objects; the separate tensors are freed once nothing else holds them."""
+    with torch.no_grad():
+        for linear in ("linear_fc1", "linear_fc2"):
+            weights = [getattr(expert, linear).weight for expert in experts.local_experts]
+            for weight, row in zip(weights, torch.stack([weight.detach() for weight in weights]).unbind(0),
+                                   strict=True):
+                weight.data = row
+
+
 def expert_layout(experts: Any) -> ExpertLayout:
-    """`experts`' layout, read again whenever a weight or `main_grad` moved (DDP wrapping a model, a reload)."""
+    """`experts`' layout, read again whenever a weight or `main_grad` moved (DDP wrapping a model, a reload).
+
+    Weights Megatron DDP does not manage (no `main_grad`: frozen ones, or a run without DDP) that lie apart are laid
+    out in one tensor per linear first (`lay_out_in_one_tensor`), once: they are stacked once instead of in every
+    forward and backward."""
     layout = _LAYOUTS.get(experts)
     if layout is None or layout.addresses != _addresses(experts):
-        layout = _LAYOUTS[experts] = _read_layout(experts)
+        layout = _read_layout(experts)
+        if _to_lay_out(experts, layout):
+            lay_out_in_one_tensor(experts)
+            layout = _read_layout(experts)
+        _LAYOUTS[experts] = layout
     return layout
 
 

@@ -5,6 +5,7 @@ and add their gradients into a view of the `main_grad`s, and the layer (`grouped
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -16,9 +17,11 @@ from tests._compat.test_grouped_experts import (  # noqa: F401  (fixtures)
     TOKENS,
     _aux_loss_scale_left_as_found,
     _experts,
+    _forward_and_grads,
     _grouped_mm_on,
     _lift_the_device_check,
     _moe_layer,
+    _routed_tokens,
     checkpoint,
 )
 
@@ -33,12 +36,12 @@ def _ddp(module: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Mo
 def test_an_expert_layout_reads_where_megatron_ddp_put_the_weights(model_parallel, checkpoint) -> None:
     """The distributed optimizer's buffers hold a layer's experts at one stride, the last expert first (fc1 and fc2
     interleaved): views over both buffers in that order, equal to the stacked weights and `main_grad`s. Without it
-    the weights are separate tensors (stacked) while their `main_grad`s still lie at one stride; without DDP
-    nothing lies at one stride and the experts keep their own order. A weight moved is read again."""
+    the weights are separate tensors (stacked) while their `main_grad`s still lie at one stride; without DDP the
+    weights are laid out in one tensor per linear (below) in the experts' own order. A weight moved is read again."""
     experts = _experts(checkpoint, torch.bfloat16)
     count = len(experts.local_experts)
     alone = grouped_experts.expert_layout(experts)
-    assert alone.in_expert_order and alone.weight_strides == alone.main_grad_strides == (None, None)
+    assert alone.in_expert_order and alone.main_grad_strides == (None, None) and None not in alone.weight_strides
     _ddp(experts, distributed_optimizer=True)
     layout = grouped_experts.expert_layout(experts)
     assert layout is not alone and layout.order == tuple(reversed(range(count)))
@@ -60,6 +63,44 @@ def test_an_expert_layout_reads_where_megatron_ddp_put_the_weights(model_paralle
     weight = separate.local_experts[0].linear_fc1.weight
     weight.data = weight.data.clone()
     assert grouped_experts.expert_layout(separate) is not layout
+
+
+def _frozen_experts_forwards(experts: torch.nn.Module, device: str, monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[int]]:
+    """Frozen experts (as MTP-only's trunk or a LoRA base leaves them) on `device`: the forward and input gradient
+    with their weights stacked for the GEMMs (the layout read before any forward, passed in: what every forward did
+    before the lay-out), then two forwards that read the layout themselves; the stacks of the last forward."""
+    experts.requires_grad_(False)
+    before = grouped_experts._read_layout(experts)
+    assert before.weight_strides == (None, None)  # apart: each forward would stack them
+    values = {name: parameter.detach().clone() for name, parameter in experts.named_parameters()}
+    hidden, shares, probs = _routed_tokens(experts, device, next(experts.parameters()).dtype)
+    stacked = _forward_and_grads(functools.partial(grouped_experts.grouped_experts_forward, rows_in=before),
+                                 experts, hidden, shares, probs)
+    _forward_and_grads(grouped_experts.grouped_experts_forward, experts, hidden, shares, probs)  # lays them out
+    stacks = _stacks_counted(monkeypatch)
+    laid_out = _forward_and_grads(grouped_experts.grouped_experts_forward, experts, hidden, shares, probs)
+    monkeypatch.undo()
+    assert {name for name, value in stacked.items() if value is not None} == {"output", "hidden.grad"}
+    assert all(torch.equal(parameter, values[name]) for name, parameter in experts.named_parameters())
+    layout = grouped_experts.expert_layout(experts)
+    assert layout.in_expert_order and None not in layout.weight_strides and layout.main_grad_strides == (None, None)
+    for fc in (1, 2):
+        weights = [getattr(expert, f"linear_fc{fc}").weight for expert in experts.local_experts]
+        assert layout.weights(fc, weights).data_ptr() == weights[0].data_ptr()
+        assert weights[0].untyped_storage().nbytes() == len(weights) * weights[0].numel() * weights[0].element_size()
+    return {name: stacked[name] for name in ("output", "hidden.grad")}, laid_out, stacks
+
+
+@pytest.mark.skipif(not _grouped_mm_on("cpu"), reason="this torch has no CPU kernel for torch._grouped_mm")
+def test_frozen_experts_are_laid_out_once_in_one_tensor_per_linear_and_compute_what_the_stacks_did(
+        model_parallel, checkpoint, monkeypatch) -> None:
+    """Frozen experts lie apart (Megatron DDP manages no frozen weight), so every forward stacked them: 4.4 GB a
+    GLM-4.5-Air MoE layer and microbatch. The first forward that reads their layout moves them into one tensor per
+    linear; the same `Parameter`s keep their values, each a view of its row, and later forwards stack nothing and
+    compute bit for bit what the stacked weights did (the same GEMMs over the same values, laid out alike)."""
+    stacked, laid_out, stacks = _frozen_experts_forwards(_experts(checkpoint, torch.float32), "cpu", monkeypatch)
+    assert stacks == [] and all(torch.equal(laid_out[name], stacked[name]) for name in stacked)
 
 
 def _bf16_microbatches(layer: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -195,3 +236,16 @@ def test_on_the_gpu_a_layer_under_the_distributed_optimizer_reads_its_experts_wh
     for name in loop:
         scale = loop[name].float().abs().max().item() or 1.0
         torch.testing.assert_close(ours[name].float(), loop[name].float(), rtol=0, atol=4 * 2**-8 * scale, msg=name)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_frozen_bf16_experts_are_laid_out_once_and_compute_what_the_stacks_did(
+        model_parallel, checkpoint, monkeypatch) -> None:
+    """As on the CPU, through CUDA's grouped GEMM in bf16: no stack after the lay-out, bit for bit the stacked
+    weights' output and input gradient."""
+    assert grouped_experts.GROUPED_MM_EXPERTS.active
+    experts = _experts(checkpoint, torch.bfloat16).cuda()
+    assert grouped_experts.grouped_experts_apply(experts, torch.zeros(1, experts.config.hidden_size,
+                                                                      dtype=torch.bfloat16, device="cuda"))
+    stacked, laid_out, stacks = _frozen_experts_forwards(experts, "cuda", monkeypatch)
+    assert stacks == [] and all(torch.equal(laid_out[name], stacked[name]) for name in stacked)
