@@ -27,6 +27,8 @@ keeps its experts. `--layers` / `--joint-layers` set the cuts instead.
 
 Each run reports its median step, tokens/s, MFU on the FLOPs it ran (`bench/flops.py`: Megatron-LM's count, gated
 DeltaNet and experts included) and its training steps' peak memory, in mirrored rounds (`mtp_memory.measure_variants`).
+On a GPU, a shape compared with the plain loop also reports `mtp_only_profile`: one more short Lightning MTP-only
+run with one step under `torch.profiler` (`mtp_memory.profile_mtp_only`: GPU-busy fraction, top kernels, syncs).
 `gdn`: one Qwen3.5-2B DeltaNet layer, fla's kernels against the PyTorch path (`bench/gdn.py`; skipped with the reason
 without fla). The JSON is rewritten after each part, so a part that fails leaves the others' figures.
 
@@ -61,7 +63,7 @@ from bench.common import (
 from bench.flops import ModelShape, peak_flops
 from bench.gdn import compare_kernels, fla_unavailable
 from bench.lightning_overhead import Settings
-from bench.mtp_memory import measure_variants
+from bench.mtp_memory import measure_variants, profile_mtp_only
 from lightning_megatron.atomic import write_text_atomically
 
 GIB = 1024**3
@@ -201,8 +203,11 @@ def _measure(run: FamilyRun, args: argparse.Namespace, root: Path, label: str, v
                         precision=args.precision, random_weights=True, log_lm_loss_every_n_steps=None,
                         log_every_n_steps=args.log_every_n_steps)
     targets = TARGETS if "plain_mtp_only" in variants else {}
-    return {"label": label, "family": run.model_type,
-            **measure_variants(variants, settings, shape, rounds or args.rounds, args.peak_tflops, targets)}
+    measured = {"label": label, "family": run.model_type,
+                **measure_variants(variants, settings, shape, rounds or args.rounds, args.peak_tflops, targets)}
+    if targets and torch.cuda.is_available():  # where the MTP-only step's time goes, beside the plain loop's
+        measured["mtp_only_profile"] = profile_mtp_only(settings, shape.vocab, measured["runs"]["mtp_only"]["step_s"])
+    return measured
 
 
 def run_family(run: FamilyRun, args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]:
