@@ -13,8 +13,8 @@ random tokens, seq 2048, all in this one process:
 - `glm4_5_air`: GLM-4.5-Air (`common.GLM4_5_AIR`: 128 experts top 8, a shared expert, vocabulary 151552) cut to
   the first decoder layers that one GPU holds for MTP-only training, micro-batch 1 x 4: Lightning MTP-only and the
   plain MTP-only loop (17 of 46 layers on an H200 by the arithmetic below); `glm4_5_air_joint`: the cut that holds
-  joint training (everything trained: 2 layers), Lightning joint beside Lightning MTP-only, one round. MoE trunks run
-  eagerly (no CUDA graph: data-dependent routing).
+  joint training (everything trained: 2 layers), Lightning joint beside Lightning MTP-only, one round. The MoE
+  trunk is replayed from CUDA graphs in Lightning's MTP-only arm as in any MTP-only run (`cuda_graph_trunk`).
 
 Targets (issue 40): MTP-only step time <= 0.95x the plain MTP-only loop's, peak memory <= the plain loop's.
 

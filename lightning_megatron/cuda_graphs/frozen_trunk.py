@@ -10,8 +10,14 @@ hook of the decoder and so still runs) is unchanged, and cached epochs of the tr
 Graphed (first version): full or padded rows (no `packed_seq_params`, no attention mask), one process per model
 replica without tensor, context or sequence parallelism (no collectives or RNG forks inside the graph), the
 first pipeline stage's chunk (later stages read the received `input_tensor`, which needs grad), no recomputation,
-no FP8/FP4, no MoE layers (data-dependent token routing), no dropout while training, no CPU offloading, no
-Megatron CUDA graphs of its own (the `FROZEN_TRUNK` rows of `refusals.REFUSALS`). A chunk that cannot be graphed
+no FP8/FP4, no expert parallelism or MoE token dropping, no dropout while training, no CPU offloading, no
+Megatron CUDA graphs of its own (the `FROZEN_TRUNK` rows of `refusals.REFUSALS`). MoE layers are graphed: on one
+rank, dropless, their routing has static shapes (tokens x top-k rows), and on a GPU without Transformer Engine the
+grouped experts keep the token counts on the device (`_compat.grouped_experts`); a layer that still reads something
+to the host fails the capture, and that signature then runs eagerly with the reason. A replayed trunk records no
+load-balancing loss for its frozen routers (Megatron-Core computes them only with grad enabled,
+megatron/core/transformer/moe/router.py:799; the capture runs under `no_grad`): there `load_balancing_loss` covers
+the MTP layer's router alone, which is the only one MTP-only trains. A chunk that cannot be graphed
 stays eager, and a call with inputs outside this list (packed rows, trees) runs eagerly, counted per reason in
 `GraphedForward.eager_calls` and logged once. The graphs' memory: one shared private pool per decoder (about one
 layer's forward working set) plus static inputs and output, at most `max_graphs` signatures.

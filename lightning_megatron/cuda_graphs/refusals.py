@@ -176,8 +176,11 @@ REFUSALS: tuple[Refusal[Any], ...] = (
     Refusal(TRUNK, MODEL, lambda model: model.config.recompute_granularity is not None,
             lambda model: f"recompute_granularity: {model.config.recompute_granularity}"),
     Refusal(TRUNK, MODEL, lambda model: bool(model.config.fp8 or getattr(model.config, "fp4", None)), "FP8/FP4"),
-    Refusal(TRUNK, MODEL, lambda model: bool(model.config.num_moe_experts),
-            "MoE layers (data-dependent token routing)"),
+    Refusal(TRUNK, MODEL, lambda model: model.config.expert_model_parallel_size > 1,
+            "expert parallelism (the MoE layers' all-to-all)"),
+    Refusal(TRUNK, MODEL, lambda model: bool(model.config.num_moe_experts) and (
+        model.config.moe_expert_capacity_factor is not None or model.config.moe_pad_expert_input_to_capacity),
+            "MoE token dropping or padding (moe_expert_capacity_factor)"),
     Refusal(TRUNK, MODEL, lambda model: bool(getattr(model.config, "cpu_offloading", False)
                                              or getattr(model.config, "fine_grained_activation_offloading", False)),
             "activation offloading"),

@@ -4,8 +4,10 @@ On a GPU, a tiny Qwen3+MTP model in bf16, two epochs of MTP-only steps: with the
 (`mtp_loss`, `mtp_accuracy`, `lm_loss`, ...), every step's MTP gradients and the final MTP weights equal the eager
 run's bit for bit (a replay runs the kernels the eager forward ran, on the same inputs), with and without the trunk
 cache; the graph is captured once and replayed for every later microbatch, and a replayed trunk makes no host sync.
-On the CPU: auto leaves the run eager (tests/mtp/test_trunk_cache.py), an explicit true is refused naming the option, and
-each row of the refusal table that leaves a chunk's trunk or a decoder call eager gives its reason (logged).
+The same for a MoE trunk (tiny Qwen3-MoE), but for its frozen routers' load-balancing loss, which a replay leaves out.
+On the CPU: auto leaves the run eager (tests/mtp/test_trunk_cache.py), an explicit true is refused naming the
+option, and each row of the refusal table that leaves a chunk's trunk or a decoder call eager gives its reason
+(logged).
 """
 
 from __future__ import annotations
@@ -104,6 +106,47 @@ def test_the_graphed_trunk_trains_exactly_like_eager_with_and_without_the_cache(
     assert results["sync_checked"] == 6
 
 
+def _gpu_moe_fits(root: str, checkpoint: str, out: str) -> None:
+    """As `_gpu_fits` for a MoE model: eager and graphed MTP-only fits, no trunk cache."""
+    from lightning_megatron.distributed import free_port, init_single_process
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    init_single_process()
+    results, sync_check = {}, NoHostSyncInReplays()
+    try:
+        for graph in (False, True):
+            results["graph" if graph else "eager"] = _fit(
+                Path(root) / str(graph), Path(checkpoint), cache=None, accelerator="gpu", precision="bf16",
+                cuda_graph_trunk=graph, callbacks=(sync_check,) if graph else ())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results["sync_checked"] = sync_check.checked
+    torch.save(_on_host(results), out)
+
+
+@pytest.mark.gpu
+def test_a_moe_trunk_is_graphed_and_trains_exactly_like_eager(tmp_path):
+    """A tiny Qwen3-MoE + MTP trunk (its routed experts grouped, their counts on the device) is captured once and
+    replayed with no host sync; the MTP loss, accuracy and `lm_loss` of every step, every step's MTP gradients and
+    the final MTP weights equal eager's bit for bit. Only the load-balancing loss differs: a replay records none for
+    the frozen trunk's routers (computed with grad enabled only), so it is the MTP layer's alone, at most eager's."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3_moe_mtp", "qwen3_moe", mtp=True)
+    results = run_in_fresh_process(_gpu_moe_fits, tmp_path, str(tmp_path), str(checkpoint))
+    eager, graph = results["eager"], results["graph"]
+    assert graph["graphs"] == [{"warmups": 1, "captures": 1, "replays": 6, "eager": {}}] and results["sync_checked"]
+    balancing = {name for metrics in eager["metrics"] for name in metrics if "load_balancing" in name}
+    assert balancing, "the tiny MoE logs its routers' load-balancing loss"
+    for graph_step, eager_step in zip(graph["metrics"], eager["metrics"], strict=True):
+        assert {k: v for k, v in graph_step.items() if k not in balancing} == \
+            {k: v for k, v in eager_step.items() if k not in balancing}
+        assert all(graph_step[name] <= eager_step[name] for name in balancing & graph_step.keys())
+    for name, value in graph["mtp"].items():
+        assert torch.equal(value, eager["mtp"][name]), name
+    for graph_grads, eager_grads in zip(graph["mtp_grads"], eager["mtp_grads"], strict=True):
+        assert all(torch.equal(value, eager_grads[name]) for name, value in graph_grads.items())
+    assert graph["audit"]["frozen_bit_identical"] and eager["audit"]["frozen_bit_identical"]
+
+
 def test_an_explicit_cuda_graph_trunk_on_the_cpu_is_refused(process_group, checkpoint, tmp_path):
     with pytest.raises(ValueError, match="cuda_graph_trunk: true needs the model on a CUDA device"):
         _fit(tmp_path, checkpoint, cache=None, cuda_graph_trunk=True)
@@ -130,7 +173,7 @@ def test_each_refusal_of_a_model_chunk_leaves_its_trunk_eager_with_its_reason(mo
         ("sequence_parallel", True, "sequence parallelism"),
         ("recompute_granularity", "full", "recompute_granularity: full"),
         ("fp8", "hybrid", "FP8/FP4"),
-        ("num_moe_experts", 2, "MoE layers (data-dependent token routing)"),
+        ("expert_model_parallel_size", 2, "expert parallelism (the MoE layers' all-to-all)"),
         ("cpu_offloading", True, "activation offloading"),
         ("cuda_graph_impl", "local", "Megatron-Core's own CUDA graphs (cuda_graph_impl)"),
     ):
@@ -138,6 +181,12 @@ def test_each_refusal_of_a_model_chunk_leaves_its_trunk_eager_with_its_reason(mo
         setattr(config, field, value)
         assert _trunk_reasons(model) == ["the model is not on a CUDA device", expected], field
         setattr(config, field, before)
+    config.num_moe_experts = 2  # dropless routing on one rank is graphed; dropping or padding is not
+    assert _trunk_reasons(model) == ["the model is not on a CUDA device"]
+    config.moe_expert_capacity_factor = 1.0
+    assert _trunk_reasons(model) == ["the model is not on a CUDA device",
+                                     "MoE token dropping or padding (moe_expert_capacity_factor)"]
+    config.num_moe_experts, config.moe_expert_capacity_factor = None, None
     model.decoder.pre_process = False
     assert _trunk_reasons(model) == ["the model is not on a CUDA device",
                                      "a later pipeline stage (its decoder reads the received input_tensor)"]
