@@ -191,11 +191,13 @@ _LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, ExpertLayout] = weakref.Wea
 
 
 def _to_lay_out(experts: Any, layout: ExpertLayout) -> bool:
-    """Whether `experts`' weights lie apart, Megatron DDP does not manage them, and stacked they would lie at one
-    stride (alike, contiguous, 16-byte rows)."""
+    """Whether `experts`' weights are parameters (not, say, a LoRA layer's merged weight, made per access) that lie
+    apart, Megatron DDP does not manage them, and stacked they would lie at one stride (alike, contiguous, 16-byte
+    rows)."""
     linears = [[getattr(expert, linear).weight for expert in experts.local_experts]
                for linear in ("linear_fc1", "linear_fc2")]
     return (None in layout.weight_strides and len(linears[0]) > 1
+            and all(isinstance(weight, torch.nn.Parameter) for weights in linears for weight in weights)
             and not any(hasattr(weight, "main_grad") for weights in linears for weight in weights)
             and all(weight.is_contiguous() and weight.shape == weights[0].shape and weight.dtype == weights[0].dtype
                     and weight.device == weights[0].device for weights in linears for weight in weights)

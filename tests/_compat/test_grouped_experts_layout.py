@@ -103,6 +103,19 @@ def test_frozen_experts_are_laid_out_once_in_one_tensor_per_linear_and_compute_w
     assert stacks == [] and all(torch.equal(laid_out[name], stacked[name]) for name in stacked)
 
 
+def test_weights_that_are_not_parameters_are_left_where_they_are(model_parallel, checkpoint) -> None:
+    """A weight made per access (a LoRA layer's merged weight) is no parameter to move: the layout is read as it is
+    (stacked per use), and nothing is moved."""
+    experts = _experts(checkpoint, torch.float32).requires_grad_(False)
+    for expert in experts.local_experts:
+        weight = expert.linear_fc1.weight
+        del expert.linear_fc1._parameters["weight"]
+        expert.linear_fc1.weight = weight.detach()
+    addresses = [expert.linear_fc1.weight.data_ptr() for expert in experts.local_experts]
+    assert grouped_experts.expert_layout(experts).weight_strides[0] is None
+    assert [expert.linear_fc1.weight.data_ptr() for expert in experts.local_experts] == addresses
+
+
 def _bf16_microbatches(layer: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(3)
     return [(torch.randn(TOKENS // 2, 2, layer.config.hidden_size, generator=generator).to(torch.bfloat16),
