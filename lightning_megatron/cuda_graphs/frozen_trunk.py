@@ -16,8 +16,8 @@ rank, dropless, their routing has static shapes (tokens x top-k rows), and on a 
 grouped experts keep the token counts on the device (`_compat.grouped_experts`); a layer that still reads something
 to the host fails the capture, and that signature then runs eagerly with the reason. A replayed trunk records no
 load-balancing loss for its frozen routers (Megatron-Core computes them only with grad enabled,
-megatron/core/transformer/moe/router.py:799; the capture runs under `no_grad`): there `load_balancing_loss` covers
-the MTP layer's router alone, which is the only one MTP-only trains. A chunk that cannot be graphed
+megatron/core/transformer/moe/router.py:799; the capture runs under `no_grad`): there `SFTModule`'s
+`moe_aux_loss` covers the MTP layer's router alone, the only one MTP-only trains. A chunk that cannot be graphed
 stays eager, and a call with inputs outside this list (packed rows, trees) runs eagerly, counted per reason in
 `GraphedForward.eager_calls` and logged once. The graphs' memory: one shared private pool per decoder (about one
 layer's forward working set) plus static inputs and output, at most `max_graphs` signatures.
