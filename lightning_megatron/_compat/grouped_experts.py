@@ -194,10 +194,12 @@ def _to_lay_out(experts: Any, layout: ExpertLayout) -> bool:
     """Whether `experts`' weights are parameters (not, say, a LoRA layer's merged weight, made per access) that lie
     apart, Megatron DDP does not manage them, and stacked they would lie at one stride (alike, contiguous, 16-byte
     rows)."""
-    linears = [[getattr(expert, linear).weight for expert in experts.local_experts]
+    if None not in layout.weight_strides or len(experts.local_experts) < 2:
+        return False
+    # registered parameters only: a property's weight is not evaluated (a LoRA merge per expert, every forward)
+    linears = [[getattr(expert, linear)._parameters.get("weight") for expert in experts.local_experts]
                for linear in ("linear_fc1", "linear_fc2")]
-    return (None in layout.weight_strides and len(linears[0]) > 1
-            and all(isinstance(weight, torch.nn.Parameter) for weights in linears for weight in weights)
+    return (all(isinstance(weight, torch.nn.Parameter) for weights in linears for weight in weights)
             and not any(hasattr(weight, "main_grad") for weights in linears for weight in weights)
             and all(weight.is_contiguous() and weight.shape == weights[0].shape and weight.dtype == weights[0].dtype
                     and weight.device == weights[0].device for weights in linears for weight in weights)
