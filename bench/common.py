@@ -350,6 +350,17 @@ def peak_memory_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else None
 
 
+def reserved_gib() -> float | None:
+    return torch.cuda.memory_reserved() / 1024**3 if torch.cuda.is_available() else None
+
+
+def peak_reserved_gib() -> float | None:
+    """The most the caching allocator held from the device since the peak was reset: live tensors, cached blocks
+    and CUDA graph pools. `peak_memory_gib` counts live tensors only, so a graph's working set, kept in its private
+    pool between replays, shows here and not there."""
+    return torch.cuda.max_memory_reserved() / 1024**3 if torch.cuda.is_available() else None
+
+
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)

@@ -18,8 +18,10 @@ out and the median of the rest, pooled over rounds, is reported with tokens/s, m
 callbacks' setup (e.g. `MTPOnlyCallback`'s checksums of the frozen weights) peaked at before is kept apart as
 `setup_peak_memory_gib`. A run's peaks are its own: each run's model is released when it ends
 (`common.release_model`), and what an earlier run still left allocated when it started (`memory_at_start_gib`)
-is subtracted. Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step
-time (target <= 0.40) and peak memory (target <= 0.20; also given with the setup peaks included). The losses of
+is subtracted. `peak_reserved_gib` is the allocator's reserved peak over the same steps, taken the same way: it
+holds cached blocks and CUDA graph pools too (`MTPOnlyCallback`'s trunk graphs keep their working set there).
+Ratios: P1 `lightning / plain` step time (target <= 1.01); P2 `mtp_only / lightning` step time (target <= 0.40)
+and peak memory (target <= 0.20; also given with the setup peaks included). The losses of
 `plain` and `lightning` are compared step by step (the same computation: equal to ~1e-6 in fp32).
 
 `--tiny`: the tiny checkpoint, fp32 on the CPU, a few steps (what tests/bench/ runs).
@@ -56,7 +58,9 @@ from bench.common import (
     own_gib,
     parse_with_tiny,
     peak_memory_gib,
+    peak_reserved_gib,
     release_model,
+    reserved_gib,
     scratch_dir,
 )
 from bench.flops import JOINT, MTP_ONLY, ModelShape, model_flops, peak_flops, throughput
@@ -108,7 +112,7 @@ def run_plain(settings: Settings, vocab: int, *, mtp_only: bool = False) -> dict
     from bench.megatron_loop import LoopConfig, run
 
     fresh_memory()
-    at_start = allocated_gib()
+    at_start, reserved_at_start = allocated_gib(), reserved_gib()
     config = LoopConfig(hf_checkpoint=settings.checkpoint, bridge_type=settings.bridge_type,
                         micro_batch_size=settings.micro_batch, global_batch_size=settings.global_batch,
                         precision=settings.precision, lr=settings.lr, steps=settings.total_steps,
@@ -119,6 +123,7 @@ def run_plain(settings: Settings, vocab: int, *, mtp_only: bool = False) -> dict
     setup_peak = result["setup_peak_memory_bytes"]
     return {"step_times_s": result["step_times_s"], "losses": result["losses"], "mtp_losses": result["mtp_losses"],
             "memory_at_start_gib": at_start, "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
+            "peak_reserved_gib": own_gib(peak_reserved_gib(), reserved_at_start),
             "setup_peak_memory_gib": None if setup_peak is None else own_gib(setup_peak / 1024**3, at_start)}
 
 
@@ -186,7 +191,7 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
     from lightning_megatron import MegatronStrategy
 
     fresh_memory()
-    at_start = allocated_gib()
+    at_start, reserved_at_start = allocated_gib(), reserved_gib()
     timer = StepTimer()
     callbacks = (timer, *callbacks)
     if mtp_only:
@@ -209,6 +214,7 @@ def _run_lightning(settings: Settings, vocab: int, workdir: Path, *, mtp_only: b
               "main_head_steps": timer.main_head_steps,
               "memory_at_start_gib": at_start, "setup_peak_memory_gib": own_gib(timer.setup_peak_memory_gib, at_start),
               "peak_memory_gib": own_gib(peak_memory_gib(), at_start),
+              "peak_reserved_gib": own_gib(peak_reserved_gib(), reserved_at_start),
               "trunk_graphs": trunk_graph_counts(callbacks)}
     if mtp_only:
         audit = json.loads((workdir / "mtp_only_audit.json").read_text())
@@ -244,6 +250,7 @@ def summarize(runs: list[dict[str, Any]], settings: Settings, flops: float, peak
                          flops, peak)
     summary.update(
         peak_memory_gib=_max_or_none(run["peak_memory_gib"] for run in runs),
+        peak_reserved_gib=_max_or_none(run.get("peak_reserved_gib") for run in runs),
         setup_peak_memory_gib=_max_or_none(run["setup_peak_memory_gib"] for run in runs),
         round_median_step_s=[statistics.median(times) for times in timed],
         memory_at_start_gib=[run["memory_at_start_gib"] for run in runs],

@@ -299,6 +299,8 @@ def compare(runs: dict[str, dict[str, Any]], targets: dict[str, float]) -> dict[
         figures["mtp_only_over_plain_mtp_only_peak_memory"] = _ratio(mtp_only["peak_memory_gib"],
                                                                      plain["peak_memory_gib"])
         figures["mtp_only_over_plain_mtp_only_step_time"] = _ratio(mtp_only["step_s"], plain["step_s"])
+        figures["mtp_only_over_plain_mtp_only_peak_reserved"] = _ratio(mtp_only.get("peak_reserved_gib"),
+                                                                       plain.get("peak_reserved_gib"))
     if "mtp_only_eager" in runs:
         figures["mtp_only_over_eager_trunk_step_time"] = _ratio(mtp_only["step_s"], runs["mtp_only_eager"]["step_s"])
         if "joint" in runs:
