@@ -2,9 +2,10 @@
 
 Each input signature is warmed up eagerly, captured, then replayed, and every call returns exactly what the eager
 forward returned for that input; past `max_graphs` signatures the least recently used graph is dropped and made again
-when its signature comes back. Between calls the graphs keep allocated only their static inputs and outputs and
-the cuBLAS workspace of the stream they were captured on (their working set sits in their private pool, which the
-allocator counts as reserved, not allocated): the memory `MTPOnlyCallback`'s trunk graphs add to a step's peak.
+when its signature comes back. Between calls the graphs keep allocated only their static inputs and outputs, the
+cuBLAS workspaces of the stream they were captured on and a few bytes of RNG state per graph (their working set sits
+in their private pool, which the allocator counts as reserved, not allocated): the memory `MTPOnlyCallback`'s trunk
+graphs add to a step's peak.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from lightning_megatron.cuda_graphs.graphed_forward import GraphedForward
 
 WIDTH = 256
+RNG_STATE_BYTES = 2 * 512
 
 
 def _frozen_mlp() -> torch.nn.Module:
@@ -57,12 +59,6 @@ def _allocated_after(step) -> int:
     return torch.cuda.memory_allocated() - before
 
 
-def _capture(step) -> None:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-
-
 @pytest.mark.gpu
 def test_between_calls_the_graphs_hold_their_static_buffers_and_their_capture_streams_blas_workspace():
     module = _frozen_mlp()
@@ -73,9 +69,6 @@ def test_between_calls_the_graphs_hold_their_static_buffers_and_their_capture_st
         with torch.cuda.stream(torch.cuda.Stream()):
             module(x)
 
-    # a process's first capture makes the CUDA generator's graph-safe seed and offset (one small block each), kept
-    # for the process: made here, so that they are not counted below
-    _allocated_after(lambda: _capture(lambda: torch.zeros(1, device="cuda")))
     per_stream = _allocated_after(on_a_new_stream)  # what running the module on another stream leaves behind
     assert per_stream > 0  # cuBLAS keeps one workspace per handle and stream
     graphed = GraphedForward(module)
@@ -85,6 +78,8 @@ def test_between_calls_the_graphs_hold_their_static_buffers_and_their_capture_st
         (entry,) = graphed.graphs.values()
         static = sum(t.untyped_storage().nbytes() for t in (*entry.inputs.values(), entry.output))
         assert static == 2 * x.numel() * x.element_size()
-        assert held == static + per_stream
+        # and the CUDA generator's state that each capture registers (`CUDAGraph.capture_begin`): int64 tensors
+        # in the allocator's smallest blocks (512 bytes), one or two
+        assert static + per_stream <= held <= static + per_stream + RNG_STATE_BYTES
     finally:
         graphed.remove()
