@@ -123,7 +123,10 @@ def _mtp_memory_rows(data: dict[str, Any], source: str) -> list[str | None]:
                 if figures.get("mtp_only_over_joint_step_time") is not None else "",
                 f"{times(figures['mtp_only_over_plain_mtp_only_step_time'])} plain loop's step time, "
                 f"{times(figures.get('mtp_only_over_plain_mtp_only_peak_memory'))} plain loop's peak memory"
-                if figures.get("mtp_only_over_plain_mtp_only_step_time") is not None else "") if text),
+                if figures.get("mtp_only_over_plain_mtp_only_step_time") is not None else "",
+                f"{times(figures['mtp_only_over_plain_mtp_only_peak_reserved'])} plain loop's peak reserved "
+                "(allocated and cached, graph pools included)"
+                if figures.get("mtp_only_over_plain_mtp_only_peak_reserved") is not None else "") if text),
             "plain_mtp_only": "reference",
         }
         for variant, figures_of_run in shape["runs"].items():
