@@ -21,7 +21,7 @@ megatron/core/transformer/moe/router.py:799; the capture runs under `no_grad`): 
 stays eager, and a call with inputs outside this list (packed rows, trees) runs eagerly, counted per reason in
 `GraphedForward.eager_calls` and logged once. The graphs' memory: one shared private pool per decoder (about one
 layer's forward working set, reserved by the allocator but not allocated) plus static inputs and output and the
-capture stream's cuBLAS workspace (allocated: a step's allocated peak is that much higher than eager's), at most
+capture stream's cuBLAS workspaces (allocated: a step's allocated peak is that much higher than eager's), at most
 `max_graphs` signatures.
 """
 

@@ -27,9 +27,9 @@ eager forward built an autograd graph or returned something other than one tenso
 Memory: the graphs of one `GraphedForward` share one private pool (replays never overlap and every output is
 copied before the next replay, so sharing is safe), at most `max_graphs` graphs are kept (the least recently
 used is dropped), and each holds static copies of its inputs and its output. Between calls that is all they keep
-allocated, with the cuBLAS workspace of the capture stream (cuBLAS keeps one per handle and stream, 32 MiB on
-Hopper); the working set of a replay stays in the private pool, which the allocator counts as reserved, not
-allocated (tests/cuda_graphs/test_graphed_forward.py).
+allocated, with the capture stream's cuBLAS workspaces (kept per handle and stream: 33 MiB on an H100) and a few
+bytes of RNG state per graph; the working set of a replay stays in the private pool, which the allocator counts as
+reserved, not allocated (tests/cuda_graphs/test_graphed_forward.py).
 """
 
 from __future__ import annotations

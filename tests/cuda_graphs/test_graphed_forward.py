@@ -11,6 +11,7 @@ graphs add to a step's peak.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -38,18 +39,18 @@ def test_each_signature_replays_what_eager_returned_and_the_least_recently_used_
             torch.testing.assert_close(module(inputs[rows]), expected[rows], rtol=0, atol=0)
         # 8, 16 and 32 each warmed up and captured; 32's capture dropped 8's graph, so 8 went round again
         assert graphed.counts() == {"warmups": 4, "captures": 4, "replays": 2, "eager": {}}
-        assert [key_rows(key) for key in graphed.graphs] == [32, 8]
+        assert [_key_rows(key) for key in graphed.graphs] == [32, 8]
     finally:
         graphed.remove()
 
 
-def key_rows(key: tuple) -> int:
+def _key_rows(key: tuple) -> int:
     """The row count of a signature's tensor argument (`GraphedForward._key`: (name, shape, stride, dtype))."""
     (shape,) = [entry[1] for entry in key if isinstance(entry, tuple) and len(entry) == 4]
     return shape[0]
 
 
-def _allocated_after(step) -> int:
+def _allocated_after(step: Callable[[], object]) -> int:
     """Bytes allocated after `step()` ran and its results were dropped, less those allocated before."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
