@@ -18,8 +18,13 @@ $(STAMP): requirements/lock.txt requirements/no-deps.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# two pytest workers, one per core of the CI machine; a test file's tests stay in one worker (its module fixtures
+# run once), files handed out in collection order (tests/conftest.py puts those with long commands first);
+# TEST_WORKERS=0 runs the suite in this one process
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: $(STAMP)
 	$(PY) -m lightning_megatron.cli.quickstart

@@ -11,13 +11,17 @@ command changes: the same arguments, working directory and environment, a folder
   the session starts (tests/conftest.py's `early_runs`), so that they use the core that the one-process tests
   before them leave idle, and are done by the time their test comes.
 
-At most two of these processes run at once, whatever started them (the CI machine's two cores and its memory).
+At most two of these processes run at once, whatever started them (the CI machine's two cores and its memory);
+under pytest-xdist (`make test` runs two workers) each worker runs one at a time, and a worker starts its
+`EARLY_RUNS` only when their test asks (`OnDemandRuns`): at the session's start it cannot know which worker will
+run that test, and every worker starting them would run each twice.
 A command marked `preloaded` runs as a fork of one process per module that imported the libraries once
 (`tests/_preloaded.py`): the same command, process of its own and exit status, without its ~9 s of imports.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -32,7 +36,9 @@ import pytest
 from tests._preloaded import PreloadedServer
 
 WORKERS = 2  # the CI machine's cores
-_RUNNING = threading.BoundedSemaphore(WORKERS)  # across all pools: at most two such processes (~1.2 GB each) at once
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest processes sharing those cores
+# across all pools: at most two such processes (~1.2 GB each) at once on the machine
+_RUNNING = threading.BoundedSemaphore(max(1, WORKERS // XDIST_WORKERS))
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,24 @@ class BackgroundRuns:
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.close()
+
+
+class OnDemandRuns:
+    """`BackgroundRuns`' `result(name)`, each command started only when its result is asked for."""
+
+    def __init__(self, commands: dict[str, Command], root: Path, collected: Sequence[pytest.Item]) -> None:
+        self._commands, self._root, self._collected = commands, root, collected
+
+    def result(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        runs = BackgroundRuns({name: self._commands[name]}, self._root / re.sub(r"\W", "_", name), self._collected,
+                              workers=1)
+        try:
+            return runs.result(name)
+        finally:
+            runs.close()
+
+    def close(self) -> None:
+        """Nothing runs between two `result` calls."""
 
 
 def _run(command: Command, folder: Path, env: dict[str, str],

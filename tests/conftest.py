@@ -4,11 +4,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._background import BackgroundRuns
+from tests._background import XDIST_WORKERS, BackgroundRuns, OnDemandRuns
 from tests._distributed import free_port
+
+if XDIST_WORKERS > 1:
+    # the cores shared between workers: one thread each, in the workers and in the processes they start, so that no
+    # worker's OpenMP threads spin waiting for a core while another worker computes on it
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if XDIST_WORKERS > 1:
+        # the modules with `EARLY_RUNS` first (xdist hands files out in this order): the worker that takes one starts
+        # its long command at the session's start, as one process does, not at the end of the queue
+        items.sort(key=lambda item: not getattr(getattr(item, "module", None), "EARLY_RUNS", None))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -19,11 +29,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def early_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """The collected modules' `EARLY_RUNS`, one at a time from the session's start (see tests/_background.py)."""
+    """The collected modules' `EARLY_RUNS`, one at a time from the session's start; under pytest-xdist each when its
+    test asks (see tests/_background.py)."""
     modules = {item.module for item in request.session.items if hasattr(item, "module")}
     commands = {name: command for module in sorted(modules, key=lambda module: module.__name__)
                 for name, command in getattr(module, "EARLY_RUNS", {}).items()}
-    runs = BackgroundRuns(commands, tmp_path_factory.mktemp("early"), request.session.items, workers=1)
+    root, items = tmp_path_factory.mktemp("early"), request.session.items
+    runs = (OnDemandRuns(commands, root, items) if XDIST_WORKERS > 1
+            else BackgroundRuns(commands, root, items, workers=1))
     try:
         yield runs
     finally:
