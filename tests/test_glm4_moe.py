@@ -269,11 +269,13 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
     assert_packed_equals_one_sequence_per_row(checkpoints["mtp"])
 
 
-def assert_packed_equals_one_sequence_per_row(hf_checkpoint: Path, grad_rtol: float = 0.0,
+def assert_packed_equals_one_sequence_per_row(hf_checkpoint: Path,
                                               config_overrides: dict[str, Any] | None = None) -> None:
     """A pack made by the data pipeline against the same sequences one per padded row, through the model with its
-    MTP layer (and `config_overrides`): per-token losses (1e-5) and every gradient, to 1e-5 plus `grad_rtol` of the
-    gradient's largest entry (an entry summed from terms that large keeps their rounding, however small the sum)."""
+    MTP layer (and `config_overrides`): per-token losses (1e-5) and every gradient, to 1e-5 plus 1e-5 of the
+    gradient's largest entry. The gradients of the summed loss are sums over the tokens of terms up to O(10), which
+    the two layouts' kernels add in other orders, and an entry summed from terms that large keeps their rounding
+    however small the sum (DeepSeek-V3's embedding on one AVX-512 machine: 6.7e-6 apart, its largest entry 6.8)."""
     from torch.utils.data import default_collate
 
     from lightning_megatron.data.packing import collate_packed, pack_examples, pad_example
@@ -294,7 +296,7 @@ def assert_packed_equals_one_sequence_per_row(hf_checkpoint: Path, grad_rtol: fl
         torch.testing.assert_close(packed_loss[0, start:start + n], rows_loss[index, :n], rtol=0, atol=1e-5)
     assert any(name.startswith("mtp.") and ".local_experts." in name for name in packed_grads)
     for name, grad in rows_grads.items():
-        tolerance = 1e-5 + grad_rtol * float(grad.abs().max())
+        tolerance = 1e-5 + 1e-5 * float(grad.abs().max())
         torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=tolerance, msg=name)
 
 

@@ -195,8 +195,13 @@ def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
     for index, (start, n) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), lengths)):
         torch.testing.assert_close(packed_loss[0, start:start + n], rows_loss[index, :n], rtol=0, atol=1e-5)
     assert any(".self_attention.conv1d." in name for name in packed_grads)
-    for name, grad in rows_grads.items():  # the gradients of a summed loss, O(10): fp32's rounding relative to them
-        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    for name, grad in rows_grads.items():
+        # the gradients of a summed loss, O(10), the two layouts' DeltaNet chunks and attention kernels summing in other
+        # orders: fp32's rounding relative to the tensor's largest entry, since an entry summed from terms that large
+        # keeps their rounding however small the sum (the embedding's on one AVX-512 machine: 2.0e-5 apart at most,
+        # its largest entry 15.6)
+        tolerance = 1e-5 + 1e-5 * float(grad.abs().max())
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=tolerance, msg=name)
 
 
 # two processes: TP=2, PP=2, MTP-only and joint training ----------------------------------------------------------

@@ -115,11 +115,8 @@ def test_tree_rows_and_packed_rows_under_context_parallelism_are_refused_before_
 def test_packed_thd_equals_one_sequence_per_row(model_parallel, checkpoints):
     """Gated DeltaNet layers (each sequence from a zero state), THD attention, routed and shared experts and the MTP
     rolls on a pack made by the data pipeline, against one sequence per padded row: losses and every gradient. The
-    padded rows route their padding too, so the load-balancing loss (over all routed tokens) is left out. The
-    gradients of the summed loss, sums over the tokens of terms up to O(10), are compared to fp32's rounding
-    relative to their largest entry."""
-    assert_packed_equals_one_sequence_per_row(checkpoints["mtp"], grad_rtol=1e-5,
-                                              config_overrides={"moe_aux_loss_coeff": 0.0})
+    padded rows route their padding too, so the load-balancing loss (over all routed tokens) is left out."""
+    assert_packed_equals_one_sequence_per_row(checkpoints["mtp"], config_overrides={"moe_aux_loss_coeff": 0.0})
 
 
 def test_the_draft_head_equals_the_reference_and_speculative_decoding_is_greedy(checkpoints):
