@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_megatron.contract import MegatronLightningModule, logs_this_step
-from lightning_megatron.generate import eos_token_ids, greedy_continuations
+from lightning_megatron.generate import continuations, eos_token_ids
 from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs
 from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, PooledAcceptance
 from lightning_megatron.mtp.draft_capture import DraftCapture, reduce_draft_totals
@@ -146,7 +146,12 @@ class SFTModule(MegatronLightningModule):
         adam_beta1: Adam's beta1.
         adam_beta2: Adam's beta2.
         adam_eps: Adam's epsilon.
-        max_new_tokens: `predict`'s greedy continuations have up to this many tokens (at least 1).
+        max_new_tokens: `predict`'s continuations have up to this many tokens (at least 1).
+        generation_temperature: `predict`'s decoding: 0 greedy (for a server that decodes greedily); above 0 each
+            token sampled from softmax(logits / T), the on-policy contexts of rollouts sampled at T.
+        generation_seed: with `generation_temperature` above 0, prompt i (its index in the predict data) is sampled
+            from a generator seeded with `generation_seed * 2**32 + i`: the same continuation at any batch size,
+            data-parallel or tensor-parallel layout.
     """
 
     # its forward_step and loss_func are tensor work only (the MTP loss tracker is read after the step)
@@ -173,6 +178,8 @@ class SFTModule(MegatronLightningModule):
         adam_beta2: float = 0.95,
         adam_eps: float = 1e-8,
         max_new_tokens: int = 128,
+        generation_temperature: float = 0.0,
+        generation_seed: int = 0,
     ) -> None:
         super().__init__()
         self.enable_mtp = enable_mtp
@@ -183,6 +190,11 @@ class SFTModule(MegatronLightningModule):
             check_mtp_loss_scaling_factor(mtp_loss_scaling_factor)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
+        if not (is_finite_number(generation_temperature) and generation_temperature >= 0):
+            raise ValueError(f"generation_temperature: {generation_temperature!r} must be finite and >= 0 (0: greedy "
+                             "continuations; 1.0: samples of the model's own distribution)")
+        if not 0 <= generation_seed < 2**31:
+            raise ValueError(f"generation_seed: {generation_seed} must be in [0, 2**31)")
         if mtp_loss_type not in MTP_LOSS_TYPES:
             raise ValueError(f"mtp_loss_type: {mtp_loss_type!r} must be one of {list(MTP_LOSS_TYPES)}")
         if mtp_distill_weighting not in DISTILL_WEIGHTINGS:
@@ -373,17 +385,20 @@ class SFTModule(MegatronLightningModule):
                                            time.perf_counter() - start)
 
     def predict_step(self, microbatches: list[Microbatch]) -> list[dict[str, Any]]:
-        """Greedy continuations, one `{"index", "token_ids"}` per prompt (the index is the prompt's dataset index)."""
+        """Continuations (greedy, or sampled at `generation_temperature`), one `{"index", "token_ids"}` per prompt (the
+        index is the prompt's dataset index, which also seeds its sampling)."""
         strategy = self.megatron_strategy
         width_multiple = strategy.tensor_model_parallel_size if strategy.sequence_parallel else 1
-        continuations = []
+        answers = []
         for microbatch in microbatches:
-            generated = greedy_continuations(self.model[0], microbatch["input_ids"], microbatch["prompt_lengths"],
-                                             self.hparams.max_new_tokens, self.generation_eos_token_ids,
-                                             width_multiple=width_multiple)
-            continuations.extend({"index": index, "token_ids": token_ids}
-                                 for index, token_ids in zip(microbatch["indices"].tolist(), generated))
-        return continuations
+            indices = microbatch["indices"].tolist()
+            generated = continuations(self.model[0], microbatch["input_ids"], microbatch["prompt_lengths"],
+                                      self.hparams.max_new_tokens, self.generation_eos_token_ids,
+                                      temperature=self.hparams.generation_temperature,
+                                      row_seeds=[self.hparams.generation_seed * 2**32 + index for index in indices],
+                                      width_multiple=width_multiple)
+            answers.extend({"index": index, "token_ids": token_ids} for index, token_ids in zip(indices, generated))
+        return answers
 
     def test_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
         metrics = self.megatron_strategy.forward_backward(microbatches, self.forward_step, self.loss_func,

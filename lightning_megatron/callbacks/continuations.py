@@ -1,8 +1,9 @@
-"""Write `predict`'s greedy continuations as SFT JSONL: the target model's own answers, to train its MTP head on.
+"""Write `predict`'s continuations as SFT JSONL: the target model's own answers, to train its MTP head on.
 
 An MTP head is accepted when it drafts what the target says, so the data to train it on is the target's own
-greedy continuations of prompts like the ones it will serve; `lightning-megatron predict` with this callback
-makes that data from a prompts file.
+continuations of prompts like the ones it will serve: greedy ones for greedy serving, samples at the rollout
+temperature (`SFTModule(generation_temperature=...)`) for sampled rollouts; `lightning-megatron predict` with this
+callback makes that data from a prompts file.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ class ContinuationWriter(pl.Callback):
     Each row is the prompt row with the answer added, ready for `SFTDataModule`: `{"prompt", "response"}` for a
     prompt row, `{"messages": [..., {"role": "assistant", ...}]}` for a messages row, plus the answer's exact
     `response_token_ids` (what training then uses: decoded text need not tokenize back to the same ids) and
-    `finish_reason` (`"eos"` or `"length"`). A prompt answered at once with an end-of-sequence token is left out (counted in the
-    log): training on it would teach the head nothing about the answers.
+    `finish_reason` (`"eos"` or `"length"`). A prompt answered at once with an end-of-sequence token is left out
+    (counted in the log): training on it would teach the head nothing about the answers.
 
     Args:
         output_path: the JSONL file the rows are written to (atomically), in prompt order.

@@ -15,6 +15,8 @@ prompts with 95% intervals and paired comparisons.
    (c) `labels_continuations`: the frozen model's own greedy continuations (`stdlib_generate.yaml`), hard labels;
    `tv`: the acceptance rate itself (`mtp_loss_type: tv`, 1 - sum_x min(p, q) at T = 1) on the raw corpus;
    `tv_kl`: the KL/TV blend (`mtp_loss_type: tv_kl`) on the raw corpus;
+   `tv_kl_sampled`: the KL/TV blend on the frozen model's own samples at T = 1 (`model.generation_temperature`):
+   the contexts sampled rollouts put the head in, where the corpus is text the model would not write;
    `--variants` picks the fits (default: gpu (a), (c), tv, tv_kl; cpu (a), (c), tv); `self_distill_long` is (a+):
    (a) for `--distill-steps` steps (gpu 400, cpu 120: about (c)'s wall time) with the trunk cache; with
    `--trunk-cache`, (a) once more from the trunk cache (`trunk_cache` in the JSON: the same acceptance, both
@@ -85,7 +87,7 @@ class Variant:
     setting. A new way to train the head is one more row of `VARIANTS`."""
 
     loss_type: Literal["labels", "self_distill", "tv", "tv_kl"]
-    data: Literal["corpus", "continuations"]
+    data: Literal["corpus", "continuations", "sampled_continuations"]
     summary: str
     model: Mapping[str, Any] = field(default_factory=dict)
     trunk_cache: bool = False  # later epochs read the frozen trunk's output from disk
@@ -97,6 +99,8 @@ class Variant:
         return self.loss_type != "labels"
 
 
+TV_HEADS = ("tv", "tv_kl", "tv_kl_sampled")  # the depth-1 heads trained on TV, the candidates for issue 42's target
+GENERATE_TIMINGS = {"continuations": "generate_s", "sampled_continuations": "generate_sampled_s"}
 LONG_VARIANT = "self_distill_long"
 CACHED_VARIANT = "self_distill_trunk_cache"  # --trunk-cache: (a) again, later epochs from the frozen trunk's cache
 VARIANTS: dict[str, Variant] = {
@@ -105,6 +109,8 @@ VARIANTS: dict[str, Variant] = {
     "labels_continuations": Variant("labels", "continuations", "(c) hard labels, the model's greedy continuations"),
     "tv": Variant("tv", "corpus", "TV (1 - acceptance at T = 1), raw corpus"),
     "tv_kl": Variant("tv_kl", "corpus", "the KL/TV blend, raw corpus"),
+    "tv_kl_sampled": Variant("tv_kl", "sampled_continuations",
+                             "the KL/TV blend, the model's own samples at T = 1 (on-policy contexts)"),
     # (a+): self-distillation for as many steps as (c)'s wall time pays for (--distill-steps)
     LONG_VARIANT: Variant("self_distill", "corpus", "(a+) (a) for (c)'s wall time", trunk_cache=True),
     CACHED_VARIANT: Variant("self_distill", "corpus", "(a) from the trunk cache", trunk_cache=True),
@@ -226,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
 
     train_seconds: dict[str, float] = {}
     names = (*chosen, *((CACHED_VARIANT,) if args.trunk_cache else ()))
+    generated: dict[float, tuple[Path, Path]] = {}  # by temperature: each variant of that data pays for it once
     for name in names:
         variant, since = VARIANTS[name], time.perf_counter()
-        if variant.data == "continuations":
-            train, val = own_continuations(out, corpus, restored, config)
-            timings["generate_s"] = round(time.perf_counter() - since, 1)
+        if variant.data != "corpus":
+            temperature = 1.0 if variant.data == "sampled_continuations" else 0.0
+            if temperature not in generated:
+                generated[temperature] = own_continuations(out, corpus, restored, config, temperature)
+                timings[GENERATE_TIMINGS[variant.data]] = round(time.perf_counter() - since, 1)
+            train, val = generated[temperature]
         else:
             train, val = corpus / "train.jsonl", corpus / "val.jsonl"
         variant_steps = (args.distill_steps or LONG_STEPS[size]) if name == LONG_VARIANT else steps["mtp_only"]
@@ -249,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "init_args": {"trunk_cache_dir": str(out / f"cache_{name}")}}}
                if variant.trunk_cache else {}),
             **({"trainer.max_steps": variant_steps} if variant_steps else {}),
-        }), f"[{4 if variant.data == 'continuations' else 3}/5] MTP-only fit ({name}: {variant.summary})")
+        }), f"[{3 if variant.data == 'corpus' else 4}/5] MTP-only fit ({name}: {variant.summary})")
         train_seconds[name] = round(time.perf_counter() - since, 1)
         clock = step(f"{name}_train_s", since)
         results[name] = measured(name, run / "hf")
@@ -272,20 +282,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["greedy_identical_throughout"] and summary["frozen_bit_identical"] else 1
 
 
-def own_continuations(out: Path, corpus: Path, restored: Path, config: Any) -> tuple[Path, Path]:
-    """(c)'s generation step: the frozen model's greedy continuations of train and held-out prompts as SFT rows."""
+def own_continuations(out: Path, corpus: Path, restored: Path, config: Any,
+                      temperature: float = 0.0) -> tuple[Path, Path]:
+    """The generation step of the variants trained on the frozen model's own continuations of train and held-out
+    prompts, as SFT rows: greedy ones ((c)) at temperature 0, samples (prompt i seeded with i) above it."""
     train_prompts = read_jsonl(corpus / "train_prompts.jsonl")
     held_out_rows = read_jsonl(corpus / "heldout_prompts.jsonl")
     prompts = write_jsonl(out / "prompts.jsonl", train_prompts + held_out_rows)
-    continuations = out / "continuations.jsonl"
-    run_cli("predict", config("stdlib_generate.yaml", "generate", {
+    name = "continuations" if temperature == 0 else f"continuations_t{temperature:g}"
+    continuations = out / f"{name}.jsonl"
+    run_cli("predict", config("stdlib_generate.yaml", f"generate_{name}", {
         "trainer.strategy.init_args.hf_checkpoint": str(restored), "trainer.default_root_dir": str(out / "generate"),
         "trainer.callbacks.0.init_args.output_path": str(continuations), "data.predict_path": str(prompts),
-    }), "[4/5] the frozen model's own continuations, for (c)")
+        "model.generation_temperature": temperature,
+    }), f"[4/5] the frozen model's own {'greedy continuations' if temperature == 0 else 'samples'}, for "
+        f"{'(c)' if temperature == 0 else 'the variants trained on them'}")
     held_out_texts = {row["prompt"] for row in held_out_rows}
     rows = read_jsonl(continuations)
-    return (write_jsonl(out / "continuations_train.jsonl", [r for r in rows if r["prompt"] not in held_out_texts]),
-            write_jsonl(out / "continuations_heldout.jsonl", [r for r in rows if r["prompt"] in held_out_texts]))
+    return (write_jsonl(out / f"{name}_train.jsonl", [r for r in rows if r["prompt"] not in held_out_texts]),
+            write_jsonl(out / f"{name}_heldout.jsonl", [r for r in rows if r["prompt"] in held_out_texts]))
 
 
 def export_without_mtp(source: Path, target: Path) -> Path:
@@ -346,7 +361,7 @@ def _tv_targets(heads: dict[str, Any], compared: dict[str, Any]) -> dict[str, An
     """Issue 42's targets for the better of the TV heads that ran (by sampled acceptance): at least
     `SAMPLED_ACCEPTANCE_TARGET`, above (a) with the paired interval excluding zero, and greedy acceptance within
     (c)'s interval or above it."""
-    tv_heads = [name for name in ("tv", "tv_kl") if name in heads]
+    tv_heads = [name for name in TV_HEADS if name in heads]
     if not tv_heads:
         return {}
     best = max(tv_heads, key=lambda name: heads[name]["sampled_acceptance"] or 0.0)
