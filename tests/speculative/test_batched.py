@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from lightning_megatron.speculative import greedy_decode, load_mtp_head, load_target
-from lightning_megatron.speculative.decode import decode_batch
+from lightning_megatron.speculative.decode import _has_linear_attention, decode_batch
 from lightning_megatron.speculative.sampling import GREEDY, Sampling
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests.speculative.test_speculative import one_thread
@@ -55,6 +55,9 @@ def _generators() -> list[torch.Generator]:
 @pytest.mark.parametrize("draft_tokens", [0, 1, 3])
 def test_a_batch_decodes_each_prompt_as_it_decodes_alone(model, sampling, draft_tokens):
     target, head = model
+    if _has_linear_attention(target) and draft_tokens != 3:
+        pytest.skip("a target with linear attention decodes its batch one prompt at a time: K = 3 (greedy and "
+                    "sampled) covers that loop and the recurrent states put back after a rejection")
     options = {"head": head if draft_tokens else None, "num_draft_tokens": max(draft_tokens, 1), "sampling": sampling}
 
     def alone(eos: set[int]) -> list:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, sampled_acceptance_overlap
-from lightning_megatron.speculative import greedy_decode, load_target, speculative_decode
+from lightning_megatron.speculative import decode_batch, greedy_decode, load_target, speculative_decode
 from lightning_megatron.speculative.sampling import Sampling, probabilities
 from tests.speculative.test_speculative import NEW_TOKENS, _train_on_own_continuations, checkpoints, loaded, one_thread
 
@@ -92,12 +92,11 @@ def test_speculative_sampling_is_distributed_as_the_target_samples(checkpoints):
     target.lm_head.weight.data *= 5
     prompt = [5, 17, 42]
     exact = _exact_marginals(target, prompt, 3)
-    generator = torch.Generator().manual_seed(0)
     drawn = [Counter() for _ in range(3)]
     accepted = rejected = 0
-    for _ in range(DRAWS):
-        decoded = speculative_decode(target, head, prompt, 4, set(), num_draft_tokens=2, sampling=SAMPLING,
-                                     generator=generator)
+    # the draws decoded together, each row from a generator of its own (independent of the batch it is in)
+    for decoded in decode_batch(target, [prompt] * DRAWS, 4, set(), head=head, num_draft_tokens=2, sampling=SAMPLING,
+                                generators=[torch.Generator().manual_seed(seed) for seed in range(DRAWS)]):
         for position, counter in enumerate(drawn):
             counter[decoded.tokens[position]] += 1
         accepted, rejected = accepted + sum(decoded.accepted), rejected + decoded.accepted.count(False)
