@@ -65,9 +65,9 @@
 #                             on an H100; (a) at 400 steps is mtp_quality_long's)
 #   mtp_quality_depths        the same with --variants tv_kl tv_kl_k3_decay: depths 1..3 weighted 4:2:1 against
 #                             depth 1, paired (556 s on an H100, `h100_2026-12-06d`)
-#   mtp_quality_sampled       the same with --variants self_distill labels_continuations tv_kl tv_kl_sampled
-#                             --mtp-only-steps 400: the KL/TV blend on the corpus and on the model's own samples at
-#                             T = 1 (on-policy contexts), beside (a) and (c), paired
+#   mtp_quality_sampled       the same with --variants self_distill tv_kl tv_kl_sampled --mtp-only-steps 400: the
+#                             KL/TV blend on the corpus and on the model's own samples at T = 1 (on-policy
+#                             contexts), beside (a), paired
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -223,8 +223,8 @@ for name in $STEPS; do
                              --mtp-only-steps 400 ;;
         mtp_quality_depths) step "$name" recipe "$name" mtp_quality --variants tv_kl tv_kl_k3_decay \
                                 --mtp-only-steps 400 ;;
-        mtp_quality_sampled) step "$name" recipe "$name" mtp_quality --variants self_distill labels_continuations \
-                                 tv_kl tv_kl_sampled --mtp-only-steps 400 ;;
+        mtp_quality_sampled) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl tv_kl_sampled \
+                                 --mtp-only-steps 400 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done
