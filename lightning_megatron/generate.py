@@ -73,6 +73,17 @@ def vocab_parallel_sample(logits: torch.Tensor, temperature: float,
     return vocab_parallel_argmax(logits.float() / temperature - noise.log())
 
 
+def row_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt `index` under `seed`: splitmix64 of the pair, so that every bit of it depends on
+    both. A CPU generator (Mersenne Twister) reads only a seed's low 32 bits, so a plain ``seed * 2**32 + index``
+    would give every `seed` the same draws there."""
+    mask = (1 << 64) - 1
+    mixed = ((seed << 32 | index) + 0x9E3779B97F4A7C15) & mask
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & mask
+    return mixed ^ (mixed >> 31)
+
+
 def continuations(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_megatron.contract import MegatronLightningModule, logs_this_step
-from lightning_megatron.generate import continuations, eos_token_ids
+from lightning_megatron.generate import continuations, eos_token_ids, row_seed
 from lightning_megatron.microbatch import LossOutput, Microbatch, model_inputs
 from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, PooledAcceptance
 from lightning_megatron.mtp.draft_capture import DraftCapture, reduce_draft_totals
@@ -150,8 +150,8 @@ class SFTModule(MegatronLightningModule):
         generation_temperature: `predict`'s decoding: 0 greedy (for a server that decodes greedily); above 0 each
             token sampled from softmax(logits / T), the on-policy contexts of rollouts sampled at T.
         generation_seed: with `generation_temperature` above 0, prompt i (its index in the predict data) is sampled
-            from a generator seeded with `generation_seed * 2**32 + i`: the same continuation at any batch size,
-            data-parallel or tensor-parallel layout.
+            from a generator seeded with `generate.row_seed(generation_seed, i)`: the same continuation at any batch
+            size, data-parallel or tensor-parallel layout.
     """
 
     # its forward_step and loss_func are tensor work only (the MTP loss tracker is read after the step)
@@ -395,7 +395,7 @@ class SFTModule(MegatronLightningModule):
             generated = continuations(self.model[0], microbatch["input_ids"], microbatch["prompt_lengths"],
                                       self.hparams.max_new_tokens, self.generation_eos_token_ids,
                                       temperature=self.hparams.generation_temperature,
-                                      row_seeds=[self.hparams.generation_seed * 2**32 + index for index in indices],
+                                      row_seeds=[row_seed(self.hparams.generation_seed, index) for index in indices],
                                       width_multiple=width_multiple)
             answers.extend({"index": index, "token_ids": token_ids} for index, token_ids in zip(indices, generated))
         return answers

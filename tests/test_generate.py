@@ -3,6 +3,9 @@ across tensor-parallel ranks, and sampled continuations whose rows depend on the
 
 The greedy path is checked end to end against HF's greedy decoding (tests/cli/test_megatron_cli.py, `predict`)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,3 +125,40 @@ def test_the_module_refuses_a_bad_generation_option_naming_it(option: dict, mess
 
     with pytest.raises(ValueError, match=message):
         SFTModule(**option)
+
+
+def _predicted(tmp_path: Path, checkpoint: Path, prompts: Path, name: str, micro_batch_size: int,
+               **module: float) -> list[list[int]]:
+    import lightning.pytorch as pl
+
+    from lightning_megatron import MegatronStrategy, SFTDataModule, SFTModule
+    from lightning_megatron.callbacks import ContinuationWriter
+
+    output = tmp_path / f"{name}.jsonl"
+    trainer = pl.Trainer(strategy=MegatronStrategy(hf_checkpoint=str(checkpoint), precision="fp32",
+                                                   micro_batch_size=micro_batch_size),
+                         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[ContinuationWriter(str(output))])
+    trainer.predict(SFTModule(max_new_tokens=12, **module),
+                    datamodule=SFTDataModule(predict_path=str(prompts), seq_length=64))
+    return [json.loads(line)["response_token_ids"] for line in output.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_predict_samples_each_prompt_from_its_own_seed_at_any_micro_batch_size(tmp_path: Path) -> None:
+    """`predict` with `generation_temperature: 1.0` through the Trainer: one prompt at a time and three at a time
+    write the same rows; another `generation_seed` and greedy decoding write others."""
+    from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", mtp=False)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {index}: what comes next?"}) + "\n"
+                               for index in range(5)))
+    one_at_a_time = _predicted(tmp_path, checkpoint, prompts, "one", 1, generation_temperature=1.0,
+                               generation_seed=7)
+    assert len(one_at_a_time) == 5
+    assert _predicted(tmp_path, checkpoint, prompts, "three", 3, generation_temperature=1.0,
+                      generation_seed=7) == one_at_a_time
+    assert _predicted(tmp_path, checkpoint, prompts, "seed", 3, generation_temperature=1.0,
+                      generation_seed=8) != one_at_a_time
+    assert _predicted(tmp_path, checkpoint, prompts, "greedy", 3) != one_at_a_time
