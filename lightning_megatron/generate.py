@@ -74,9 +74,9 @@ def vocab_parallel_sample(logits: torch.Tensor, temperature: float,
 
 
 def row_seed(seed: int, index: int) -> int:
-    """The sampling seed of prompt `index` under `seed`: splitmix64 of the pair, so that every bit of it depends on
-    both. A CPU generator (Mersenne Twister) reads only a seed's low 32 bits, so a plain ``seed * 2**32 + index``
-    would give every `seed` the same draws there."""
+    """The sampling seed of prompt `index` (below 2**32) under `seed`: splitmix64 of the pair, so that every bit of
+    it depends on both. A CPU generator (Mersenne Twister) reads only a seed's low 32 bits, so a plain
+    ``seed * 2**32 + index`` would give every `seed` the same draws there."""
     mask = (1 << 64) - 1
     mixed = ((seed << 32 | index) + 0x9E3779B97F4A7C15) & mask
     mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & mask
@@ -99,10 +99,10 @@ def continuations(
 
     `temperature` 0 decodes greedily; above 0 each new token is sampled from softmax(logits / temperature), row i's
     draws from a generator of its own seeded with `row_seeds[i]`: they do not depend on the other rows of the batch
-    nor on the tensor-parallel size. Rows are decoded together: causal attention keeps a
-    row's positions blind to the padding after them. A row stops after an end-of-sequence token (kept in its output)
-    or `max_new_tokens` tokens. `width_multiple` pads each forward's width (sequence parallelism needs a multiple of
-    the tensor-parallel size).
+    nor on the tensor-parallel size. Rows are decoded together: causal attention keeps a row's positions blind to
+    the padding after them. A row stops after an end-of-sequence token (kept in its output) or `max_new_tokens`
+    tokens. `width_multiple` pads each forward's width (sequence parallelism needs a multiple of the tensor-parallel
+    size).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: {max_new_tokens} must be at least 1")
