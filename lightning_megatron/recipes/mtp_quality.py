@@ -100,7 +100,8 @@ class Variant:
 
 
 TV_HEADS = ("tv", "tv_kl", "tv_kl_sampled")  # the depth-1 heads trained on TV, the candidates for issue 42's target
-GENERATE_TIMINGS = {"continuations": "generate_s", "sampled_continuations": "generate_sampled_s"}
+# the data kinds made by a generation step: its temperature (0: greedy) and the timing it is reported under
+GENERATED_DATA = {"continuations": (0.0, "generate_s"), "sampled_continuations": (1.0, "generate_sampled_s")}
 LONG_VARIANT = "self_distill_long"
 CACHED_VARIANT = "self_distill_trunk_cache"  # --trunk-cache: (a) again, later epochs from the frozen trunk's cache
 VARIANTS: dict[str, Variant] = {
@@ -235,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     generated: dict[float, tuple[Path, Path]] = {}  # by temperature: each variant of that data pays for it once
     for name in names:
         variant, since = VARIANTS[name], time.perf_counter()
-        if variant.data != "corpus":
-            temperature = 1.0 if variant.data == "sampled_continuations" else 0.0
+        if variant.data in GENERATED_DATA:
+            temperature, timing = GENERATED_DATA[variant.data]
             if temperature not in generated:
                 generated[temperature] = own_continuations(out, corpus, restored, config, temperature)
-                timings[GENERATE_TIMINGS[variant.data]] = round(time.perf_counter() - since, 1)
+                timings[timing] = round(time.perf_counter() - since, 1)
             train, val = generated[temperature]
         else:
             train, val = corpus / "train.jsonl", corpus / "val.jsonl"
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 def own_continuations(out: Path, corpus: Path, restored: Path, config: Any,
                       temperature: float = 0.0) -> tuple[Path, Path]:
     """The generation step of the variants trained on the frozen model's own continuations of train and held-out
-    prompts, as SFT rows: greedy ones ((c)) at temperature 0, samples (prompt i seeded with i) above it."""
+    prompts, as SFT rows: greedy ones ((c)) at temperature 0, samples above it (`predict`'s default seed)."""
     train_prompts = read_jsonl(corpus / "train_prompts.jsonl")
     held_out_rows = read_jsonl(corpus / "heldout_prompts.jsonl")
     prompts = write_jsonl(out / "prompts.jsonl", train_prompts + held_out_rows)
