@@ -67,8 +67,7 @@
 #                             depth 1, paired (556 s on an H100, `h100_2026-12-06d`)
 #   mtp_quality_sampled       the same with --variants self_distill tv_kl tv_kl_sampled --mtp-only-steps 400: the
 #                             KL/TV blend on the corpus and on the model's own samples at T = 1 (on-policy
-#                             contexts), beside (a), paired
-#   mtp_quality_onpolicy      the same without (a): tv_kl against tv_kl_sampled alone (about 10 minutes on an H100)
+#                             contexts), beside (a), paired (469 s on an H100, `h100_2026-12-07`)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -226,8 +225,6 @@ for name in $STEPS; do
                                 --mtp-only-steps 400 ;;
         mtp_quality_sampled) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl tv_kl_sampled \
                                  --mtp-only-steps 400 ;;
-        mtp_quality_onpolicy) step "$name" recipe "$name" mtp_quality --variants tv_kl tv_kl_sampled \
-                                  --mtp-only-steps 400 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done
