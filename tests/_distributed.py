@@ -3,12 +3,12 @@ fresh process.
 
 On a machine without CUDA the ranks are forked from a server process that imported torch, Megatron-Core,
 transformers and Lightning once (`multiprocessing`'s forkserver): a spawned rank spends ~8 s of its core importing
-them, most of a two-process test's time on the CI's two cores. The rank is otherwise the spawned one: it has the
-caller's environment, standard output and error before it imports the test function's module anew, and applies no
-adjustment before its test body does (the server imports the libraries alone, not `lightning_megatron`); where the
-caller's environment differs from the server's in a variable the libraries may read at import, the ranks are
-spawned. With CUDA they are spawned too: the server's imports may have initialized the CUDA driver, which a forked
-process cannot use.
+them, most of a two-process test's time on the CI's two cores, and ~2 s more on what megatron-bridge imports
+(`tests/_forkserver_preload.py`). The rank is otherwise the spawned one: it has the caller's environment, standard
+output and error before it imports the test function's module anew, and applies no adjustment before its test body
+does (the server applies none); where the caller's environment differs from the server's in a variable the
+libraries may read at import, the ranks are spawned. With CUDA they are spawned too: the server's imports may have
+initialized the CUDA driver, which a forked process cannot use.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ def free_port() -> int:
 
 
 # what every rank imports anyway, in no order that matters: none of them reads what `lightning_megatron._compat`
-# adjusts before its test body applies it (megatron-bridge and mbridge need adjustments to import: not here)
+# adjusts before its test body applies it (megatron-bridge and mbridge need adjustments to import: not here, but
+# what megatron-bridge's import spends most of its time on is)
 PRELOADED = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
-             "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel", "transformers", "lightning.pytorch")
+             "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel", "transformers", "lightning.pytorch",
+             "tests._forkserver_preload")
 # variables the session sets after the server started, none of which the preloaded libraries read at import (a rank
 # gets the caller's values of all of them before its test body runs): the ranks' rendezvous, pytest's test name,
 # `lightning_megatron.data.cache`'s tokenizer workers, Megatron-Core's attention backend (set as a model is built),

@@ -24,8 +24,14 @@ def _what_the_rank_sees(rank: int, world_size: int) -> dict[str, object]:
     print(f"stdout of rank {rank}", flush=True)
     print(f"stderr of rank {rank}", file=sys.stderr, flush=True)
     return {"at_import": SEEN_AT_IMPORT, "now": os.environ.get("TOKENIZERS_PARALLELISM"),
-            "rank": os.environ["RANK"], "preloaded": "megatron.core" in sys.modules,
-            "adjusted": "lightning_megatron._compat" in sys.modules}
+            "rank": os.environ["RANK"], "preloaded": "megatron.core" in sys.modules, "adjusted": _adjustments_applied()}
+
+
+def _adjustments_applied() -> list[str]:
+    """The `_compat` adjustments active in this process (the server imports `_compat`'s quiet modelopt import, and
+    applies none)."""
+    adjustment = sys.modules.get("lightning_megatron._compat._adjustment")
+    return [applied.name for applied in adjustment._APPLIED] if adjustment else []
 
 
 def _folder(path: Path) -> Path:
@@ -49,7 +55,7 @@ def test_forked_ranks_have_the_callers_environment_from_their_first_import_and_i
         "run time goes in tests/_distributed.py's READ_AT_RUN_TIME")
     results = run_distributed(_what_the_rank_sees, _folder(tmp_path / "second"))
     assert results == [{"at_import": "set by the caller", "now": "set by the caller", "rank": str(rank),
-                        "preloaded": True, "adjusted": False} for rank in range(2)]
+                        "preloaded": True, "adjusted": []} for rank in range(2)]
     out, err = capfd.readouterr()
     assert "stdout of rank 0" in out and "stdout of rank 1" in out
     assert "stderr of rank 0" in err and "stderr of rank 1" in err

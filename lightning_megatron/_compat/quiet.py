@@ -284,9 +284,10 @@ def _modelopt_not_imported_yet() -> bool:
     return _MODELOPT_QUANTIZATION not in sys.modules and importlib.util.find_spec("modelopt") is not None
 
 
-def _import_modelopt_quantization_without_its_import_notices(patches: Patches) -> None:
-    """Import it here, ignoring its import's two notices during that import only: torch's names torch's own frame,
-    so a filter left in place would hide every later `torch.jit.script` notice too (a user's own code among them)."""
+def import_modelopt_quantization_quietly(patches: Patches | None = None) -> None:
+    """Import it (the adjustment's install: nothing to patch), ignoring its import's two notices during that import
+    only: torch's names torch's own frame, so a filter left in place would hide every later `torch.jit.script`
+    notice too (a user's own code among them)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(TORCH_JIT_SCRIPT_DEPRECATED), category=FutureWarning)
         warnings.filterwarnings("ignore", message=MODELOPT_UNTESTED_TRANSFORMERS, category=UserWarning,
@@ -302,6 +303,6 @@ BRIDGE_IMPORT_ADJUSTMENTS = (
         "tested with current version of modelopt' for transformers outside [4.57, 5.15); megatron/bridge/training/"
         "checkpointing.py, gpt_step.py and train.py import modelopt when megatron-bridge is imported",
         _modelopt_not_imported_yet,
-        _import_modelopt_quantization_without_its_import_notices,
+        import_modelopt_quantization_quietly,
     ),
 )
