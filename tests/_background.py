@@ -33,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._preloaded import PreloadedServer
+from lightning_megatron.recipes.preloaded import Preloaded
+from tests._preloaded import preloaded_server
 
 WORKERS = 2  # the CI machine's cores
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest processes sharing those cores
@@ -74,7 +75,7 @@ class BackgroundRuns:
         # its own temporary folder) must not hand it to a command that starts meanwhile
         envs = {name: commands[name].env() for name in self._folders}
         preloaded = [name for name in self._folders if commands[name].preloaded]
-        self._server = (PreloadedServer(root / "preloaded", envs[preloaded[0]], commands[preloaded[0]].cwd)
+        self._server = (preloaded_server(root / "preloaded", envs[preloaded[0]], commands[preloaded[0]].cwd)
                         if preloaded else None)
         self._runs: dict[str, Future[subprocess.CompletedProcess]] = {
             name: self._executor.submit(_run, commands[name], folder, envs[name], self._server)
@@ -108,7 +109,7 @@ class OnDemandRuns:
 
 
 def _run(command: Command, folder: Path, env: dict[str, str],
-         server: PreloadedServer | None) -> subprocess.CompletedProcess:
+         server: Preloaded | None) -> subprocess.CompletedProcess:
     # output to files, not pipes: a child process left behind could hold a pipe open
     args = [sys.executable, "-m", *command.args(folder)]
     stdout, stderr = folder / "stdout.txt", folder / "stderr.txt"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from importlib.resources import files
 from importlib.resources.abc import Traversable
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import yaml
+
+from lightning_megatron.recipes.preloaded import run_module
 
 CONFIGS: Traversable = files("lightning_megatron") / "configs"
 
@@ -34,15 +35,14 @@ def derived_config(source: str, target: Path, overrides: dict[str, Any]) -> Path
 
 
 def run_cli(subcommand: str, config: Path, title: str) -> None:
-    """`lightning-megatron <subcommand> --config <config>` in its own process, its output in `<config>.log`."""
-    command = [sys.executable, "-m", "lightning_megatron.cli", subcommand, "--config", str(config)]
+    """`lightning-megatron <subcommand> --config <config>` in its own process (on the CPU a fork of one that
+    imported the libraries once: `preloaded.py`), its output in `<config>.log`."""
     print(f"{title}: lightning-megatron {subcommand} --config {config}", flush=True)
     log = config.with_suffix(".log")
-    with log.open("w") as output:
-        completed = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=_subprocess_env())
-    if completed.returncode:
+    returncode = run_module(["lightning_megatron.cli", subcommand, "--config", str(config)], _subprocess_env(), log)
+    if returncode:
         sys.stderr.write(log.read_text()[-5000:])
-        raise SystemExit(f"lightning-megatron {subcommand} failed (exit {completed.returncode}); full log: {log}")
+        raise SystemExit(f"lightning-megatron {subcommand} failed (exit {returncode}); full log: {log}")
     print(f"      log: {log}", flush=True)
 
 
