@@ -127,6 +127,9 @@ VARIANTS: dict[str, Variant] = {
                               model={"mtp_depths": 3, "mtp_depth_weights": [4.0, 2.0, 1.0]}, depth_one="tv_kl"),
     "self_distill_k3": Variant("self_distill", "corpus", "(a) at drafting depths 1..3, one layer",
                                model={"mtp_depths": 3}, depth_one="self_distill"),
+    "self_distill_k3_decay": Variant("self_distill", "corpus", "(a) at depths 1..3 weighted 4:2:1, one layer",
+                                     model={"mtp_depths": 3, "mtp_depth_weights": [4.0, 2.0, 1.0]},
+                                     depth_one="self_distill"),
 }
 CHOOSABLE = tuple(name for name in VARIANTS if name != CACHED_VARIANT)
 DEFAULT_VARIANTS = {"gpu": ("self_distill", "labels_continuations", "tv", "tv_kl", "tv_k3"),
