@@ -5,11 +5,12 @@ drift benchmark eight or more), and a fresh process spends ~15 s of one core imp
 transformers, Megatron-Core and megatron-bridge before it does anything: on the CPU, longer than a tiny fit takes.
 The server (`python -m lightning_megatron.recipes.preloaded SOCKET [--quiet] MODULE...`) quiets what the commands
 quiet (`--quiet`: `_compat.quiet_handled_warnings()`, as each command does first), imports the modules named and
-then megatron-bridge (the commands' order), then forks a copy of itself per command: the copy takes the command's working directory,
-environment, argv and output files and runs the module as `python -m` would (`runpy`, `__main__`, its `__spec__`),
-then exits through the interpreter's own shutdown (atexit, threads), so each command still runs in a process of its
-own, with its own exit status. Nothing of a command runs before the fork: no process group, no seed, no thread; a
-command that starts processes itself (Lightning's launcher, for more than one device) starts them as before.
+then megatron-bridge (the commands' order), then forks a copy of itself per command: the copy takes the command's
+working directory, environment, argv and output files and runs the module as `python -m` would (`runpy`,
+`__main__`, its `__spec__`), then exits through the interpreter's own shutdown (atexit, threads), so each command
+still runs in a process of its own, with its own exit status. Nothing of a command runs before the fork: no process
+group, no seed, no thread; a command that starts processes itself (Lightning's launcher, for more than one device)
+starts them as before.
 
 Each connection gets a handler process (a fork of the server) that forks the command, tells the client its pid (to
 kill it on a timeout, as `subprocess.run` would), waits for it and sends its exit status. The server ends with the
@@ -84,8 +85,10 @@ class Preloaded:
             except (FileNotFoundError, ConnectionRefusedError):
                 connection.close()
                 if self._process.poll() is not None or time.monotonic() > deadline:
+                    self._log.flush()
                     raise RuntimeError(f"the preloaded server did not start (exit status {self._process.poll()}); "
-                                       f"its log: {self._log.name}") from None
+                                       f"the end of its log ({self._log.name}):\n"
+                                       f"{Path(self._log.name).read_text()[-3000:]}") from None
                 time.sleep(0.1)
 
     def close(self) -> None:
