@@ -129,6 +129,7 @@ def _close_recipe_server() -> None:
 
 
 def serve(socket_path: str, modules: Sequence[str], quiet: bool) -> None:
+    """The server process's body: the imports, then a connection at a time until its parent is gone."""
     from lightning_megatron import _compat
 
     if quiet:
