@@ -70,7 +70,9 @@
 #                             contexts), beside (a), paired (469 s on an H100, `h100_2026-12-07`)
 #   mtp_quality_distill_depths  the same with --variants self_distill self_distill_k3 self_distill_k3_decay
 #                             --mtp-only-steps 400: (a) at depth 1, at depths 1..3 and at depths 1..3 weighted 4:2:1,
-#                             paired (about 8 minutes on an H100, estimated)
+#                             paired (463 s on an H100, `h100_2026-12-07c`)
+#   mtp_quality_800           the same with --variants self_distill tv_kl self_distill_k3_decay --mtp-only-steps 800:
+#                             whether the KL/TV blend and the 4:2:1 depths pull ahead of (a) when trained twice as long
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -230,6 +232,8 @@ for name in $STEPS; do
                                  --mtp-only-steps 400 ;;
         mtp_quality_distill_depths) step "$name" recipe "$name" mtp_quality --variants self_distill self_distill_k3 \
                                         self_distill_k3_decay --mtp-only-steps 400 ;;
+        mtp_quality_800) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl self_distill_k3_decay \
+                             --mtp-only-steps 800 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done
