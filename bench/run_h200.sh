@@ -73,6 +73,7 @@
 #                             paired (463 s on an H100, `h100_2026-12-07c`)
 #   mtp_quality_800           the same with --variants self_distill tv_kl self_distill_k3_decay --mtp-only-steps 800:
 #                             whether the KL/TV blend and the 4:2:1 depths pull ahead of (a) when trained twice as long
+#                             (750 s on an H100, `h100_2026-12-07d`: they do not)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
