@@ -20,8 +20,6 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from lightning_megatron.recipes.preloaded import Preloaded
 
 # imported before megatron-bridge (which the server imports last), as the commands do: `lightning-megatron`'s
@@ -44,11 +42,8 @@ def command_env() -> dict[str, str]:
 
 def _shared_server(env: dict[str, str], cwd: Path) -> Preloaded | None:
     """This process's server (started now if it is not yet, with `env`); None where `env` is not the server's (the
-    libraries read some variables at import) or where CUDA is available (as in `run_module`: a forked process
-    cannot use a CUDA driver its parent initialized)."""
+    libraries read some variables at import)."""
     global _server
-    if torch.cuda.is_available():
-        return None
     with _starting:
         if _server is None:
             folder = Path(tempfile.mkdtemp(prefix="lm-tests-"))  # short: a socket path has ~100 characters
@@ -61,7 +56,7 @@ def run_to_files(args: Sequence[str], cwd: Path, env: dict[str, str], stdout: Pa
                  timeout: float) -> int:
     """`python -m args...` (`args` without the `-m`) in `cwd`, its output in the two files (files, not pipes: a
     child process left behind could hold a pipe open); its exit status. Forked from the server where `env` is the
-    server's, else (or with CUDA) a fresh process."""
+    server's, else a fresh process."""
     server = _shared_server(env, cwd)
     if server is not None:
         return server.run(["-m", *args], cwd, env, stdout, stderr, timeout)
