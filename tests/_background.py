@@ -15,9 +15,8 @@ At most two of these processes run at once, whatever started them (the CI machin
 under pytest-xdist (`make test` runs two workers) each worker runs one at a time, and a worker starts its
 `EARLY_RUNS` only when their test asks (`OnDemandRuns`): at the session's start it cannot know which worker will
 run that test, and every worker starting them would run each twice.
-A command marked `preloaded` runs as a fork of the test process's preloaded server (`tests/_preloaded.py`) where its
-environment is the server's (`command_env()`): the same command, process of its own and exit status, without its
-~15 s of imports.
+A command marked `preloaded` runs as a fork of one process per module that imported the libraries once
+(`tests/_preloaded.py`): the same command, process of its own and exit status, without its ~9 s of imports.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._preloaded import run_to_files
+from lightning_megatron.recipes.preloaded import Preloaded
+from tests._preloaded import preloaded_server
 
 WORKERS = 2  # the CI machine's cores
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest processes sharing those cores
@@ -54,7 +54,7 @@ class Command:
     cwd: Path
     timeout: int = 300
     prepare: Callable[[Path], None] | None = None
-    preloaded: bool = False  # a fork of the test process's preloaded server where `env()` is the server's
+    preloaded: bool = False  # a fork of the module's preloaded server (same environment as the server's)
 
 
 class BackgroundRuns:
@@ -74,8 +74,11 @@ class BackgroundRuns:
         # each environment taken now, in the test process's thread: a test that sets a variable later (TMPDIR for
         # its own temporary folder) must not hand it to a command that starts meanwhile
         envs = {name: commands[name].env() for name in self._folders}
+        preloaded = [name for name in self._folders if commands[name].preloaded]
+        self._server = (preloaded_server(root / "preloaded", envs[preloaded[0]], commands[preloaded[0]].cwd)
+                        if preloaded else None)
         self._runs: dict[str, Future[subprocess.CompletedProcess]] = {
-            name: self._executor.submit(_run, commands[name], folder, envs[name])
+            name: self._executor.submit(_run, commands[name], folder, envs[name], self._server)
             for name, folder in self._folders.items()}
 
     def result(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -83,6 +86,8 @@ class BackgroundRuns:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
 
 
 class OnDemandRuns:
@@ -103,13 +108,15 @@ class OnDemandRuns:
         """Nothing runs between two `result` calls."""
 
 
-def _run(command: Command, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _run(command: Command, folder: Path, env: dict[str, str],
+         server: Preloaded | None) -> subprocess.CompletedProcess:
     # output to files, not pipes: a child process left behind could hold a pipe open
     args = [sys.executable, "-m", *command.args(folder)]
     stdout, stderr = folder / "stdout.txt", folder / "stderr.txt"
     with _RUNNING:
         if command.preloaded:
-            returncode = run_to_files(args[2:], command.cwd, env, stdout, stderr, command.timeout)
+            assert server is not None
+            returncode = server.run(args[1:], command.cwd, env, stdout, stderr, command.timeout)
         else:
             with open(stdout, "w") as out, open(stderr, "w") as err:
                 returncode = subprocess.run(args, cwd=command.cwd, stdout=out, stderr=err, timeout=command.timeout,

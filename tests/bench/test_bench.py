@@ -3,8 +3,10 @@ share is in test_flops.py, the report of their JSON in test_report.py)."""
 
 import json
 import math
+import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -15,18 +17,24 @@ import torch
 from bench import report
 from bench.common import SCRATCH_PREFIX
 from tests._background import Command, background_runs
-from tests._preloaded import command_env, run_to_files
 from tests.bench._checks import check_sizes_config, check_throughput
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONED = {"torch", "megatron-core", "megatron-bridge", "mbridge", "transformers", "lightning"}
 
 
-def _run(tmp_path: Path, module: str, *args: str) -> None:
-    """`python -m module args`, its output in tmp_path/stdout.txt and stderr.txt."""
-    stderr = tmp_path / "stderr.txt"
-    returncode = run_to_files([module, *args], ROOT, command_env(), tmp_path / "stdout.txt", stderr, timeout=300)
-    assert returncode == 0, stderr.read_text()[-3000:]
+def _env() -> dict[str, str]:
+    # not the test process's own rendezvous port, which an earlier test's process group is listening on
+    return {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+def _run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess:
+    # output to files, not pipes: a child process left behind could hold a pipe open
+    with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
+        completed = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, stdout=stdout, stderr=stderr,
+                                   timeout=300, env=_env())
+    assert completed.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    return completed
 
 
 def _run_bench(tmp_path: Path, module: str, *args: str) -> dict:
@@ -45,9 +53,9 @@ def _checked_result(out: Path, module: str, *args: str) -> dict:
 
 def _tiny(test: str, module: str, *args: str, out: bool = True, workdir: bool = False) -> Command:
     """`python -m module args` (then `--workdir FOLDER/work` and `--out FOLDER/result.json`) for `test`, forked from
-    the test process's preloaded server (`tests/_preloaded.py`)."""
+    the module's preloaded process (`tests/_preloaded.py`)."""
     return Command(test, lambda folder: [module, *args, *(["--workdir", str(folder / "work")] if workdir else []),
-                                         *(["--out", str(folder / "result.json")] if out else [])], command_env, ROOT,
+                                         *(["--out", str(folder / "result.json")] if out else [])], _env, ROOT,
                    preloaded=True)
 
 

@@ -21,7 +21,6 @@ from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.vl.data import VLSFTDataModule
 from lightning_megatron.vl.module import VLSFTModule
 from tests._background import Command, background_runs
-from tests._preloaded import command_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -83,16 +82,14 @@ def _command(test: str, args, env=_env, **options) -> Command:
 # the main job runs about a minute, mostly on one core: started when the session starts (tests/_background.py)
 EARLY_RUNS = {"main_job": _command("test_main_job_raises_acceptance_on_held_out_prompts", lambda folder: [
     "lightning_megatron.cli.quickstart", "--workdir", str(folder / "work"), "--max-steps", "60"], timeout=600)}
-# the other processes the tests below read, started when the module starts, in the order the tests read them; all
-# but the default fit (whose test reads what a user's fresh process prints) forked from the preloaded server
+# the other processes the tests below read, started when the module starts, in the order the tests read them
 CLI_RUNS = {
     "print_config": _command("test_print_config_shows_the_strategy_and_the_model_options", lambda folder: [
-        "lightning_megatron.cli", "fit", "--config", "configs/tiny/mtp_only.yaml", "--print_config"], command_env,
-        preloaded=True),
+        "lightning_megatron.cli", "fit", "--config", "configs/tiny/mtp_only.yaml", "--print_config"]),
     "optimizer": _command("test_optimizer_group_is_refused_with_where_to_configure_it", lambda folder: [
         "lightning_megatron.cli", "fit", "--config", "configs/tiny/mtp_only.yaml", "--make_tiny_checkpoint", "false",
         "--optimizer", "torch.optim.AdamW", "--trainer.strategy.init_args.hf_checkpoint", str(folder / "empty")],
-        command_env, prepare=lambda folder: (folder / "empty").mkdir(), preloaded=True),
+        prepare=lambda folder: (folder / "empty").mkdir()),
     **{f"default_fit[{device}]": _command(
         f"test_default_config_fits_and_writes_logs_checkpoint_plot_audit_and_export[{device}]",
         lambda folder: ["lightning_megatron.cli", "fit", "--config", str(folder / "config.yaml")], _env_as_a_user,
@@ -103,8 +100,7 @@ CLI_RUNS = {
         "--data.predict_path", str(folder / "prompts.jsonl"), "--trainer.strategy.init_args.micro_batch_size", "2",
         "--model.max_new_tokens", "20", "--trainer.callbacks", json.dumps(
             [{"class_path": "lightning_megatron.callbacks.ContinuationWriter",
-              "init_args": {"output_path": str(folder / "continuations.jsonl")}}])], command_env,
-        prepare=_predict_inputs, preloaded=True),
+              "init_args": {"output_path": str(folder / "continuations.jsonl")}}])], prepare=_predict_inputs),
 }
 
 
