@@ -26,7 +26,6 @@ from lightning_megatron.testing.checkpoints import MoEShape, make_tiny_checkpoin
 from lightning_megatron.testing.datasets import RandomTokenDataset
 from tests._adam import comparable_adam_eps
 from tests._distributed import run_distributed
-from tests._preloaded import run_forked
 from tests.test_strategy import StopAfter
 
 SEQ, VOCAB, SAMPLES, LR = 16, 384, 32, 1e-3
@@ -466,6 +465,10 @@ def test_restoring_an_mtp_head_on_qwen3_moe_gives_the_layout_the_bridge_maps(che
 def fit_shortened_config(config_file: str, tmp_path: Path) -> None:
     """`lightning-megatron fit --config <config_file>` for 2 steps, writing everything under tmp_path (the tiny
     checkpoint under tmp_path/tiny, each callback's folder under its own name)."""
+    import os
+    import subprocess
+    import sys
+
     import yaml
 
     root = Path(__file__).resolve().parents[1]
@@ -477,7 +480,10 @@ def fit_shortened_config(config_file: str, tmp_path: Path) -> None:
         if "dirpath" in callback.get("init_args", {}):
             callback["init_args"]["dirpath"] = str(tmp_path / Path(callback["init_args"]["dirpath"]).name)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    completed = run_forked(["lightning_megatron.cli", "fit", "--config", str(tmp_path / "config.yaml")], root, 600)
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+                                str(tmp_path / "config.yaml")], cwd=root, capture_output=True, text=True,
+                               timeout=600, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,6 @@ from lightning_megatron.data.cache import CacheSpec, cache_key, open_or_build
 from lightning_megatron.data.packing import PackedSFTDataset, sequence_alignment
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from tests._distributed import run_distributed
-from tests._preloaded import run_forked
 
 SPEC = CacheSpec(seq_length=128, overlong="truncate", packing=True, alignment=1)
 
@@ -424,11 +425,12 @@ def test_the_default_cache_is_in_the_users_cache_directory(tmp_path: Path, check
 def test_the_command_line_takes_the_cache_options() -> None:
     import yaml
 
-    from tests.cli.test_megatron_cli import ROOT
+    from tests.cli.test_megatron_cli import ROOT, _env
 
-    completed = run_forked(["lightning_megatron.cli", "fit", "--config", "configs/tiny/mtp_only.yaml",
-                            "--data.cache_dir", "/data/cache", "--data.tokenize_workers", "3", "--print_config"],
-                           ROOT, 300)
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+                                "configs/tiny/mtp_only.yaml", "--data.cache_dir", "/data/cache",
+                                "--data.tokenize_workers", "3", "--print_config"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     printed = yaml.safe_load(completed.stdout)["data"]
     assert (printed["cache_dir"], printed["tokenize_workers"]) == ("/data/cache", 3)

@@ -4,8 +4,11 @@ case against today's packing, and the datamodule's tree mode with its guards."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,6 @@ from lightning_megatron.data import SFTDataModule, TokenizedExample
 from lightning_megatron.data.packing import first_fit, pack_examples
 from lightning_megatron.data.tree import TreePacking, build_tree_rows, collate_tree
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests._preloaded import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 PAD = 0
@@ -197,7 +199,9 @@ def test_the_tree_config_fits_and_prints_the_tree_token_ratio(tmp_path: Path) ->
     config["data"]["train_path"] = str(ROOT / config["data"]["train_path"])
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    completed = run_forked(["lightning_megatron.cli", "fit", "--config", str(path)], tmp_path, 300)
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(path)],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     printed = re.search(r"tree_token_ratio=([0-9.]+)", completed.stdout + completed.stderr)
     assert printed is not None and 0 < float(printed.group(1)) < 1

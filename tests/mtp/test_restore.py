@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from lightning_megatron.cli.restore_mtp import main
 from lightning_megatron.mtp.restore import MTPRestoreError, restore_mtp_head
 from lightning_megatron.options import ModelOptions
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
-from tests._preloaded import run_forked
 
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
 
@@ -264,7 +264,8 @@ def test_a_failed_write_leaves_no_output_and_keeps_an_earlier_one(checkpoints, t
 
 
 def _command(*args: object) -> subprocess.CompletedProcess:
-    return run_forked(["lightning_megatron.cli.restore_mtp", *map(str, args)], Path.cwd(), 120)
+    return subprocess.run([sys.executable, "-m", "lightning_megatron.cli.restore_mtp", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_command_line(checkpoints, tmp_path):

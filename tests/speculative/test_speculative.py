@@ -5,6 +5,9 @@ the CLI."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -27,7 +30,6 @@ from lightning_megatron.speculative import (
 from lightning_megatron.speculative.report import encode_prompt, eos_token_ids
 from lightning_megatron.testing.checkpoints import make_tiny_checkpoint
 from lightning_megatron.testing.references import hf_mtp_reference_logits
-from tests._preloaded import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -314,8 +316,10 @@ def test_cli_writes_the_report(checkpoints, tmp_path):
     prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n\n"
                        + json.dumps({"messages": [{"role": "system", "content": "Answer briefly."},
                                                   {"role": "user", "content": PROMPTS[1]}]}) + "\n")
-    completed = run_forked(["lightning_megatron.cli.speculative", str(checkpoints["qwen3"]), str(prompts), "--out",
-                            str(tmp_path / "out"), "--max-new-tokens", "8"], ROOT, 120)
+    completed = subprocess.run(
+        [sys.executable, "-m", "lightning_megatron.cli.speculative", str(checkpoints["qwen3"]), str(prompts),
+         "--out", str(tmp_path / "out"), "--max-new-tokens", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["mtp_layout"] == "qwen3" and report["summary"]["prompts"] == 2

@@ -257,14 +257,17 @@ def test_tiny_config_fit_lowers_the_response_loss(tmp_path):
     """`lightning-megatron-vl fit --config configs/tiny/vl_sft.yaml`: 20 steps of packed image + text SFT on the
     committed generated pictures, with a tiny Qwen3-VL made on first use; the logged response loss falls."""
     import csv
+    import os
+    import subprocess
+    import sys
 
-    from tests._preloaded import run_forked
-
-    completed = run_forked(["lightning_megatron.cli.vl", "fit", "--config", "configs/tiny/vl_sft.yaml",
-                            "--trainer.strategy.init_args.hf_checkpoint", str(tmp_path / "tiny-qwen3-vl"),
-                            "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir",
-                            str(tmp_path)], ROOT, 600)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    command = [sys.executable, "-m", "lightning_megatron.cli.vl", "fit", "--config", "configs/tiny/vl_sft.yaml",
+               "--trainer.strategy.init_args.hf_checkpoint", str(tmp_path / "tiny-qwen3-vl"),
+               "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    with open(tmp_path / "log.txt", "w") as log:
+        completed = subprocess.run(command, cwd=ROOT, stdout=log, stderr=log, timeout=600, env=env)
+    assert completed.returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as metrics:
         losses = [float(row["lm_loss"]) for row in csv.DictReader(metrics) if row.get("lm_loss")]
     assert len(losses) == 20
