@@ -74,6 +74,9 @@
 #   mtp_quality_800           the same with --variants self_distill tv_kl self_distill_k3_decay --mtp-only-steps 800:
 #                             whether the KL/TV blend and the 4:2:1 depths pull ahead of (a) when trained twice as long
 #                             (750 s on an H100, `h100_2026-12-07d`: they do not)
+#   mtp_quality_1600          the same with --variants self_distill tv_kl --mtp-only-steps 1600: whether the
+#                             acceptance still climbs at twice mtp_quality_800's steps, and whether the blend pulls
+#                             ahead there (832 s on an H100, `h100_2026-12-07e`: +0.02 for each, still level)
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -235,6 +238,7 @@ for name in $STEPS; do
                                         self_distill_k3_decay --mtp-only-steps 400 ;;
         mtp_quality_800) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl self_distill_k3_decay \
                              --mtp-only-steps 800 ;;
+        mtp_quality_1600) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 1600 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

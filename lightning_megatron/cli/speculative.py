@@ -17,6 +17,7 @@ import torch
 
 from lightning_megatron import _compat
 from lightning_megatron.cli.user_errors import input_errors_reported
+from lightning_megatron.families import MTP_MODEL_TYPES
 from lightning_megatron.speculative.report import (
     BATCH_SIZE,
     DRAFT_TOKENS,
@@ -37,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the same prompts: acceptance rate, mean accepted length and tokens/s, greedy and sampled, for K draft "
         "tokens per step; per-prompt detail.",
     )
-    parser.add_argument("checkpoint", type=Path, help="HF checkpoint folder with an MTP head (Qwen3 mtp.* or MiMo)")
+    parser.add_argument("checkpoint", type=Path,
+                        help=f"HF checkpoint folder with an MTP head (model_type: {', '.join(MTP_MODEL_TYPES)})")
     parser.add_argument("prompts", type=Path, help='JSONL, one {"prompt": str} or {"messages": [...]} per line')
     parser.add_argument("--out", type=Path, required=True, help="folder for report.json and speculative.png")
     parser.add_argument("--max-new-tokens", type=_at_least_one, default=64)

@@ -415,12 +415,14 @@ def _table(summary: dict[str, Any]) -> str:
             return "-"
         return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]" if low is not None else f"{value:.{digits}f}"
 
-    lines = ["| head | greedy | sampled (T = 1) | K = 3 greedy length | K = 3 sampled length | train s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| head | greedy | sampled (T = 1) | sampled alpha on its texts: every / drafted position | "
+             "K = 3 greedy length | K = 3 sampled length | train s |",
+             "|---|---|---|---|---|---|---|"]
     for name, row in summary["heads"].items():
+        alphas = " / ".join(cell(row, f"sampled_teacher_forced_{which}", 3) for which in ("every_position", "drafted"))
         lines.append(f"| {name} | {cell(row, 'greedy_acceptance', 3)} | {cell(row, 'sampled_acceptance', 3)} | "
-                     f"{cell(row, 'greedy_accepted_length_k3', 2)} | {cell(row, 'sampled_accepted_length_k3', 2)} | "
-                     f"{row.get('train_s_including_generation', '-')} |")
+                     f"{alphas} | {cell(row, 'greedy_accepted_length_k3', 2)} | "
+                     f"{cell(row, 'sampled_accepted_length_k3', 2)} | {row.get('train_s_including_generation', '-')} |")
     return "\n".join(lines)
 
 

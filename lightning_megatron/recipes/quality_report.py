@@ -46,7 +46,8 @@ def figures(result: dict[str, Any]) -> dict[str, tuple[str, str, Callable[[dict[
 
 
 def head_row(result: dict[str, Any]) -> dict[str, Any]:
-    """One head: each figure with its interval (``<figure>_interval``: [low, high]) and the tokens/s."""
+    """One head: each figure with its interval (``<figure>_interval``: [low, high]), the tokens/s, and where the
+    report has them the teacher-forced acceptance of its decoded texts (``speculative.teacher_forced``)."""
     by_k = result["by_draft_tokens"]
     row: dict[str, Any] = {}
     for name, (mode, k, counts) in figures(result).items():
@@ -58,6 +59,10 @@ def head_row(result: dict[str, Any]) -> dict[str, Any]:
     for mode in ("greedy", "sampled"):
         if "3" in by_k[mode]:
             row[f"{mode}_k3_tokens_per_s"] = by_k[mode]["3"]["tokens_per_s"]
+        teacher_forced = by_k[mode].get("1", {}).get("teacher_forced")
+        if teacher_forced is not None:  # alpha on the decoded texts: every position, and the drafted ones
+            row[f"{mode}_teacher_forced_every_position"] = teacher_forced["every_position"]
+            row[f"{mode}_teacher_forced_drafted"] = teacher_forced["drafted_positions"]
     return row
 
 

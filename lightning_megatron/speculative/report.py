@@ -15,7 +15,10 @@ The top-level fields are greedy decoding with one draft token. ``by_draft_tokens
 in): ``acceptance_rate`` (accepted / drafted), ``mean_accepted_length`` (up to ``K + 1``), their intervals,
 ``tokens_per_s``, ``identical`` (greedy: every output equals plain greedy decoding's) and ``per_prompt`` (each
 prompt's accepted drafts, drafts, verification steps and new tokens: what paired comparisons between heads read),
-beside plain sampling's ``sampled_tokens_per_s``.
+beside plain sampling's ``sampled_tokens_per_s``. With one draft per step, ``teacher_forced`` gives the expected
+acceptance ``alpha = sum_x min(p, q)`` of the decoded texts themselves, the target and the head teacher-forced on
+them: its mean over every position and over the drafted ones, which the measured rate estimates
+(``speculative.teacher_forced``: how a rate below the validation metric splits into text and drafted positions).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from lightning_megatron.speculative.mtp_head import MTPDraftHead, load_mtp_head,
 from lightning_megatron.speculative.progress import Progress
 from lightning_megatron.speculative.sampling import GREEDY, Sampling
 from lightning_megatron.speculative.stats import acceptance_counts, accepted_length_counts, ratio_interval
+from lightning_megatron.speculative.teacher_forced import teacher_forced_acceptance
 
 DRAFT_TOKENS = (1, 2, 3)
 BATCH_SIZE = 16  # prompts decoded at once
@@ -128,8 +132,13 @@ def measure(
                          passes.run(f"speculative greedy, K={k}", k, GREEDY))
         by_k["greedy"][str(k)] = {**_draft_summary(runs, seconds),
                                   "identical": all(run.tokens == plain.tokens for run, plain in zip(runs, greedy))}
+        if k == 1:
+            by_k["greedy"]["1"]["teacher_forced"] = teacher_forced_acceptance(target, head, prompts, runs, GREEDY)
     for k in draft_tokens:
-        by_k["sampled"][str(k)] = _draft_summary(*passes.run(f"speculative sampled, K={k}", k, sampling))
+        runs, seconds = passes.run(f"speculative sampled, K={k}", k, sampling)
+        by_k["sampled"][str(k)] = _draft_summary(runs, seconds)
+        if k == 1:
+            by_k["sampled"]["1"]["teacher_forced"] = teacher_forced_acceptance(target, head, prompts, runs, sampling)
     summary["by_draft_tokens"] = by_k
     summary["all_identical"] = all(row["identical"] for row in by_k["greedy"].values())
     plain, seconds = passes.run("plain sampled", 0, sampling)

@@ -41,6 +41,8 @@ def test_mtp_only_training_recovers_the_acceptance_a_reset_head_lost(early_runs)
             low, high = heads[variant][f"sampled_accepted_length_k{k}_interval"]
             assert 1 <= low <= heads[variant][f"sampled_accepted_length_k{k}"] <= high <= k + 1
         assert heads[variant]["train_s_including_generation"] > 0
+        for which in ("every_position", "drafted"):  # alpha on the head's own decoded texts, beside the rate
+            assert 0 < heads[variant][f"sampled_teacher_forced_{which}"] < 1
         difference = summary["comparisons"][f"{variant} - joint"]["sampled_acceptance"]
         assert difference["low"] <= difference["value"] <= difference["high"]
     assert heads["reset"]["greedy_acceptance"] < 0.05 < heads["joint"]["greedy_acceptance"]

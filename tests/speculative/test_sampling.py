@@ -1,6 +1,7 @@
 """Speculative sampling and multi-token drafts: sampled output is distributed as the target's own sampling (a seeded
 statistical test that a 5% bias fails), K-token greedy drafting is greedy decoding, top-p is the serving engines'
-nucleus, and the teacher-forced expected acceptance `alpha = sum_x min(p, q)` is what it says."""
+nucleus, the teacher-forced expected acceptance `alpha = sum_x min(p, q)` is what it says, and on the decoded texts
+themselves its mean over the drafted positions is what the measured rate estimates."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import torch
 
 from lightning_megatron.mtp.acceptance import MTPSampledAcceptance, sampled_acceptance_overlap
 from lightning_megatron.speculative import decode_batch, greedy_decode, load_target, speculative_decode
-from lightning_megatron.speculative.sampling import Sampling, probabilities
+from lightning_megatron.speculative.sampling import GREEDY, Sampling, probabilities
+from lightning_megatron.speculative.teacher_forced import (
+    drafted_indices,
+    position_acceptance,
+    teacher_forced_acceptance,
+)
 from tests.speculative.test_speculative import NEW_TOKENS, _train_on_own_continuations, checkpoints, loaded, one_thread
 
 __all__ = ["checkpoints", "loaded", "one_thread"]  # the fixtures, shared with test_speculative
@@ -160,3 +166,59 @@ def test_the_report_gives_greedy_and_sampled_acceptance_per_draft_count(loaded):
             assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= int(k) + 1
             assert row["tokens_per_s"] > 0
     assert summary["sampled_tokens_per_s"] > 0
+    for mode in ("greedy", "sampled"):
+        found = summary["by_draft_tokens"][mode]["1"]["teacher_forced"]
+        assert 0 <= found["every_position"] <= 1 and 0 <= found["drafted_positions"] <= 1
+        assert found["drafts"] == summary["by_draft_tokens"][mode]["1"]["per_prompt"]["drafts"][0] + \
+            summary["by_draft_tokens"][mode]["1"]["per_prompt"]["drafts"][1]
+    assert summary["by_draft_tokens"]["greedy"]["1"]["teacher_forced"]["drafted_positions"] == pytest.approx(
+        summary["acceptance_rate"], abs=1e-12)
+
+
+def test_drafted_indices_move_on_two_tokens_after_an_accepted_draft_and_one_after_a_rejection():
+    assert drafted_indices([True, False, False, True, True]) == [1, 3, 4, 5, 7]
+    assert drafted_indices([]) == []
+
+
+def test_alpha_of_each_position_equals_the_target_and_head_run_on_that_prefix_alone(checkpoints, loaded):
+    """`position_acceptance` of a sampled continuation against the target and the head run anew on each prefix.
+    Both are fp32 forwards of other lengths, whose logits agree to 1e-5 (`test_speculative`'s bound). alpha is
+    `1 - TV(p, q)`, and logits moved by at most e move their softmax by at most e in total variation: alpha by at
+    most 2e, one e for p and one for q."""
+    target, _, prompts, _ = loaded["qwen3"]
+    head, *_ = _train_on_own_continuations(checkpoints["qwen3"], target, prompts)
+    sampling, prompt = Sampling(1.0), prompts[1]
+    (decoded,) = decode_batch(target, [prompt], 12, set(), head=head, num_draft_tokens=1, sampling=sampling,
+                              generators=[torch.Generator().manual_seed(0)])
+    alpha = position_acceptance(target, head, prompt, decoded.tokens, sampling)
+    assert alpha.shape == (len(decoded.tokens) - 1,)
+    sequence = prompt + decoded.tokens
+    with torch.no_grad():
+        for k in range(1, len(decoded.tokens)):  # a draft of new token k reads the sequence up to new token k - 1
+            prefix = torch.tensor([sequence[: len(prompt) + k]])
+            hidden = target.model(input_ids=prefix).last_hidden_state
+            q = head(hidden[:, :-1], prefix[:, 1:], torch.arange(prefix.size(1) - 1).unsqueeze(0))[0, -1]
+            p = target(prefix).logits[0, -1]
+            direct = float(torch.minimum(probabilities(p, sampling), probabilities(q, sampling)).sum())
+            assert float(alpha[k - 1]) == pytest.approx(direct, abs=2e-5), k
+
+
+def test_the_measured_rate_is_the_mean_alpha_of_the_drafted_positions(checkpoints, loaded):
+    """Greedy, a draft stands iff alpha is 1 there: the drafted positions' mean is the rate exactly (positions
+    misread by one would miss it). Sampled (64 seeded rows), each draft is accepted with probability alpha given
+    what came before, so accepted minus the drafted alphas' sum is a martingale with variance `sum alpha (1 -
+    alpha)`: within 4.5 of its standard errors."""
+    target, _, prompts, eos = loaded["qwen3"]
+    head, *_ = _train_on_own_continuations(checkpoints["qwen3"], target, prompts)
+    greedy = decode_batch(target, prompts, NEW_TOKENS, eos, head=head, num_draft_tokens=1)
+    accepted, drafts = sum(sum(run.accepted) for run in greedy), sum(len(run.accepted) for run in greedy)
+    found = teacher_forced_acceptance(target, head, prompts, greedy, GREEDY)
+    assert 0 < accepted < drafts and found["drafts"] == drafts
+    assert found["positions"] == sum(len(run.tokens) - 1 for run in greedy)
+    assert found["drafted_positions"] == pytest.approx(accepted / drafts, abs=1e-12)
+    rows = prompts * 16
+    sampled = decode_batch(target, rows, NEW_TOKENS, eos, head=head, num_draft_tokens=1, sampling=Sampling(1.0),
+                           generators=[torch.Generator().manual_seed(seed) for seed in range(len(rows))])
+    found = teacher_forced_acceptance(target, head, rows, sampled, Sampling(1.0))
+    assert found["drafts"] == sum(len(run.accepted) for run in sampled) > 300
+    assert abs(found["rate_minus_drafted_in_standard_errors"]) < 4.5
