@@ -52,7 +52,8 @@ def position_acceptance(target: PreTrainedModel, head: MTPDraftHead, prompt_ids:
     with torch.inference_mode():
         hidden = target.model(input_ids=sequence).last_hidden_state
         positions = torch.arange(sequence.size(1) - 1, device=target.device).unsqueeze(0)
-        head_logits = head(hidden[:, :-1], sequence[:, 1:], positions)[0, start - 1:-1]
+        own = head.hidden(hidden[:, :-1], sequence[:, 1:], positions)  # every position: the head attends to them
+        head_logits = head.lm_head(own[:, start - 1:-1])[0]  # logits only where a new token is drafted
         target_logits = target.lm_head(hidden[:, start:-1])[0]
         overlap = torch.minimum(probabilities(target_logits, sampling), probabilities(head_logits, sampling))
     return overlap.sum(dim=-1).float().cpu()
