@@ -77,6 +77,11 @@
 #   mtp_quality_1600          the same with --variants self_distill tv_kl --mtp-only-steps 1600: whether the
 #                             acceptance still climbs at twice mtp_quality_800's steps, and whether the blend pulls
 #                             ahead there (832 s on an H100, `h100_2026-12-07e`: +0.02 for each, still level)
+#   mtp_quality_own_samples   the same with --variants self_distill self_distill_sampled --sample-prompts 8192
+#                             --mtp-only-steps 800: (a) on the corpus against (a) on the model's own T = 1 samples
+#                             of 8,192 training prompts (about a million tokens), the texts the speculative rate is
+#                             measured on (`h100_2026-12-07e`); about 18 minutes on an H100, estimated (sampling
+#                             ~2,000 tokens/s): a call of its own
 #   mtp_drift                 python -m lightning_megatron.recipes.mtp_drift --size gpu (the RL drift benchmark,
 #                             three rounds, 1,166 s on an H100)
 # The 0.6B checkpoint (one MTP layer) is made under /tmp first when a step needs it (CHECKPOINT overrides where).
@@ -239,6 +244,8 @@ for name in $STEPS; do
         mtp_quality_800) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl self_distill_k3_decay \
                              --mtp-only-steps 800 ;;
         mtp_quality_1600) step "$name" recipe "$name" mtp_quality --variants self_distill tv_kl --mtp-only-steps 1600 ;;
+        mtp_quality_own_samples) step "$name" recipe "$name" mtp_quality --variants self_distill self_distill_sampled \
+                                     --sample-prompts 8192 --mtp-only-steps 800 ;;
         *) echo "unknown step $name"; failed=1 ;;
     esac
 done

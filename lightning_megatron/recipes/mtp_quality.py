@@ -17,6 +17,8 @@ prompts with 95% intervals and paired comparisons.
    `tv_kl`: the KL/TV blend (`mtp_loss_type: tv_kl`) on the raw corpus;
    `tv_kl_sampled`: the KL/TV blend on the frozen model's own samples at T = 1 (`model.generation_temperature`):
    the contexts sampled rollouts put the head in, where the corpus is text the model would not write;
+   `self_distill_sampled`: (a) on those samples; `--sample-prompts` sets how many training prompts are continued
+   (gpu 1024, about 131k sampled tokens);
    `--variants` picks the fits (default: gpu (a), (c), tv, tv_kl; cpu (a), (c), tv); `self_distill_long` is (a+):
    (a) for `--distill-steps` steps (gpu 400, cpu 120: about (c)'s wall time) with the trunk cache; with
    `--trunk-cache`, (a) once more from the trunk cache (`trunk_cache` in the JSON: the same acceptance, both
@@ -112,6 +114,8 @@ VARIANTS: dict[str, Variant] = {
     "tv_kl": Variant("tv_kl", "corpus", "the KL/TV blend, raw corpus"),
     "tv_kl_sampled": Variant("tv_kl", "sampled_continuations",
                              "the KL/TV blend, the model's own samples at T = 1 (on-policy contexts)"),
+    "self_distill_sampled": Variant("self_distill", "sampled_continuations",
+                                    "(a), the model's own samples at T = 1 (on-policy contexts)"),
     # (a+): self-distillation for as many steps as (c)'s wall time pays for (--distill-steps)
     LONG_VARIANT: Variant("self_distill", "corpus", "(a+) (a) for (c)'s wall time", trunk_cache=True),
     CACHED_VARIANT: Variant("self_distill", "corpus", "(a) from the trunk cache", trunk_cache=True),
@@ -164,13 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--distill-steps", type=int, default=None,
                         help=f"(a+)'s steps (gpu default {LONG_STEPS['gpu']}, cpu {LONG_STEPS['cpu']}: about (c)'s "
                         "wall time including its generation step)")
+    parser.add_argument("--sample-prompts", type=int, default=None,
+                        help="training prompts whose continuations the variants trained on generated data ((c), "
+                        "tv_kl_sampled, self_distill_sampled) learn from, each continued by 128 tokens (gpu default "
+                        "1024: the corpus's train_prompts); more prompts, more distinct contexts, a longer generation")
     parser.add_argument("--distill-weighting", choices=DISTILL_WEIGHTINGS, default="uniform",
                         help="the distillation and TV variants' model.mtp_distill_weighting: weigh each position by "
                         "how a server feeds the MTP layer its input token (greedy: only the main head's argmax; "
                         "sampled: by its probability)")
     args = parser.parse_args(argv)
     for flag, value in (("--joint-steps", args.joint_steps), ("--mtp-only-steps", args.mtp_only_steps),
-                        ("--distill-steps", args.distill_steps)):
+                        ("--distill-steps", args.distill_steps), ("--sample-prompts", args.sample_prompts)):
         if value is not None and value < 1:
             parser.error(f"{flag}: {value} must be at least 1 (leave it out for the size's default)")
     if not (math.isfinite(args.distill_temperature) and args.distill_temperature > 0):
@@ -183,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.distill_temperature != 1.0 and not any(VARIANTS[name].loss_type == "self_distill" for name in chosen):
         parser.error(f"--distill-temperature {args.distill_temperature} is (a)'s and (a+)'s teacher temperature, and "
                      f"neither runs: add self_distill or {LONG_VARIANT} to --variants, or leave it out")
+    if args.sample_prompts is not None and not any(VARIANTS[name].data in GENERATED_DATA for name in chosen):
+        parser.error(f"--sample-prompts {args.sample_prompts} sizes the generated data, and no variant trained on it "
+                     "runs: add labels_continuations, tv_kl_sampled or self_distill_sampled to --variants, or leave "
+                     "it out")
     if args.distill_weighting != "uniform" and not any(VARIANTS[name].distills for name in chosen):
         parser.error(f"--distill-weighting {args.distill_weighting} weighs the distillation and TV variants' "
                      "positions, and none runs: add one to --variants, or leave it out")
@@ -199,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
 
     clock = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):  # its summary: the files are what the steps below read
-        stdlib_corpus.main([str(out), "--size", size, *CORPUS_OVERRIDES[size]])
+        stdlib_corpus.main([str(out), "--size", size, *CORPUS_OVERRIDES[size],
+                            *(["--train-prompts", str(args.sample_prompts)] if args.sample_prompts else [])])
     corpus, model = out / "corpus", out / "model"
     clock = step("corpus_s", clock)
     measure = MEASURE[size]

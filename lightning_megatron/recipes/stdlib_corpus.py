@@ -357,12 +357,14 @@ def _prompts(rows: list[Row], tokenizer: Tokenizer, count: int, max_tokens: int,
     last."""
     ranked = sorted(rows, key=lambda r: (r.index == 0, _unit_hash(seed, name, f"{r.path}:{r.index}")))
     prompts: list[str] = []
+    seen: set[str] = set()  # thousands of prompts: a list's membership test would be quadratic
     for row in ranked:
         if len(prompts) == count:
             return prompts
         prompt = head_prompt(row.prompt + row.response, tokenizer, max_tokens)
-        if prompt is not None and prompt not in prompts:
+        if prompt is not None and prompt not in seen:
             prompts.append(prompt)
+            seen.add(prompt)
     if len(prompts) < count:
         raise ValueError(
             f"{name}={count} asks for more prompts than the {len(rows)} rows give ({len(prompts)}); "

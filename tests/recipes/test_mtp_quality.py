@@ -83,6 +83,9 @@ def test_the_targets_compare_each_self_distilled_head_that_ran_with_the_heads_th
     (["--distill-temperature", "0.5", "--variants", "tv", "labels_continuations"],
      "--distill-temperature 0.5 is (a)'s and (a+)'s teacher temperature, and neither runs"),
     (["--distill-weighting", "greedy", "--variants", "labels_corpus"], "--distill-weighting greedy weighs"),
+    (["--sample-prompts", "0", "--variants", "self_distill_sampled"], "--sample-prompts: 0 must be at least 1"),
+    (["--sample-prompts", "4096", "--variants", "self_distill", "tv"],
+     "--sample-prompts 4096 sizes the generated data, and no variant trained on it runs"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, message) -> None:
     from lightning_megatron.recipes.mtp_quality import main
